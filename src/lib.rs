@@ -1,0 +1,8 @@
+//! imajev-serve: typed decisions from one prefill of Qwen3.5.
+//!
+//! The data flow is the folder layout (see ARCHITECTURE in the README):
+//! api → decision → worker → engine → backend.
+pub mod backend;
+pub mod engine;
+pub mod image;
+pub mod tokenizer;
