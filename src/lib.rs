@@ -6,3 +6,4 @@ pub mod backend;
 pub mod engine;
 pub mod image;
 pub mod tokenizer;
+pub mod cli;

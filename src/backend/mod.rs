@@ -1,1 +1,199 @@
+//! The backend interface: tensors and the operations the Qwen3.5 prefill is written in.
+//!
+//! The model (`crate::engine`) is written once against [`Backend`]; `cpu` is the f32 reference
+//! and the oracle for every accelerated kernel, `cuda` runs the same calls on an NVIDIA GPU and may
+//! fuse behind them. The backend knows tensors, projections, norms, rotary tables, causal
+//! attention over a cache and the gated delta rule over a recurrent state — it does not know
+//! which layer of which model it is running.
+//!
+//! Activations are row-major 2-D `[rows, cols]` tensors. A *packed batch* holds the rows of several
+//! independent sequences back to back; `segments` gives each sequence's row range, and the
+//! sequence mixers take one cache or state per segment.
 
+pub mod cpu;
+
+use crate::engine::weights::TensorRef;
+use anyhow::Result;
+use std::ops::Range;
+
+/// One block of rows of a projection `y = x·Wᵀ + b + scale·(x·Aᵀ)·Bᵀ`.
+#[derive(Clone, Copy)]
+pub struct LinearPart<'a> {
+    /// `[out, in]`.
+    pub weight: TensorRef<'a>,
+    /// `[out]`.
+    pub bias: Option<TensorRef<'a>>,
+    /// Unmerged LoRA adapter of this block.
+    pub lora: Option<LoraPair<'a>>,
+}
+
+/// PEFT LoRA factors: `A` is `[r, in]`, `B` is `[out, r]`.
+#[derive(Clone, Copy)]
+pub struct LoraPair<'a> {
+    pub a: TensorRef<'a>,
+    pub b: TensorRef<'a>,
+    pub scale: f32,
+}
+
+/// Which GELU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gelu {
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`gelu_pytorch_tanh`).
+    Tanh,
+    /// `0.5·x·(1 + erf(x/√2))` (`nn.GELU()`).
+    Erf,
+}
+
+/// Shapes of a gated softmax-attention layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionDims {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Leading dims of each head that rotate (NeoX rotate-half over this many dims).
+    pub rotary_dim: usize,
+    /// eps of the zero-centred q/k RMSNorms.
+    pub norm_eps: f32,
+}
+
+/// Shapes of a Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeltaNetDims {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+    /// eps of the gated output RMSNorm.
+    pub norm_eps: f32,
+}
+
+impl DeltaNetDims {
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
+/// Everything a gated-attention mixer needs besides its cache.
+pub struct AttentionInputs<'t, T> {
+    /// `[n, heads·2·head_dim]`, per head `[query | gate]`.
+    pub query_gate: &'t T,
+    /// `[n, kv_heads·head_dim]`.
+    pub key: &'t T,
+    pub value: &'t T,
+    /// `[head_dim]` zero-centred norm weights.
+    pub q_norm: &'t T,
+    pub k_norm: &'t T,
+    /// `[n, rotary_dim]` each.
+    pub cos: &'t T,
+    pub sin: &'t T,
+}
+
+/// Everything a Gated DeltaNet mixer needs besides its state.
+pub struct DeltaNetInputs<'t, T> {
+    /// `[n, conv_channels]`, before the causal convolution: `[q | k | v]`.
+    pub qkv: &'t T,
+    /// `[n, value_heads·value_dim]` output-gate input.
+    pub z: &'t T,
+    /// `[n, value_heads]` β logits and decay inputs.
+    pub b: &'t T,
+    pub a: &'t T,
+    /// `[conv_channels, conv_kernel]` depthwise taps, tap `kernel−1` on the current token.
+    pub conv_weight: &'t T,
+    /// `[value_heads]`.
+    pub a_log: &'t T,
+    pub dt_bias: &'t T,
+    /// `[value_dim]` gated-norm weight (not zero-centred).
+    pub norm_weight: &'t T,
+}
+
+/// The operations of a Qwen3.5 prefill.
+pub trait Backend: Send + Sync + 'static {
+    /// A dense activation or parameter tensor.
+    type Tensor: Send + Sync;
+    /// A projection (one or more row blocks, each with optional bias and LoRA).
+    type Linear: Send + Sync;
+    /// Keys and values of one attention layer for one sequence.
+    type KvCache: Clone + Send + Sync;
+    /// Conv history and recurrent state of one DeltaNet layer for one sequence.
+    type DeltaState: Clone + Send + Sync;
+
+    /// A one-line description for logs and `/v1/models`.
+    fn describe(&self) -> String;
+
+    /// A parameter tensor (norm weights, conv taps, embeddings, ...), kept in the backend's
+    /// parameter precision.
+    fn param(&self, t: &TensorRef) -> Result<Self::Tensor>;
+    /// A parameter that must stay f32 (the readout head).
+    fn param_f32(&self, t: &TensorRef) -> Result<Self::Tensor>;
+    /// A projection from its row blocks, concatenated along the output dim in order.
+    fn linear(&self, parts: &[LinearPart]) -> Result<Self::Linear>;
+    /// Output width of a projection.
+    fn linear_out(&self, w: &Self::Linear) -> usize;
+
+    fn upload(&self, data: &[f32], shape: &[usize]) -> Result<Self::Tensor>;
+    fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    fn shape<'t>(&self, t: &'t Self::Tensor) -> &'t [usize];
+    /// Same data, new row-major shape with the same element count.
+    fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
+
+    /// `table[ids]` → `[ids.len(), d]`.
+    fn embed(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// Weighted sum of `taps` rows per output row: `out[r] = Σ_j w[r·taps+j]·table[idx[r·taps+j]]`.
+    fn embed_bag(&self, table: &Self::Tensor, idx: &[u32], w: &[f32], taps: usize) -> Result<Self::Tensor>;
+    /// `dst[rows[i]] = src[i]`.
+    fn scatter_rows(&self, dst: &mut Self::Tensor, rows: &[usize], src: &Self::Tensor) -> Result<()>;
+    /// `x[rows]`.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+    /// Splits columns into consecutive blocks of the given widths.
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+    /// Concatenates tensors with equal column counts along rows.
+    fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
+
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor>;
+    /// RMSNorm over rows of length `w.len()`: `x̂ · (offset + w)` (offset 1 = zero-centred).
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32, offset: f32) -> Result<Self::Tensor>;
+    fn layer_norm(&self, x: &Self::Tensor, w: &Self::Tensor, b: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `[n, 2m]` → `silu(x[:, :m]) · x[:, m:]`.
+    fn swiglu(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
+    fn gelu(&self, x: &mut Self::Tensor, kind: Gelu) -> Result<()>;
+    /// `h · Wᵀ` in f32 for an f32 `[rows, d]` weight; returns `[n, rows]` on the host.
+    fn readout(&self, h: &Self::Tensor, w: &Self::Tensor) -> Result<Vec<f32>>;
+
+    fn new_kv_cache(&self, dims: &AttentionDims) -> Result<Self::KvCache>;
+    fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// q/k norm, rotary, append k/v to each segment's cache, causal GQA attention over the cache,
+    /// times `sigmoid(gate)`. Returns `[n, heads·head_dim]`.
+    fn gated_attention(
+        &self,
+        x: &AttentionInputs<Self::Tensor>,
+        dims: &AttentionDims,
+        segments: &[Range<usize>],
+        caches: &mut [&mut Self::KvCache],
+    ) -> Result<Self::Tensor>;
+
+    fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<Self::DeltaState>;
+    /// Causal conv + SiLU (continuing each segment's conv history), β/g gates, L2-normed q/k,
+    /// the gated delta rule from each segment's recurrent state, and the gated RMSNorm with `z`.
+    /// Returns `[n, value_heads·value_dim]` and leaves the final states in `states`.
+    fn gated_delta_net(
+        &self,
+        x: &DeltaNetInputs<Self::Tensor>,
+        dims: &DeltaNetDims,
+        segments: &[Range<usize>],
+        states: &mut [&mut Self::DeltaState],
+    ) -> Result<Self::Tensor>;
+
+    /// Bidirectional attention within each segment for the vision tower: `qkv` is
+    /// `[n, 3·heads·head_dim]` (`[q | k | v]`), rotary over the whole head with `[n, head_dim]`
+    /// tables applied in f32. Returns `[n, heads·head_dim]`.
+    fn vision_attention(
+        &self,
+        qkv: &Self::Tensor,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        heads: usize,
+        segments: &[Range<usize>],
+    ) -> Result<Self::Tensor>;
+}

@@ -1,0 +1,598 @@
+//! The Qwen3.5 model: weights placed on a backend, the vision tower, the hybrid decoder, the
+//! readout head, and the forkable [`State`] that makes "prefill once, extend many" possible.
+//!
+//! Everything here is written against [`Backend`]; nothing here knows about HTTP or questions.
+
+use super::adapter::{readout_path, LoraAdapter, ReadoutFile};
+use super::config::{LayerKind, ModelConfig, TextRope};
+use super::positions::{self, SequenceLayout};
+use super::progress::LoadProgress;
+use super::weights::{TensorRef, WeightStore};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use crate::image::PatchedImage;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Instant;
+
+/// Per-layer cache of one sequence.
+pub enum LayerState<B: Backend> {
+    Attention(B::KvCache),
+    DeltaNet(B::DeltaState),
+}
+
+impl<B: Backend> Clone for LayerState<B> {
+    fn clone(&self) -> Self {
+        match self {
+            LayerState::Attention(c) => LayerState::Attention(c.clone()),
+            LayerState::DeltaNet(s) => LayerState::DeltaNet(s.clone()),
+        }
+    }
+}
+
+/// Everything the decoder remembers about a sequence: attention KV, DeltaNet conv + recurrent
+/// state per layer, how many tokens it has seen and the next text position. `clone()` forks it.
+pub struct State<B: Backend> {
+    pub layers: Vec<LayerState<B>>,
+    pub tokens: usize,
+    pub next_pos: i64,
+}
+
+impl<B: Backend> Clone for State<B> {
+    fn clone(&self) -> Self {
+        State { layers: self.layers.clone(), tokens: self.tokens, next_pos: self.next_pos }
+    }
+}
+
+impl<B: Backend> State<B> {
+    /// An independent copy that can be extended without touching `self`.
+    pub fn fork(&self) -> Self {
+        self.clone()
+    }
+}
+
+/// One sequence of a packed forward: its layout and the merged features of its images
+/// (indexed by the image numbers in `layout.images`).
+pub struct Segment<'a, B: Backend> {
+    pub layout: &'a SequenceLayout,
+    pub images: &'a [B::Tensor],
+}
+
+enum Mixer<B: Backend> {
+    Attention { qkv: B::Linear, o: B::Linear, q_norm: B::Tensor, k_norm: B::Tensor },
+    DeltaNet { in_proj: B::Linear, conv: B::Tensor, a_log: B::Tensor, dt_bias: B::Tensor, norm: B::Tensor, out: B::Linear },
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Tensor,
+    post_norm: B::Tensor,
+    mixer: Mixer<B>,
+    gate_up: B::Linear,
+    down: B::Linear,
+}
+
+struct VisionBlock<B: Backend> {
+    norm1: (B::Tensor, B::Tensor),
+    norm2: (B::Tensor, B::Tensor),
+    qkv: B::Linear,
+    proj: B::Linear,
+    fc1: B::Linear,
+    fc2: B::Linear,
+}
+
+struct VisionTower<B: Backend> {
+    patch: B::Linear,
+    pos: B::Tensor,
+    blocks: Vec<VisionBlock<B>>,
+    merger_norm: (B::Tensor, B::Tensor),
+    merger_fc1: B::Linear,
+    merger_fc2: B::Linear,
+    act: Gelu,
+}
+
+/// What loading took and found, for logs and `/v1/models`.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    pub seconds: f64,
+    pub checkpoint_bytes: u64,
+    pub lora_modules: usize,
+    pub lora_rank: Option<usize>,
+    pub readout_rows: Option<usize>,
+    pub fp8_weights: usize,
+}
+
+/// A loaded Qwen3.5 model (+ optional LoRA and readout) on backend `B`.
+pub struct Qwen35<B: Backend> {
+    pub backend: B,
+    pub config: ModelConfig,
+    pub kinds: Vec<LayerKind>,
+    pub report: LoadReport,
+    rope: TextRope,
+    attn_dims: AttentionDims,
+    delta_dims: DeltaNetDims,
+    eps: f32,
+    embed: B::Tensor,
+    layers: Vec<Layer<B>>,
+    norm: B::Tensor,
+    vision: Option<VisionTower<B>>,
+    readout: Option<(B::Tensor, usize)>,
+}
+
+struct Loader<'s, 'a> {
+    store: &'s WeightStore,
+    adapter: Option<&'a LoraAdapter>,
+    used_lora: BTreeSet<String>,
+    progress: LoadProgress,
+    fp8: usize,
+}
+
+impl<'s, 'a> Loader<'s, 'a> {
+    fn get(&mut self, name: &str, shape: &[usize]) -> Result<TensorRef<'s>> {
+        let t = self.store.get_shaped(name, shape)?;
+        self.progress.advance(t.bytes.len() as u64);
+        Ok(t)
+    }
+
+    fn param<B: Backend>(&mut self, b: &B, name: &str, shape: &[usize]) -> Result<B::Tensor> {
+        let t = self.get(name, shape)?;
+        b.param(&t).with_context(|| format!("placing {name}"))
+    }
+
+    /// A projection made of the given modules (`<module>.weight` `[out, in]`, optional bias),
+    /// each with its LoRA pair when the adapter has one.
+    fn linear<B: Backend>(&mut self, b: &B, modules: &[(&str, usize)], input: usize, bias: bool) -> Result<B::Linear> {
+        let mut tensors = Vec::new();
+        for &(m, out) in modules {
+            let w = self.get(&format!("{m}.weight"), &[out, input])?;
+            if w.scale_inv.is_some() {
+                self.fp8 += 1;
+            }
+            let bias_t = if bias { Some(self.get(&format!("{m}.bias"), &[out])?) } else { None };
+            let lora = match self.adapter {
+                Some(a) => {
+                    let p = a.pair(m)?;
+                    if p.is_some() {
+                        self.used_lora.insert(m.to_string());
+                    }
+                    p
+                }
+                None => None,
+            };
+            tensors.push(LinearPart { weight: w, bias: bias_t, lora });
+        }
+        let names: Vec<&str> = modules.iter().map(|m| m.0).collect();
+        b.linear(&tensors).with_context(|| format!("placing {}", names.join(" + ")))
+    }
+}
+
+impl<B: Backend> Qwen35<B> {
+    /// Loads a Hugging Face model directory, an optional adapter folder (LoRA + readout).
+    pub fn load(backend: B, model_dir: &Path, adapter_dir: Option<&Path>) -> Result<Self> {
+        let started = Instant::now();
+        let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
+        let mut store = WeightStore::open_model_dir(model_dir)?;
+        store.set_fp8_block(config.quantization_config.as_ref().and_then(|q| match q.weight_block_size.as_deref() {
+            Some([a, b]) => Some([*a, *b]),
+            _ => None,
+        }));
+        let adapter = adapter_dir.map(LoraAdapter::open).transpose()?;
+        let readout_file = match adapter_dir {
+            Some(d) if readout_path(d).exists() => Some(ReadoutFile::open(&readout_path(d), config.text_config.hidden_size)?),
+            Some(d) => {
+                tracing::warn!("{} has no decision_readout.safetensors; readout logits are unavailable", d.display());
+                None
+            }
+            None => None,
+        };
+        let t = config.text_config.clone();
+        let kinds = t.layer_kinds()?;
+        let rope = t.rope()?;
+        let eps = t.rms_norm_eps as f32;
+        let prefix = if store.contains("model.language_model.embed_tokens.weight") {
+            "model.language_model."
+        } else if store.contains("model.embed_tokens.weight") {
+            "model."
+        } else {
+            bail!("{}: no model.language_model.embed_tokens.weight — not a Qwen3.5 checkpoint?", model_dir.display());
+        };
+        let mut ld = Loader {
+            store: &store,
+            adapter: adapter.as_ref(),
+            used_lora: BTreeSet::new(),
+            progress: LoadProgress::new("loading weights", store.total_bytes()),
+            fp8: 0,
+        };
+        let b = &backend;
+        let (h, inter) = (t.hidden_size, t.intermediate_size);
+        let embed = ld.param(b, &format!("{prefix}embed_tokens.weight"), &[t.vocab_size, h])?;
+        let attn_dims = AttentionDims {
+            heads: t.num_attention_heads,
+            kv_heads: t.num_key_value_heads,
+            head_dim: t.head_dim,
+            rotary_dim: rope.rotary_dim,
+            norm_eps: eps,
+        };
+        let delta_dims = DeltaNetDims {
+            key_heads: t.linear_num_key_heads,
+            value_heads: t.linear_num_value_heads,
+            key_dim: t.linear_key_head_dim,
+            value_dim: t.linear_value_head_dim,
+            conv_kernel: t.linear_conv_kernel_dim,
+            norm_eps: eps,
+        };
+        let mut layers = Vec::with_capacity(kinds.len());
+        for (i, kind) in kinds.iter().enumerate() {
+            let p = format!("{prefix}layers.{i}.");
+            let mixer = match kind {
+                LayerKind::FullAttention => {
+                    let (nh, kvh, hd) = (t.num_attention_heads, t.num_key_value_heads, t.head_dim);
+                    let q = format!("{p}self_attn.q_proj");
+                    let k = format!("{p}self_attn.k_proj");
+                    let v = format!("{p}self_attn.v_proj");
+                    let qkv = ld.linear(b, &[(&q, nh * hd * 2), (&k, kvh * hd), (&v, kvh * hd)], h, t.attention_bias)?;
+                    let o = ld.linear(b, &[(&format!("{p}self_attn.o_proj"), h)], nh * hd, t.attention_bias)?;
+                    Mixer::Attention {
+                        qkv,
+                        o,
+                        q_norm: ld.param(b, &format!("{p}self_attn.q_norm.weight"), &[hd])?,
+                        k_norm: ld.param(b, &format!("{p}self_attn.k_norm.weight"), &[hd])?,
+                    }
+                }
+                LayerKind::LinearAttention => {
+                    let d = &delta_dims;
+                    let (kd, vd) = (t.key_dim(), t.value_dim());
+                    let c = t.conv_dim();
+                    let la = format!("{p}linear_attn.");
+                    let in_proj = ld.linear(
+                        b,
+                        &[
+                            (&format!("{la}in_proj_qkv"), c),
+                            (&format!("{la}in_proj_z"), vd),
+                            (&format!("{la}in_proj_b"), d.value_heads),
+                            (&format!("{la}in_proj_a"), d.value_heads),
+                        ],
+                        h,
+                        false,
+                    )?;
+                    let _ = kd;
+                    let conv_t = ld.get(&format!("{la}conv1d.weight"), &[c, 1, d.conv_kernel])?;
+                    let conv_shape = [c, d.conv_kernel];
+                    let conv = b.param(&TensorRef { shape: &conv_shape, ..conv_t })?;
+                    Mixer::DeltaNet {
+                        in_proj,
+                        conv,
+                        a_log: ld.param(b, &format!("{la}A_log"), &[d.value_heads])?,
+                        dt_bias: ld.param(b, &format!("{la}dt_bias"), &[d.value_heads])?,
+                        norm: ld.param(b, &format!("{la}norm.weight"), &[d.value_dim])?,
+                        out: ld.linear(b, &[(&format!("{la}out_proj"), h)], vd, false)?,
+                    }
+                }
+            };
+            let gate_up = ld.linear(b, &[(&format!("{p}mlp.gate_proj"), inter), (&format!("{p}mlp.up_proj"), inter)], h, false)?;
+            let down = ld.linear(b, &[(&format!("{p}mlp.down_proj"), h)], inter, false)?;
+            layers.push(Layer {
+                input_norm: ld.param(b, &format!("{p}input_layernorm.weight"), &[h])?,
+                post_norm: ld.param(b, &format!("{p}post_attention_layernorm.weight"), &[h])?,
+                mixer,
+                gate_up,
+                down,
+            });
+        }
+        let norm = ld.param(b, &format!("{prefix}norm.weight"), &[h])?;
+        let vision = if store.contains("model.visual.patch_embed.proj.weight") {
+            Some(Self::load_vision(&mut ld, b, &config)?)
+        } else {
+            None
+        };
+        if let Some(a) = &adapter {
+            let unused: Vec<&String> = a.modules().difference(&ld.used_lora).collect();
+            if !unused.is_empty() {
+                bail!(
+                    "adapter {} has LoRA weights for {} module(s) this model does not have or does not adapt, e.g. {}",
+                    a.dir.display(),
+                    unused.len(),
+                    unused[0]
+                );
+            }
+        }
+        let readout = match &readout_file {
+            Some(f) => Some((b.param_f32(&f.tensor()?)?, f.rows())),
+            None => None,
+        };
+        ld.progress.finish();
+        let report = LoadReport {
+            seconds: started.elapsed().as_secs_f64(),
+            checkpoint_bytes: store.total_bytes(),
+            lora_modules: ld.used_lora.len(),
+            lora_rank: adapter.as_ref().map(|a| a.config.r),
+            readout_rows: readout.as_ref().map(|r| r.1),
+            fp8_weights: ld.fp8,
+        };
+        Ok(Qwen35 {
+            backend,
+            config,
+            kinds,
+            report,
+            rope,
+            attn_dims,
+            delta_dims,
+            eps,
+            embed,
+            layers,
+            norm,
+            vision,
+            readout,
+        })
+    }
+
+    fn load_vision(ld: &mut Loader, b: &B, config: &ModelConfig) -> Result<VisionTower<B>> {
+        let v = &config.vision_config;
+        let d = v.hidden_size;
+        let pd = v.patch_dim();
+        // Conv3d with kernel == stride over one flattened patch row is a linear map.
+        let pw = ld.get(
+            "model.visual.patch_embed.proj.weight",
+            &[d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
+        )?;
+        let flat = [d, pd];
+        let pb = ld.get("model.visual.patch_embed.proj.bias", &[d])?;
+        let patch = b.linear(&[LinearPart { weight: TensorRef { shape: &flat, ..pw }, bias: Some(pb), lora: None }])?;
+        let pos = ld.param(b, "model.visual.pos_embed.weight", &[v.num_position_embeddings, d])?;
+        let mut blocks = Vec::with_capacity(v.depth);
+        for i in 0..v.depth {
+            let p = format!("model.visual.blocks.{i}.");
+            let mut ln = |n: &str| -> Result<(B::Tensor, B::Tensor)> {
+                Ok((ld.param(b, &format!("{p}{n}.weight"), &[d])?, ld.param(b, &format!("{p}{n}.bias"), &[d])?))
+            };
+            let norm1 = ln("norm1")?;
+            let norm2 = ln("norm2")?;
+            blocks.push(VisionBlock {
+                norm1,
+                norm2,
+                qkv: ld.linear(b, &[(&format!("{p}attn.qkv"), 3 * d)], d, true)?,
+                proj: ld.linear(b, &[(&format!("{p}attn.proj"), d)], d, true)?,
+                fc1: ld.linear(b, &[(&format!("{p}mlp.linear_fc1"), v.intermediate_size)], d, true)?,
+                fc2: ld.linear(b, &[(&format!("{p}mlp.linear_fc2"), d)], v.intermediate_size, true)?,
+            });
+        }
+        let m = v.spatial_merge_size * v.spatial_merge_size * d;
+        let merger_norm =
+            (ld.param(b, "model.visual.merger.norm.weight", &[d])?, ld.param(b, "model.visual.merger.norm.bias", &[d])?);
+        let merger_fc1 = ld.linear(b, &[("model.visual.merger.linear_fc1", m)], m, true)?;
+        let merger_fc2 = ld.linear(b, &[("model.visual.merger.linear_fc2", v.out_hidden_size)], m, true)?;
+        let act = match v.hidden_act.as_str() {
+            "gelu" => Gelu::Erf,
+            "gelu_pytorch_tanh" | "gelu_new" => Gelu::Tanh,
+            other => bail!("vision hidden_act {other:?} is not supported"),
+        };
+        Ok(VisionTower { patch, pos, blocks, merger_norm, merger_fc1, merger_fc2, act })
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.config.text_config.hidden_size
+    }
+
+    pub fn has_vision(&self) -> bool {
+        self.vision.is_some()
+    }
+
+    pub fn readout_rows(&self) -> Option<usize> {
+        self.readout.as_ref().map(|r| r.1)
+    }
+
+    /// A fresh, empty state (no tokens seen).
+    pub fn new_state(&self) -> Result<State<B>> {
+        let layers = self
+            .kinds
+            .iter()
+            .map(|k| {
+                Ok(match k {
+                    LayerKind::FullAttention => LayerState::Attention(self.backend.new_kv_cache(&self.attn_dims)?),
+                    LayerKind::LinearAttention => LayerState::DeltaNet(self.backend.new_delta_state(&self.delta_dims)?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(State { layers, tokens: 0, next_pos: 0 })
+    }
+
+    /// Lays out `ids` (one `<|image_pad|>` per image) after a state that has seen `start` positions.
+    pub fn layout(&self, ids: &[u32], images: &[&PatchedImage], start: i64) -> Result<SequenceLayout> {
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        positions::layout(ids, self.config.image_token_id, &grids, self.config.vision_config.spatial_merge_size, start)
+    }
+
+    /// Runs the vision tower once over all images; returns each image's merged features
+    /// `[tokens_i, text hidden]`.
+    pub fn encode_images(&self, images: &[&PatchedImage]) -> Result<Vec<B::Tensor>> {
+        if images.is_empty() {
+            return Ok(vec![]);
+        }
+        let vt = self.vision.as_ref().ok_or_else(|| anyhow!("this checkpoint has no vision tower (model.visual.*); send text only"))?;
+        let vc = &self.config.vision_config;
+        let b = &self.backend;
+        let pd = vc.patch_dim();
+        let merge = vc.spatial_merge_size;
+        let mut pixels = Vec::new();
+        let mut idx = Vec::new();
+        let mut wts = Vec::new();
+        let mut coords = Vec::new();
+        let mut segments = Vec::new();
+        let mut per_image = Vec::new();
+        let mut row = 0;
+        for img in images {
+            let [gt, gh, gw] = img.grid_thw;
+            let n = gt * gh * gw;
+            ensure!(img.pixel_values.len() == n * pd, "image pixel rows do not match grid {:?}", img.grid_thw);
+            ensure!(gh % merge == 0 && gw % merge == 0, "image grid {:?} is not divisible by the merge size", img.grid_thw);
+            pixels.extend_from_slice(&img.pixel_values);
+            let (i, w) = positions::pos_embed_taps(img.grid_thw, merge, vc.pos_grid_side());
+            idx.extend(i);
+            wts.extend(w);
+            coords.extend(positions::patch_coords(img.grid_thw, merge));
+            for f in 0..gt {
+                segments.push(row + f * gh * gw..row + (f + 1) * gh * gw);
+            }
+            per_image.push(row / (merge * merge)..(row + n) / (merge * merge));
+            row += n;
+        }
+        let x = b.upload(&pixels, &[row, pd])?;
+        let mut x = b.matmul(&x, &vt.patch)?;
+        let pos = b.embed_bag(&vt.pos, &idx, &wts, 4)?;
+        b.add_assign(&mut x, &pos)?;
+        let (cos, sin) = positions::vision_rope_tables(&coords, vc.head_dim(), vc.rope_theta());
+        let cos = b.upload(&cos, &[row, vc.head_dim()])?;
+        let sin = b.upload(&sin, &[row, vc.head_dim()])?;
+        for blk in &vt.blocks {
+            let h = b.layer_norm(&x, &blk.norm1.0, &blk.norm1.1, 1e-6)?;
+            let qkv = b.matmul(&h, &blk.qkv)?;
+            let a = b.vision_attention(&qkv, &cos, &sin, vc.num_heads, &segments)?;
+            let a = b.matmul(&a, &blk.proj)?;
+            b.add_assign(&mut x, &a)?;
+            let h = b.layer_norm(&x, &blk.norm2.0, &blk.norm2.1, 1e-6)?;
+            let mut h = b.matmul(&h, &blk.fc1)?;
+            b.gelu(&mut h, vt.act)?;
+            let h = b.matmul(&h, &blk.fc2)?;
+            b.add_assign(&mut x, &h)?;
+        }
+        let h = b.layer_norm(&x, &vt.merger_norm.0, &vt.merger_norm.1, 1e-6)?;
+        let h = b.reshape(h, &[row / (merge * merge), merge * merge * vc.hidden_size])?;
+        let mut h = b.matmul(&h, &vt.merger_fc1)?;
+        b.gelu(&mut h, Gelu::Erf)?;
+        let merged = b.matmul(&h, &vt.merger_fc2)?;
+        per_image.into_iter().map(|r| b.gather_rows(&merged, &r.collect::<Vec<_>>())).collect()
+    }
+
+    /// Runs the decoder over a packed batch of sequences, each continuing its own state, and
+    /// returns the final-normed hidden state of each sequence's last token (`[segments, hidden]`).
+    pub fn forward(&self, segs: &[Segment<B>], states: &mut [&mut State<B>]) -> Result<B::Tensor> {
+        ensure!(segs.len() == states.len() && !segs.is_empty(), "forward needs one state per sequence");
+        let b = &self.backend;
+        let mut ids = Vec::new();
+        let mut pos: [Vec<i64>; 3] = [vec![], vec![], vec![]];
+        let mut ranges = Vec::with_capacity(segs.len());
+        for s in segs {
+            ensure!(!s.layout.ids.is_empty(), "every sequence needs at least one token");
+            let start = ids.len();
+            ids.extend_from_slice(&s.layout.ids);
+            for r in 0..3 {
+                pos[r].extend_from_slice(&s.layout.positions[r]);
+            }
+            ranges.push(start..ids.len());
+        }
+        let n = ids.len();
+        let mut x = b.embed(&self.embed, &ids)?;
+        for (s, range) in segs.iter().zip(&ranges) {
+            for (img, rows) in &s.layout.images {
+                let feats = s.images.get(*img).ok_or_else(|| anyhow!("features for image {img} are missing"))?;
+                let fr = b.shape(feats)[0];
+                ensure!(fr == rows.len(), "image {img} has {fr} feature rows for {} placeholder tokens", rows.len());
+                let rows: Vec<usize> = rows.clone().map(|r| r + range.start).collect();
+                b.scatter_rows(&mut x, &rows, feats)?;
+            }
+        }
+        let (cos, sin) = positions::text_rope_tables(&pos, self.rope.theta, self.rope.rotary_dim, self.rope.mrope_section);
+        let cos = b.upload(&cos, &[n, self.rope.rotary_dim])?;
+        let sin = b.upload(&sin, &[n, self.rope.rotary_dim])?;
+        let last_rows: Vec<usize> = ranges.iter().map(|r| r.end - 1).collect();
+        let t = &self.config.text_config;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = b.rms_norm(&x, &layer.input_norm, self.eps, 1.0)?;
+            let o = match &layer.mixer {
+                Mixer::Attention { qkv, o, q_norm, k_norm } => {
+                    let kvw = t.num_key_value_heads * t.head_dim;
+                    let p = b.matmul(&h, qkv)?;
+                    let parts = b.split_cols(&p, &[t.num_attention_heads * t.head_dim * 2, kvw, kvw])?;
+                    let mut caches = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[li] {
+                            LayerState::Attention(c) => Ok(c),
+                            _ => Err(anyhow!("state layer {li} is not an attention cache")),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let inputs = AttentionInputs {
+                        query_gate: &parts[0],
+                        key: &parts[1],
+                        value: &parts[2],
+                        q_norm,
+                        k_norm,
+                        cos: &cos,
+                        sin: &sin,
+                    };
+                    let core = b.gated_attention(&inputs, &self.attn_dims, &ranges, &mut caches)?;
+                    b.matmul(&core, o)?
+                }
+                Mixer::DeltaNet { in_proj, conv, a_log, dt_bias, norm, out } => {
+                    let d = &self.delta_dims;
+                    let p = b.matmul(&h, in_proj)?;
+                    let parts = b.split_cols(&p, &[d.conv_channels(), d.value_heads * d.value_dim, d.value_heads, d.value_heads])?;
+                    let mut sts = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[li] {
+                            LayerState::DeltaNet(c) => Ok(c),
+                            _ => Err(anyhow!("state layer {li} is not a DeltaNet state")),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let inputs = DeltaNetInputs {
+                        qkv: &parts[0],
+                        z: &parts[1],
+                        b: &parts[2],
+                        a: &parts[3],
+                        conv_weight: conv,
+                        a_log,
+                        dt_bias,
+                        norm_weight: norm,
+                    };
+                    let core = b.gated_delta_net(&inputs, d, &ranges, &mut sts)?;
+                    b.matmul(&core, out)?
+                }
+            };
+            b.add_assign(&mut x, &o)?;
+            if li + 1 == self.layers.len() {
+                // Only the last token of each sequence is read out: the last MLP runs on those rows.
+                x = b.gather_rows(&x, &last_rows)?;
+            }
+            let h = b.rms_norm(&x, &layer.post_norm, self.eps, 1.0)?;
+            let gu = b.matmul(&h, &layer.gate_up)?;
+            let m = b.swiglu(&gu)?;
+            let o = b.matmul(&m, &layer.down)?;
+            b.add_assign(&mut x, &o)?;
+        }
+        let out = b.rms_norm(&x, &self.norm, self.eps, 1.0)?;
+        for (s, st) in segs.iter().zip(states.iter_mut()) {
+            st.tokens += s.layout.ids.len();
+            st.next_pos = s.layout.next_pos;
+        }
+        Ok(out)
+    }
+
+    /// `prefill(tokens, images) → (State, hidden of the last token)`.
+    pub fn prefill(&self, ids: &[u32], images: &[&PatchedImage]) -> Result<(State<B>, B::Tensor, SequenceLayout)> {
+        let feats = self.encode_images(images)?;
+        let layout = self.layout(ids, images, 0)?;
+        let mut st = self.new_state()?;
+        let h = self.forward(&[Segment { layout: &layout, images: &feats }], &mut [&mut st])?;
+        Ok((st, h, layout))
+    }
+
+    /// Extends each state with its text suffix (a batch, one suffix per state) and returns the
+    /// hidden state at each suffix's last token (`[states, hidden]`). Extending a fork of a prefix
+    /// state equals one forward of prefix + suffix.
+    pub fn extend(&self, states: &mut [State<B>], suffixes: &[&[u32]]) -> Result<B::Tensor> {
+        ensure!(states.len() == suffixes.len(), "extend needs one suffix per state");
+        let layouts = states
+            .iter()
+            .zip(suffixes)
+            .map(|(s, ids)| self.layout(ids, &[], s.next_pos))
+            .collect::<Result<Vec<_>>>()?;
+        let segs: Vec<Segment<B>> = layouts.iter().map(|l| Segment { layout: l, images: &[] }).collect();
+        let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
+        self.forward(&segs, &mut refs)
+    }
+
+    /// Readout logits `[rows]` per hidden row, in f32.
+    pub fn readout(&self, hidden: &B::Tensor) -> Result<Vec<Vec<f32>>> {
+        let (w, rows) = self.readout.as_ref().ok_or_else(|| anyhow!("no readout head is loaded (adapter folder without decision_readout.safetensors)"))?;
+        let flat = self.backend.readout(hidden, w)?;
+        Ok(flat.chunks(*rows).map(|c| c.to_vec()).collect())
+    }
+}

@@ -1,0 +1,235 @@
+//! Token layout of a multimodal sequence: `<|image_pad|>` expansion, 3-row (T, H, W) mRoPE
+//! positions, and the rotary and position-embedding tables derived from them.
+//!
+//! Positions follow transformers' `get_rope_index`: text tokens advance all three rows together;
+//! an image of merged grid `h'×w'` places its tokens at `(cur, cur+r, cur+c)` and then advances
+//! `cur` by `max(h', w')`. A sequence may start at any `cur` (a continuation of a prefix state).
+
+use anyhow::{bail, Result};
+use std::ops::Range;
+
+/// A sequence ready for the decoder: expanded ids, positions, where image features go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceLayout {
+    pub ids: Vec<u32>,
+    /// `[T, H, W]` position rows, one entry per token.
+    pub positions: [Vec<i64>; 3],
+    /// `(image index, rows of this sequence that take its merged features)`.
+    pub images: Vec<(usize, Range<usize>)>,
+    /// The text position after this sequence (`max position + 1`).
+    pub next_pos: i64,
+}
+
+/// Expands each `image_pad` in `ids` to its image's merged token count and assigns positions.
+///
+/// `grids[i]` is image i's patch grid `(t, h, w)`; images are taken in order of appearance;
+/// `merge` is the spatial merge size; `start` is the first text position.
+pub fn layout(ids: &[u32], image_pad: u32, grids: &[[usize; 3]], merge: usize, start: i64) -> Result<SequenceLayout> {
+    let pads = ids.iter().filter(|&&t| t == image_pad).count();
+    if pads != grids.len() {
+        bail!(
+            "the prompt has {pads} <|image_pad|> token(s) but {} image(s) were given; write one \
+             <|vision_start|><|image_pad|><|vision_end|> per image",
+            grids.len()
+        );
+    }
+    let mut out = SequenceLayout { ids: Vec::new(), positions: [vec![], vec![], vec![]], images: vec![], next_pos: start };
+    let mut cur = start;
+    let mut img = 0;
+    for &t in ids {
+        if t != image_pad {
+            out.ids.push(t);
+            for row in out.positions.iter_mut() {
+                row.push(cur);
+            }
+            cur += 1;
+            continue;
+        }
+        let [gt, gh, gw] = grids[img];
+        if gh % merge != 0 || gw % merge != 0 || gt == 0 {
+            bail!("image {img} has grid {:?}, not a multiple of the merge size {merge}", grids[img]);
+        }
+        let (mh, mw) = (gh / merge, gw / merge);
+        let first = out.ids.len();
+        for ti in 0..gt {
+            for r in 0..mh {
+                for c in 0..mw {
+                    out.ids.push(image_pad);
+                    out.positions[0].push(cur + ti as i64);
+                    out.positions[1].push(cur + r as i64);
+                    out.positions[2].push(cur + c as i64);
+                }
+            }
+        }
+        out.images.push((img, first..out.ids.len()));
+        cur += mh.max(mw) as i64;
+        img += 1;
+    }
+    out.next_pos = cur;
+    Ok(out)
+}
+
+/// Inverse frequencies `1 / θ^(2j/dim)` for `j < dim/2`, in f32 as transformers computes them.
+pub fn inv_freq(theta: f64, dim: usize) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|j| {
+            let e = (2 * j) as f32 / dim as f32;
+            1.0 / (theta as f32).powf(e)
+        })
+        .collect()
+}
+
+/// Text cos/sin tables `[n, rotary_dim]` with interleaved mRoPE: frequency `j` takes its
+/// position from H when `j % 3 == 1 && j < 3·sec[1]`, from W when `j % 3 == 2 && j < 3·sec[2]`,
+/// else from T; the half-table is repeated (`cat(freqs, freqs)`).
+pub fn text_rope_tables(positions: &[Vec<i64>; 3], theta: f64, rotary_dim: usize, section: [usize; 3]) -> (Vec<f32>, Vec<f32>) {
+    let inv = inv_freq(theta, rotary_dim);
+    let half = rotary_dim / 2;
+    let n = positions[0].len();
+    let mut cos = vec![0f32; n * rotary_dim];
+    let mut sin = vec![0f32; n * rotary_dim];
+    for t in 0..n {
+        for (j, f) in inv.iter().enumerate() {
+            let row = if j % 3 == 1 && j < 3 * section[1] {
+                1
+            } else if j % 3 == 2 && j < 3 * section[2] {
+                2
+            } else {
+                0
+            };
+            let angle = positions[row][t] as f32 * f;
+            let (s, c) = angle.sin_cos();
+            cos[t * rotary_dim + j] = c;
+            cos[t * rotary_dim + j + half] = c;
+            sin[t * rotary_dim + j] = s;
+            sin[t * rotary_dim + j + half] = s;
+        }
+    }
+    (cos, sin)
+}
+
+/// `(row, col)` of every patch of a `(t, h, w)` grid in merge-block order
+/// (block row, block col, in-block row, in-block col), frames repeated.
+pub fn patch_coords(grid: [usize; 3], merge: usize) -> Vec<(usize, usize)> {
+    let [t, h, w] = grid;
+    let mut v = Vec::with_capacity(t * h * w);
+    for _ in 0..t {
+        for br in 0..h / merge {
+            for bc in 0..w / merge {
+                for ir in 0..merge {
+                    for ic in 0..merge {
+                        v.push((br * merge + ir, bc * merge + ic));
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Vision rotary tables `[n, head_dim]`: angles `[row·f | col·f | row·f | col·f]` with
+/// `f_i = 1/θ^(2i/(head_dim/2))`, `i < head_dim/4`.
+pub fn vision_rope_tables(coords: &[(usize, usize)], head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let inv = inv_freq(theta, head_dim / 2);
+    let q = inv.len();
+    let mut cos = vec![0f32; coords.len() * head_dim];
+    let mut sin = vec![0f32; coords.len() * head_dim];
+    for (p, &(r, c)) in coords.iter().enumerate() {
+        let base = p * head_dim;
+        for (i, f) in inv.iter().enumerate() {
+            let (sr, cr) = (r as f32 * f).sin_cos();
+            let (sc, cc) = (c as f32 * f).sin_cos();
+            for rep in 0..2 {
+                let o = base + rep * 2 * q;
+                cos[o + i] = cr;
+                sin[o + i] = sr;
+                cos[o + q + i] = cc;
+                sin[o + q + i] = sc;
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// Bilinear (align_corners) resampling of the learned `side×side` position grid to each patch:
+/// 4 table indices and weights per patch, in transformers' tap order
+/// `(r0,c0), (r0,c1), (r1,c0), (r1,c1)`.
+pub fn pos_embed_taps(grid: [usize; 3], merge: usize, side: usize) -> (Vec<u32>, Vec<f32>) {
+    let [_, h, w] = grid;
+    let axis = |i: usize, size: usize| -> ([usize; 2], [f32; 2]) {
+        let src = i as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+        let fl = src.floor();
+        let mut taps = [0usize; 2];
+        let mut wts = [0f32; 2];
+        for o in 0..2 {
+            taps[o] = ((fl as i64 + o as i64).clamp(0, side as i64 - 1)) as usize;
+            let dist = (src - fl - o as f32).abs();
+            wts[o] = (1.0 - dist).max(0.0);
+        }
+        (taps, wts)
+    };
+    let coords = patch_coords(grid, merge);
+    let mut idx = Vec::with_capacity(coords.len() * 4);
+    let mut wts = Vec::with_capacity(coords.len() * 4);
+    for (r, c) in coords {
+        let (rt, rw) = axis(r, h);
+        let (ct, cw) = axis(c, w);
+        for a in 0..2 {
+            for b in 0..2 {
+                idx.push((rt[a] * side + ct[b]) as u32);
+                wts.push(rw[a] * cw[b]);
+            }
+        }
+    }
+    (idx, wts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_two_image_example() {
+        // qwen35.md §4.2: 4 text tokens, a 32×48 grid, 2 text, a 20×20 grid, then text.
+        let pad = 248056;
+        let ids = [1, 2, 3, 248053, pad, 248054, 248053, pad, 248054, 7];
+        let l = layout(&ids, pad, &[[1, 32, 48], [1, 20, 20]], 2, 0).unwrap();
+        assert_eq!(l.images[0].1, 4..4 + 384);
+        let e1 = 4 + 384;
+        assert_eq!(l.positions[0][e1], 28); // <|vision_end|>
+        assert_eq!(l.positions[0][e1 + 1], 29); // <|vision_start|>
+        let s2 = e1 + 2;
+        assert_eq!(l.images[1].1, s2..s2 + 100);
+        assert_eq!((l.positions[0][s2], l.positions[1][s2 + 99], l.positions[2][s2 + 99]), (30, 39, 39));
+        assert_eq!(l.positions[0][s2 + 100], 40);
+        assert_eq!(l.positions[0][s2 + 101], 41);
+        assert_eq!(l.next_pos, 42);
+        // image 1 last token: row 15, col 23
+        assert_eq!((l.positions[1][4 + 383], l.positions[2][4 + 383]), (4 + 15, 4 + 23));
+    }
+
+    #[test]
+    fn pad_count_must_match() {
+        assert!(layout(&[1, 248056], 248056, &[], 2, 0).is_err());
+    }
+
+    #[test]
+    fn text_positions_continue_from_start() {
+        let l = layout(&[5, 6, 7], 248056, &[], 2, 10).unwrap();
+        assert_eq!(l.positions[2], vec![10, 11, 12]);
+        assert_eq!(l.next_pos, 13);
+    }
+
+    #[test]
+    fn mrope_sections_pick_rows() {
+        let pos = [vec![3], vec![5], vec![7]];
+        let (cos, _) = text_rope_tables(&pos, 1e7, 64, [11, 11, 10]);
+        let inv = inv_freq(1e7, 64);
+        assert_eq!(cos[0], (3.0 * inv[0]).cos());
+        assert_eq!(cos[1], (5.0 * inv[1]).cos());
+        assert_eq!(cos[2], (7.0 * inv[2]).cos());
+        assert_eq!(cos[30], (3.0 * inv[30]).cos()); // 30 % 3 == 0 → T
+        assert_eq!(cos[31], (5.0 * inv[31]).cos()); // 31 < 33 → H
+        assert_eq!(cos[32], cos[0]);
+    }
+}

@@ -1,0 +1,232 @@
+//! Rescale + normalise in float32 and cut into merge-ordered patches (`pixel_values`).
+//!
+//! Exists because the order and the float32 rounding must match transformers exactly:
+//!
+//! * `TorchvisionBackend.rescale_and_normalize` fuses the two steps: `mean' = f32(mean) ·
+//!   f32(1/rescale_factor)` and `std' = f32(std) · f32(1/rescale_factor)` (float32 tensor times a
+//!   Python float: torch converts the scalar to float32 and multiplies in float32), then
+//!   `(f32(x) − mean') / std'` in float32 — `(x − 127.5) / 127.5` for Qwen3.5, which is exact
+//!   up to the one rounding of the division.
+//! * `Qwen2VLImageProcessor.patchify`: rows run over merge-block row, merge-block column,
+//!   in-block row, in-block column; each row holds `[channel][temporal][patch row][patch col]`,
+//!   the temporal axis being the same frame repeated `temporal_patch_size` times.
+
+use super::{
+    resize::resize_bicubic_aa_u8, resize::smart_resize, DecodedImage, ImageError,
+    ImageProcessorConfig,
+};
+
+/// The processor's output for one image.
+#[derive(Debug, Clone)]
+pub struct PatchedImage {
+    /// `[n_patches, 3 · temporal_patch_size · patch_size²]` row-major (1536 wide for Qwen3.5).
+    pub pixel_values: Vec<f32>,
+    /// `image_grid_thw = [1, H/patch, W/patch]`.
+    pub grid_thw: [usize; 3],
+    /// Size after smart_resize, `(height, width)`.
+    pub resized_hw: (usize, usize),
+    /// `3 · temporal_patch_size · patch_size²`.
+    pub patch_dim: usize,
+    /// `merge_size` (for [`PatchedImage::merged_tokens`]).
+    pub merge_size: usize,
+}
+
+impl PatchedImage {
+    /// Number of `<|image_pad|>` tokens this image takes after the vision merger:
+    /// `grid_t · grid_h · grid_w / merge²`.
+    pub fn merged_tokens(&self) -> usize {
+        let [t, h, w] = self.grid_thw;
+        t * h * w / (self.merge_size * self.merge_size)
+    }
+
+    /// Rows of `pixel_values` (`grid_t · grid_h · grid_w`).
+    pub fn n_patches(&self) -> usize {
+        self.grid_thw.iter().product()
+    }
+
+    /// `pixel_values` as little-endian bytes (what the goldens hash).
+    pub fn pixel_values_le_bytes(&self) -> Vec<u8> {
+        self.pixel_values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect()
+    }
+}
+
+/// Per-channel lookup table `u8 → f32` with torch's float32 arithmetic.
+pub(crate) fn normalize_lut(cfg: &ImageProcessorConfig) -> [[f32; 256]; 3] {
+    let mut lut = [[0f32; 256]; 3];
+    for (c, table) in lut.iter_mut().enumerate() {
+        for (v, out) in table.iter_mut().enumerate() {
+            let x = v as f32;
+            *out = if cfg.do_normalize {
+                let (mean, std) = if cfg.do_rescale {
+                    let inv = (1.0 / cfg.rescale_factor) as f32;
+                    (
+                        cfg.image_mean[c] as f32 * inv,
+                        cfg.image_std[c] as f32 * inv,
+                    )
+                } else {
+                    (cfg.image_mean[c] as f32, cfg.image_std[c] as f32)
+                };
+                (x - mean) / std
+            } else if cfg.do_rescale {
+                x * cfg.rescale_factor as f32
+            } else {
+                x
+            };
+        }
+    }
+    lut
+}
+
+/// Full processor on an RGB8 HWC buffer: smart_resize → bicubic AA resize → normalise → patchify.
+pub fn preprocess_rgb(
+    rgb_hwc: &[u8],
+    width: usize,
+    height: usize,
+    cfg: &ImageProcessorConfig,
+) -> Result<PatchedImage, ImageError> {
+    cfg.validate()?;
+    if rgb_hwc.len() != width * height * 3 {
+        return Err(ImageError::Config(format!(
+            "RGB buffer has {} bytes, expected {width}x{height}x3",
+            rgb_hwc.len()
+        )));
+    }
+    let (ps, m, tp) = (cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size);
+    let (rh, rw) = if cfg.do_resize {
+        smart_resize(height, width, cfg.factor(), cfg.min_pixels, cfg.max_pixels)?
+    } else {
+        if width == 0 || height == 0 {
+            return Err(ImageError::Empty {
+                width: width as u64,
+                height: height as u64,
+            });
+        }
+        (height, width)
+    };
+    if rh % (ps * m) != 0 || rw % (ps * m) != 0 {
+        return Err(ImageError::Config(format!(
+            "image of {rw}x{rh} is not a multiple of patch_size·merge_size = {} (do_resize is off)",
+            ps * m
+        )));
+    }
+    let resized;
+    let px: &[u8] = if (rh, rw) != (height, width) {
+        resized = resize_bicubic_aa_u8(rgb_hwc, width, height, rw, rh);
+        &resized
+    } else {
+        rgb_hwc
+    };
+
+    let lut = normalize_lut(cfg);
+    let (gh, gw) = (rh / ps, rw / ps);
+    let patch_dim = 3 * tp * ps * ps;
+    let plane = tp * ps * ps;
+    let mut pv = vec![0f32; gh * gw * patch_dim];
+    // One merge-block row (m patch rows of the grid) is a contiguous run of m·gw output rows.
+    let block_row_len = m * gw * patch_dim;
+    let fill = |(bh, out): (usize, &mut [f32])| {
+        for (r, dst) in out.chunks_exact_mut(patch_dim).enumerate() {
+            // r = (bw·m + mh)·m + mw within this merge-block row
+            let (bw, mh, mw) = (r / (m * m), r / m % m, r % m);
+            let y0 = (bh * m + mh) * ps;
+            let x0 = (bw * m + mw) * ps;
+            for (c, table) in lut.iter().enumerate() {
+                let base = c * plane;
+                for py in 0..ps {
+                    let start = ((y0 + py) * rw + x0) * 3;
+                    let src = &px[start..start + ps * 3];
+                    let d = &mut dst[base + py * ps..base + (py + 1) * ps];
+                    for (o, p) in d.iter_mut().zip(src.chunks_exact(3)) {
+                        *o = table[p[c] as usize];
+                    }
+                }
+                // the temporal copies repeat the frame
+                for t in 1..tp {
+                    dst.copy_within(base..base + ps * ps, base + t * ps * ps);
+                }
+            }
+        }
+    };
+    if pv.len() >= 1 << 20 {
+        use rayon::prelude::*;
+        pv.par_chunks_mut(block_row_len).enumerate().for_each(fill);
+    } else {
+        pv.chunks_mut(block_row_len).enumerate().for_each(fill);
+    }
+    Ok(PatchedImage {
+        pixel_values: pv,
+        grid_thw: [1, gh, gw],
+        resized_hw: (rh, rw),
+        patch_dim,
+        merge_size: m,
+    })
+}
+
+/// [`preprocess_rgb`] on a decoded image.
+pub fn preprocess(
+    img: &DecodedImage,
+    cfg: &ImageProcessorConfig,
+) -> Result<PatchedImage, ImageError> {
+    preprocess_rgb(&img.rgb, img.width as usize, img.height as usize, cfg)
+}
+
+/// The resized uint8 image (HWC) the processor works on — for tests and debugging.
+pub fn resized_rgb(
+    img: &DecodedImage,
+    cfg: &ImageProcessorConfig,
+) -> Result<(usize, usize, Vec<u8>), ImageError> {
+    let (w, h) = (img.width as usize, img.height as usize);
+    let (rh, rw) = smart_resize(h, w, cfg.factor(), cfg.min_pixels, cfg.max_pixels)?;
+    let out = if (rh, rw) != (h, w) {
+        resize_bicubic_aa_u8(&img.rgb, w, h, rw, rh)
+    } else {
+        img.rgb.clone()
+    };
+    Ok((rh, rw, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_matches_patchify() {
+        // 64x64 image whose pixel (y, x, c) = distinct small value; no resize needed (64 < min
+        // pixels would upscale, so switch resize off).
+        let (w, h) = (64usize, 64usize);
+        let rgb: Vec<u8> = (0..h * w * 3)
+            .map(|i| ((i / 3 % 97) + (i % 3) * 50) as u8)
+            .collect();
+        let cfg = ImageProcessorConfig {
+            do_resize: false,
+            ..Default::default()
+        };
+        let p = preprocess_rgb(&rgb, w, h, &cfg).unwrap();
+        assert_eq!(p.grid_thw, [1, 4, 4]);
+        assert_eq!(p.merged_tokens(), 4);
+        let lut = normalize_lut(&cfg);
+        // row r = ((bh*2 + bw)*2 + mh)*2 + mw for gw/2 = 2
+        for (bh, bw, mh, mw) in [(0, 0, 0, 0), (0, 1, 1, 0), (1, 0, 0, 1), (1, 1, 1, 1)] {
+            let r = ((bh * 2 + bw) * 2 + mh) * 2 + mw;
+            for (c, t, py, px) in [(0, 0, 0, 0), (1, 1, 3, 15), (2, 0, 15, 7), (2, 1, 15, 7)] {
+                let y = (bh * 2 + mh) * 16 + py;
+                let x = (bw * 2 + mw) * 16 + px;
+                let v = p.pixel_values[r * 1536 + ((c * 2 + t) * 16 + py) * 16 + px];
+                assert_eq!(v, lut[c][rgb[(y * w + x) * 3 + c] as usize]);
+            }
+        }
+    }
+
+    #[test]
+    fn qwen_normalisation_is_x_over_127_5_minus_1() {
+        let lut = normalize_lut(&ImageProcessorConfig::default());
+        for (v, &x) in lut[0].iter().enumerate() {
+            assert_eq!(x, (v as f32 - 127.5) / 127.5);
+        }
+        assert_eq!(lut[1][0], -1.0);
+        assert_eq!(lut[2][255], 1.0);
+    }
+}
