@@ -148,10 +148,20 @@ def png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
-def png_bytes(width: int, height: int, bit_depth: int, color_type: int, rows: list[bytes], extra: list[bytes] = ()) -> bytes:
-    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, color_type, 0, 0, 0)
+def png_bytes(width: int, height: int, bit_depth: int, color_type: int, rows: list[bytes], extra: list[bytes] = (), interlace: int = 0) -> bytes:
+    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, color_type, 0, 0, interlace)
     raw = b"".join(b"\x00" + r for r in rows)
     return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + b"".join(extra) + png_chunk(b"IDAT", zlib.compress(raw, 9)) + png_chunk(b"IEND", b"")
+
+
+def adam7_rows(img: np.ndarray) -> list[bytes]:
+    """Rows of the 7 Adam7 passes of an 8-bit HWC image, in file order (empty passes skipped)."""
+    h, w = img.shape[:2]
+    rows = []
+    for x0, y0, dx, dy in ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)):
+        if x0 < w and y0 < h:
+            rows += [img[y, x0::dx].tobytes() for y in range(y0, h, dy)]
+    return rows
 
 
 def pack_bits(vals: np.ndarray, bits: int) -> bytes:
@@ -210,6 +220,9 @@ def make_fixtures() -> dict[str, bytes]:
     palt = pal.copy()
     palt.info["transparency"] = 3
     f["png_palette_trns_77x51.png"] = save_pil(palt, "PNG", transparency=3)
+    f["png_interlaced_43x29.png"] = png_bytes(43, 29, 8, 2, adam7_rows(photo(43, 29, 18)), interlace=1)
+    pal4 = Image.fromarray(photo(33, 21, 19)).quantize(colors=12)
+    f["png_palette4bit_33x21.png"] = save_pil(pal4, "PNG", bits=4)
     f["png_1bit_40x30.png"] = save_pil(Image.fromarray(photo(40, 30, 11)[..., 0] > 120), "PNG")
     g4 = (photo(41, 29, 12)[..., 2] >> 4).astype(np.uint8)
     f["png_gray4_41x29.png"] = png_bytes(41, 29, 4, 0, [pack_bits(r, 4) for r in g4])
