@@ -1,0 +1,113 @@
+//! The command-line contracts other tools rely on: `synth`, `forward`, `tokenize`.
+
+mod common;
+
+use common::{fixtures, rel_err};
+use serde_json::Value;
+use std::process::{Command, Stdio};
+use std::io::Write;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_imajev-serve"))
+}
+
+fn sha_dir(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().to_string(), std::fs::read(&p).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn synth_is_deterministic_and_forward_prints_the_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_synth = |out: &str, seed: &str| {
+        let st = bin()
+            .args(["synth", "--config", "tiny", "--dtype", "fp8", "--seed", seed, "--out"])
+            .arg(dir.path().join(out))
+            .arg("--adapter-out")
+            .arg(dir.path().join(format!("{out}-adapter")))
+            .args(["--lora-rank", "2", "--lora-alpha", "4", "--readout-rows", "5"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    };
+    run_synth("a", "5");
+    run_synth("b", "5");
+    run_synth("c", "6");
+    assert_eq!(sha_dir(&dir.path().join("a")), sha_dir(&dir.path().join("b")), "same seed, same bytes");
+    assert_eq!(sha_dir(&dir.path().join("a-adapter")), sha_dir(&dir.path().join("b-adapter")));
+    assert_ne!(sha_dir(&dir.path().join("a")), sha_dir(&dir.path().join("c")));
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["quantization_config"]["weight_block_size"], serde_json::json!([128, 128]));
+
+    // forward: one image, adapter → input_ids (expanded), hidden_last, readout_logits.
+    let input = dir.path().join("in.json");
+    let img = fixtures().join("golden/images/wide.png");
+    std::fs::write(
+        &input,
+        serde_json::json!({
+            "prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Is it broken?<|im_end|>\n",
+            "images": [img]
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let out_path = dir.path().join("out.json");
+    let st = bin()
+        .arg("forward")
+        .arg("--model")
+        .arg(dir.path().join("a"))
+        .arg("--adapter")
+        .arg(dir.path().join("a-adapter"))
+        .arg("--input")
+        .arg(&input)
+        .arg("--out")
+        .arg(&out_path)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let out: Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    let ids: Vec<u64> = out["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let pads = ids.iter().filter(|&&t| t == 248056).count();
+    assert_eq!(pads, 78, "150×61 → 192×416 → 6×13 merged tokens");
+    assert_eq!(out["hidden_last"].as_array().unwrap().len(), 64);
+    assert_eq!(out["readout_logits"].as_array().unwrap().len(), 5);
+
+    // Without --out it prints the same JSON on stdout; without --adapter there are no logits.
+    let o = bin().arg("forward").arg("--model").arg(dir.path().join("a")).arg("--input").arg(&input).output().unwrap();
+    assert!(o.status.success());
+    let printed: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(printed.get("readout_logits").is_none());
+    let h1: Vec<f32> = out["hidden_last"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let h2: Vec<f32> = printed["hidden_last"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    assert!(rel_err(&h1, &h2) > 1e-4, "the adapter must change the hidden state");
+
+    // Errors are reported, not panics: an image count that does not match the prompt.
+    std::fs::write(&input, serde_json::json!({"prompt": "no image here", "images": [img]}).to_string()).unwrap();
+    let o = bin().arg("forward").arg("--model").arg(dir.path().join("a")).arg("--input").arg(&input).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("<|image_pad|>"), "{err}");
+}
+
+#[test]
+fn tokenize_reads_stdin() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = bin()
+        .args(["tokenize", "--model"])
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all("<|im_start|>user\nHello! 毕老师！".as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ids: Vec<u32> = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ids, vec![248045, 846, 198, 9419, 0, 220, 97169, 97621, 6115]);
+}

@@ -1,0 +1,148 @@
+//! The forkable state: chunked and recurrent delta rules agree, and a forked prefix state
+//! extended with a suffix equals one forward over prefix + suffix.
+
+mod common;
+
+use common::{fixtures, rel_err, tiny};
+use imajev_serve::backend::cpu::kernels::{delta_rule_chunked, delta_rule_recurrent, DeltaRuleInputs};
+use imajev_serve::backend::cpu::{CpuBackend, DeltaRuleMode};
+use imajev_serve::backend::Backend;
+use imajev_serve::engine::synth::SynthDtype;
+use imajev_serve::engine::Qwen35;
+use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig, PatchedImage};
+use imajev_serve::tokenizer::QwenTokenizer;
+
+/// A small deterministic pseudo-random stream for test inputs.
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn normalize_rows(x: &mut [f32], d: usize, scale: f32) {
+    for r in x.chunks_mut(d) {
+        let n = r.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-6);
+        r.iter_mut().for_each(|v| *v *= scale / n);
+    }
+}
+
+#[test]
+fn chunked_and_recurrent_delta_rules_agree() {
+    let (n, heads, dk, dv) = (203, 3, 16, 12);
+    let mut q = noise(n * heads * dk, 1);
+    let mut k = noise(n * heads * dk, 2);
+    normalize_rows(&mut q, dk, 1.0 / (dk as f32).sqrt());
+    normalize_rows(&mut k, dk, 1.0);
+    let v = noise(n * heads * dv, 3);
+    let g: Vec<f32> = noise(n * heads, 4).iter().map(|x| -0.3 * (x + 1.0)).collect();
+    let beta: Vec<f32> = noise(n * heads, 5).iter().map(|x| 0.5 + 0.5 * x).collect();
+    let x = DeltaRuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, n, heads, dk, dv };
+    let init = noise(heads * dk * dv, 6);
+    let mut s_ref = init.clone();
+    let o_ref = delta_rule_recurrent(&x, &mut s_ref);
+    for chunk in [64, 16, 7, 1, 500] {
+        let mut s = init.clone();
+        let o = delta_rule_chunked(&x, &mut s, chunk);
+        let (eo, es) = (rel_err(&o, &o_ref), rel_err(&s, &s_ref));
+        assert!(eo < 1e-5 && es < 1e-5, "chunk {chunk}: output {eo:.2e}, state {es:.2e}");
+    }
+}
+
+fn prompt_ids(tok: &QwenTokenizer, images: usize, text: &str) -> Vec<u32> {
+    let p = format!(
+        "<|im_start|>user\n{}{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "<|vision_start|><|image_pad|><|vision_end|>".repeat(images),
+        text
+    );
+    tok.encode(&p).unwrap()
+}
+
+fn load_image(name: &str) -> PatchedImage {
+    let bytes = std::fs::read(fixtures().join("golden/images").join(name)).unwrap();
+    load_and_preprocess(&bytes, &ImageLimits::default(), &ImageProcessorConfig::default()).unwrap().1
+}
+
+const TEXT: &str = "Ticket: the printer on floor 3 shows E-204 after the update; 日本語も少し。 Which team? \
+A: infra\nB: facilities\nC: identity\nD: unknown — cannot be determined from the available evidence";
+
+#[test]
+fn whole_model_chunked_equals_recurrent() {
+    let m = tiny(SynthDtype::F32, 21);
+    let tok = QwenTokenizer::from_model_dir(&m.model).unwrap();
+    let ids = prompt_ids(&tok, 0, &TEXT.repeat(4));
+    assert!(ids.len() > 3 * 64, "needs more than 3 chunks, has {}", ids.len());
+    let run = |mode| {
+        let model = Qwen35::load(CpuBackend { delta_rule: mode }, &m.model, Some(&m.adapter)).unwrap();
+        let (_, h, _) = model.prefill(&ids, &[]).unwrap();
+        (model.backend.download(&h).unwrap(), model.readout(&h).unwrap().remove(0))
+    };
+    let (hc, lc) = run(DeltaRuleMode::Chunked(64));
+    let (hr, lr) = run(DeltaRuleMode::Recurrent);
+    assert!(rel_err(&hc, &hr) < 1e-5, "hidden {:.2e}", rel_err(&hc, &hr));
+    assert!(rel_err(&lc, &lr) < 1e-5, "readout {:.2e}", rel_err(&lc, &lr));
+}
+
+#[test]
+fn extending_forks_of_a_prefix_equals_full_forwards() {
+    let m = tiny(SynthDtype::Bf16, 22);
+    let tok = QwenTokenizer::from_model_dir(&m.model).unwrap();
+    let model = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let images = [load_image("wide.png"), load_image("tall.png")];
+    let refs: Vec<&PatchedImage> = images.iter().collect();
+    let full = prompt_ids(&tok, 2, &format!("{TEXT} Question: "));
+    // Split where a request's shared prefix ends: after "Question: " minus the template tail.
+    let tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n").unwrap();
+    let prefix = &full[..full.len() - tail.len()];
+    let suffix_texts = [
+        "Which team handles it?\nA: infra\nB: facilities".to_string(),
+        "x".to_string(),
+        format!("{} and more text.", TEXT.repeat(2)), // longer than one 64-token chunk
+    ];
+    let suffixes: Vec<Vec<u32>> = suffix_texts
+        .iter()
+        .map(|s| {
+            let mut ids = tok.encode(s).unwrap();
+            ids.extend_from_slice(&tail);
+            ids
+        })
+        .collect();
+    assert!(suffixes[2].len() > 64);
+
+    let (prefix_state, _, _) = model.prefill(prefix, &refs).unwrap();
+    let mut forks: Vec<_> = (0..suffixes.len()).map(|_| prefix_state.fork()).collect();
+    let suffix_refs: Vec<&[u32]> = suffixes.iter().map(|s| s.as_slice()).collect();
+    let batched = model.extend(&mut forks, &suffix_refs).unwrap();
+    let batched = model.backend.download(&batched).unwrap();
+    let d = model.hidden_size();
+    for (i, s) in suffixes.iter().enumerate() {
+        let mut ids = prefix.to_vec();
+        ids.extend_from_slice(s);
+        let (_, h, _) = model.prefill(&ids, &refs).unwrap();
+        let h = model.backend.download(&h).unwrap();
+        let e = rel_err(&batched[i * d..(i + 1) * d], &h);
+        assert!(e < 1e-5, "suffix {i}: extend vs full forward {e:.2e}");
+        // One at a time from a fresh fork gives the same as the batch.
+        let mut one = vec![prefix_state.fork()];
+        let h1 = model.backend.download(&model.extend(&mut one, &[s.as_slice()]).unwrap()).unwrap();
+        assert!(rel_err(&h1, &h) < 1e-5);
+        assert_eq!(one[0].tokens, prefix_state.tokens + s.len());
+    }
+    // The prefix state itself was not touched by its forks.
+    let mut again = vec![prefix_state.fork()];
+    let h_again = model.backend.download(&model.extend(&mut again, &[suffix_refs[0]]).unwrap()).unwrap();
+    assert!(rel_err(&h_again, &batched[..d]) < 1e-6);
+    // A fork can be extended twice: prefix + a + b equals prefix + (a ++ b).
+    let mut two = vec![prefix_state.fork()];
+    let a = tok.encode("Which team").unwrap();
+    let b = &suffixes[0][a.len()..];
+    assert_eq!(&suffixes[0][..a.len()], &a[..]);
+    model.extend(&mut two, &[&a]).unwrap();
+    let h2 = model.backend.download(&model.extend(&mut two, &[b]).unwrap()).unwrap();
+    assert!(rel_err(&h2, &batched[..d]) < 1e-5);
+}
