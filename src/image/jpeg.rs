@@ -50,26 +50,26 @@ pub(crate) fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize), String
         let d = mozjpeg::Decompress::new_mem(bytes)?;
         let (w, h) = d.size();
         let ncomp = d.components().len();
-        let (px, kind) = match (ncomp, d.color_space()) {
-            (1, _) => {
+        let (px, kind) = match ncomp {
+            1 => {
                 let mut s = d.grayscale()?;
                 let px: Vec<u8> = s.read_scanlines()?;
                 s.finish()?;
                 (px, 1)
             }
-            (4, _) => {
+            4 => {
                 let mut s = d.to_colorspace(Cs::JCS_CMYK)?;
                 let px: Vec<u8> = s.read_scanlines()?;
                 s.finish()?;
                 (px, 4)
             }
-            (3, _) => {
+            3 => {
                 let mut s = d.rgb()?;
                 let px: Vec<u8> = s.read_scanlines()?;
                 s.finish()?;
                 (px, 3)
             }
-            (n, _) => {
+            n => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::Unsupported,
                     format!("cannot handle {n}-layer images"),
