@@ -99,6 +99,10 @@ pub fn run(cli: Cli) -> Result<()> {
             );
             if let Some(a) = adapter_out {
                 let r = synth::write_adapter(&cfg, lora_rank, lora_alpha, readout_rows, seed, &a)?;
+                let tokenizer = QwenTokenizer::builtin()?;
+                crate::decision::codebook::Codebook::derive(&tokenizer, readout_rows)
+                    .context("deriving the readout codebook (use --readout-rows ≤ 256 for the Qwen3.5 tokenizer)")?
+                    .write(&a.join("decision_readout.json"))?;
                 eprintln!(
                     "wrote adapter {} (LoRA r={lora_rank}, alpha={lora_alpha}, readout {readout_rows} rows; {:.1} M parameters) in {:.1} s",
                     r.dir.display(),

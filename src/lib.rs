@@ -7,3 +7,4 @@ pub mod engine;
 pub mod image;
 pub mod tokenizer;
 pub mod cli;
+pub mod decision;

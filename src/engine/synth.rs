@@ -515,9 +515,9 @@ pub fn write_model(cfg: &ModelConfig, dtype: SynthDtype, seed: u64, dir: &Path) 
     Ok(SynthReport { dir: dir.to_path_buf(), files, tensors, parameters: params, bytes: total, seconds: started.elapsed().as_secs_f64() })
 }
 
-/// A minimal Qwen3.5 chat template (one user message of image items + text, generation prompt
-/// with thinking switched off) so transformers' processor can render prompts for a synthetic model.
-pub const CHAT_TEMPLATE: &str = "{%- for message in messages -%}<|im_start|>{{ message['role'] }}\n{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- if enable_thinking is defined and enable_thinking is false -%}<think>\n\n</think>\n\n{%- else -%}<think>\n{%- endif -%}{%- endif -%}";
+/// The Qwen3.5 chat template (`chat_template.jinja` of Qwen/Qwen3.5, sha256 a4aee8af…f715),
+/// so transformers renders prompts for a synthetic model exactly as for the real one.
+pub const CHAT_TEMPLATE: &str = include_str!("assets/qwen3_5_chat_template.jinja");
 
 fn tokenizer_config() -> serde_json::Value {
     json!({

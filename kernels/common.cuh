@@ -1,0 +1,45 @@
+// Helpers shared by every kernel in this folder. The loader (src/backend/cuda/compile.rs)
+// prepends this file to each .cu source before NVRTC compiles it for the running GPU.
+//
+// Conventions: activations are bf16, every reduction and every nonlinearity runs in f32, and a
+// value is rounded to bf16 once, when it is stored. Pointers that the host passes as raw device
+// addresses (u64) arrive here as ordinary pointers.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+typedef __nv_bfloat16 bf16;
+typedef long long i64;
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+// Grid-stride loop over [0, n).
+#define FOR_EACH(i, n) \
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float bf(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 to_bf(float x) { return __float2bfloat16(x); }  // round to nearest even
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
+// PyTorch's softplus (beta 1, threshold 20).
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the
+// same value; the reduction order depends only on blockDim, never on the data or the batch.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  float t = lane < nw ? sh[lane] : 0.f;
+  return warp_sum(t);
+}
