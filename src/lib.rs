@@ -8,3 +8,4 @@ pub mod image;
 pub mod tokenizer;
 pub mod cli;
 pub mod decision;
+pub mod worker;

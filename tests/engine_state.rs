@@ -114,7 +114,9 @@ fn extending_forks_of_a_prefix_equals_full_forwards() {
         .collect();
     assert!(suffixes[2].len() > 64);
 
-    let (prefix_state, _, _) = model.prefill(prefix, &refs).unwrap();
+    let (mut prefix_state, _, _) = model.prefill(prefix, &refs).unwrap();
+    // Forks of a shared (frozen) prefix reference its KV rows instead of copying them.
+    prefix_state.share(&model.backend).unwrap();
     let mut forks: Vec<_> = (0..suffixes.len()).map(|_| prefix_state.fork()).collect();
     let suffix_refs: Vec<&[u32]> = suffixes.iter().map(|s| s.as_slice()).collect();
     let batched = model.extend(&mut forks, &suffix_refs).unwrap();

@@ -11,6 +11,7 @@
 //! sequence mixers take one cache or state per segment.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::engine::weights::TensorRef;
 use anyhow::Result;
@@ -163,6 +164,12 @@ pub trait Backend: Send + Sync + 'static {
 
     fn new_kv_cache(&self, dims: &AttentionDims) -> Result<Self::KvCache>;
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// Makes the cache's current rows immutable and shared, so that clones (forks) reference them
+    /// instead of copying them; later appends stay private to each clone. The default keeps
+    /// deep copies, which is correct but costs memory per fork.
+    fn share_kv(&self, _cache: &mut Self::KvCache) -> Result<()> {
+        Ok(())
+    }
     /// q/k norm, rotary, append k/v to each segment's cache, causal GQA attention over the cache,
     /// times `sigmoid(gate)`. Returns `[n, heads·head_dim]`.
     fn gated_attention(

@@ -49,6 +49,17 @@ impl<B: Backend> State<B> {
     pub fn fork(&self) -> Self {
         self.clone()
     }
+
+    /// Freezes the attention caches so that forks share them instead of copying them (call on a
+    /// prefix state before forking it many times).
+    pub fn share(&mut self, backend: &B) -> Result<()> {
+        for l in &mut self.layers {
+            if let LayerState::Attention(c) = l {
+                backend.share_kv(c)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One sequence of a packed forward: its layout and the merged features of its images

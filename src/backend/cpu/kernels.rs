@@ -123,16 +123,17 @@ pub fn rotate_half_inplace(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// Softmax attention of `q` rows over `keys`/`values`.
+/// Softmax attention of `q` rows over keys/values stored in one or more consecutive parts
+/// (a shared prefix cache, then a sequence's own rows).
 ///
-/// `q`: `[nq, heads, hd]`; `k`, `v`: `[nk, kv_heads, hd]`; query `t` sees keys `0..=first_visible + t`
-/// when `causal` (with `first_visible = nk − nq`), all keys otherwise. Output `[nq, heads, hd]`.
-pub fn attention(
+/// `q`: `[nq, heads, hd]`; each part of `k`, `v`: `[rows, kv_heads, hd]`, `nk` rows in all; query
+/// `t` sees keys `0..=nk − nq + t` when `causal`, all keys otherwise. Output `[nq, heads, hd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_parts(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[&[f32]],
+    v: &[&[f32]],
     nq: usize,
-    nk: usize,
     heads: usize,
     kv_heads: usize,
     hd: usize,
@@ -140,6 +141,8 @@ pub fn attention(
 ) -> Vec<f32> {
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
+    let w = kv_heads * hd;
+    let nk: usize = k.iter().map(|p| p.len() / w).sum();
     let offset = nk - nq;
     let mut out = vec![0f32; nq * heads * hd];
     // Parallel over (query, head) rows; each row's reduction order is fixed.
@@ -151,26 +154,55 @@ pub fn attention(
         let visible = if causal { offset + t + 1 } else { nk };
         let mut scores = Vec::with_capacity(visible);
         let mut max = f32::NEG_INFINITY;
-        for j in 0..visible {
-            let kv = &k[(j * kv_heads + kvh) * hd..(j * kv_heads + kvh + 1) * hd];
-            let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-            max = max.max(s);
-            scores.push(s);
+        'keys: for part in k {
+            for r in 0..part.len() / w {
+                if scores.len() == visible {
+                    break 'keys;
+                }
+                let kv = &part[r * w + kvh * hd..r * w + (kvh + 1) * hd];
+                let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
         }
         let mut denom = 0f32;
         for s in scores.iter_mut() {
             *s = (*s - max).exp();
             denom += *s;
         }
-        for (j, s) in scores.iter().enumerate() {
-            let p = s / denom;
-            let vv = &v[(j * kv_heads + kvh) * hd..(j * kv_heads + kvh + 1) * hd];
-            for (oo, &x) in o.iter_mut().zip(vv) {
-                *oo += p * x;
+        let mut j = 0;
+        'values: for part in v {
+            for r in 0..part.len() / w {
+                if j == visible {
+                    break 'values;
+                }
+                let p = scores[j] / denom;
+                let vv = &part[r * w + kvh * hd..r * w + (kvh + 1) * hd];
+                for (oo, &x) in o.iter_mut().zip(vv) {
+                    *oo += p * x;
+                }
+                j += 1;
             }
         }
     });
     out
+}
+
+/// [`attention_parts`] over a single contiguous key/value buffer of `nk` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    nq: usize,
+    nk: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    causal: bool,
+) -> Vec<f32> {
+    debug_assert_eq!(k.len(), nk * kv_heads * hd);
+    attention_parts(q, &[k], &[v], nq, heads, kv_heads, hd, causal)
 }
 
 /// Causal depthwise conv over time + SiLU for one sequence.

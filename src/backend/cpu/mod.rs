@@ -66,8 +66,12 @@ pub struct CpuLinear {
     out_dim: usize,
 }
 
+/// Keys and values of one attention layer: an immutable shared prefix (cheap to fork) followed by
+/// this sequence's own rows.
 #[derive(Clone)]
 pub struct CpuKvCache {
+    shared: std::sync::Arc<(Vec<f32>, Vec<f32>)>,
+    shared_len: usize,
     k: Vec<f32>,
     v: Vec<f32>,
     len: usize,
@@ -312,11 +316,24 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv_cache(&self, _dims: &AttentionDims) -> Result<CpuKvCache> {
-        Ok(CpuKvCache { k: Vec::new(), v: Vec::new(), len: 0 })
+        Ok(CpuKvCache { shared: Default::default(), shared_len: 0, k: Vec::new(), v: Vec::new(), len: 0 })
     }
 
     fn kv_len(&self, cache: &CpuKvCache) -> usize {
-        cache.len
+        cache.shared_len + cache.len
+    }
+
+    fn share_kv(&self, cache: &mut CpuKvCache) -> Result<()> {
+        if cache.len == 0 {
+            return Ok(());
+        }
+        let (mut k, mut v) = (cache.shared.0.clone(), cache.shared.1.clone());
+        k.append(&mut cache.k);
+        v.append(&mut cache.v);
+        cache.shared = std::sync::Arc::new((k, v));
+        cache.shared_len += cache.len;
+        cache.len = 0;
+        Ok(())
     }
 
     fn gated_attention(
@@ -361,7 +378,8 @@ impl Backend for CpuBackend {
             cache.v.extend_from_slice(&x.value.data[seg.start * w..seg.end * w]);
             cache.len += seg.len();
             let qs = &q[seg.start * heads * hd..seg.end * heads * hd];
-            let o = kernels::attention(qs, &cache.k, &cache.v, seg.len(), cache.len, heads, kv_heads, hd, true);
+            let (sk, sv) = (&cache.shared.0[..], &cache.shared.1[..]);
+            let o = kernels::attention_parts(qs, &[sk, &cache.k], &[sv, &cache.v], seg.len(), heads, kv_heads, hd, true);
             out[seg.start * heads * hd..seg.end * heads * hd].copy_from_slice(&o);
         }
         out.iter_mut().zip(&gate).for_each(|(o, &g)| *o *= kernels::sigmoid(g));

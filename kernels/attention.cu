@@ -1,0 +1,242 @@
+// Softmax attention for the Qwen3.5 gated full-attention layers and the vision tower.
+// CPU twins: CpuBackend::{gated_attention, vision_attention} and kernels::{rms_norm,
+// rotate_half_inplace, attention} (src/backend/cpu).
+//
+// Segment table, 5 x i64 per sequence of the packed batch:
+//   [q_start, nq, k_ptr, v_ptr, base_len]
+// The sequence's query rows are q_start .. q_start+nq of the batch; its keys/values live at k_ptr /
+// v_ptr as [capacity, kv_heads, hd] bf16 with rows 0 .. base_len+nq valid after attn_prep appended
+// the new ones. Causal: query i (0-based within the sequence) sees keys 0 ..= base_len + i.
+
+__device__ __forceinline__ int find_segment(const i64* segs, int nseg, i64 t) {
+  for (int s = 0; s < nseg; s++)
+    if (t >= segs[5 * s] && t < segs[5 * s] + segs[5 * s + 1]) return s;
+  return -1;
+}
+
+// One block (4 warps) per token. For each q head: optional zero-centred RMSNorm over hd, NeoX
+// rotary on the first `rot` dims with the f32 cos/sin row of this token, -> qout [n, heads, hd].
+// For each kv head: the same for k, and both k and v are written to cache row base_len + i.
+// Source element (t, head h, dim c) is src[t*row + h*head + c].
+extern "C" __global__ void attn_prep(
+    const bf16* qsrc, i64 q_row, int q_head, const bf16* ksrc, i64 k_row, const bf16* vsrc, i64 v_row,
+    const float* qw, const float* kw, int norm, float eps, const float* cos, const float* sin, int rot,
+    const i64* segs, int nseg, bf16* qout, int heads, int kvh, int hd) {
+  __shared__ float sb[4][256];
+  const i64 t = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int s = find_segment(segs, nseg, t);
+  if (s < 0) return;
+  const i64 krow = segs[5 * s + 4] + (t - segs[5 * s]);
+  bf16* kc = (bf16*)segs[5 * s + 2];
+  bf16* vc = (bf16*)segs[5 * s + 3];
+  const int half = rot / 2;
+  float* b = sb[warp];
+  for (int u = warp; u < heads + 2 * kvh; u += 4) {
+    if (u >= heads + kvh) {  // value head: plain copy into the cache
+      int g = u - heads - kvh;
+      for (int c = lane; c < hd; c += 32) vc[(krow * kvh + g) * hd + c] = vsrc[t * v_row + (i64)g * hd + c];
+      continue;
+    }
+    const bool is_q = u < heads;
+    const int h = is_q ? u : u - heads;
+    const bf16* src = is_q ? qsrc + t * q_row + (i64)h * q_head : ksrc + t * k_row + (i64)h * hd;
+    float ss = 0.f;
+    for (int c = lane; c < hd; c += 32) { float v = bf(src[c]); b[c] = v; ss += v * v; }
+    if (norm) {
+      const float* w = is_q ? qw : kw;
+      float r = rsqrtf(warp_sum(ss) / hd + eps);
+      for (int c = lane; c < hd; c += 32) b[c] = b[c] * r * (1.f + w[c]);
+    }
+    __syncwarp();
+    bf16* dst = is_q ? qout + (t * heads + h) * hd : kc + (krow * kvh + h) * hd;
+    for (int c = lane; c < hd; c += 32) {
+      float v = b[c];
+      if (c < rot) {
+        float cs = cos[t * rot + c], sn = sin[t * rot + c];
+        v = c < half ? v * cs - b[c + half] * sn : v * cs + b[c - half] * sn;
+      }
+      dst[c] = to_bf(v);
+    }
+    __syncwarp();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flash-attention (FA2 style) with bf16 mma.sync m16n8k16 and f32 accumulation / online softmax.
+// Block = 4 warps = 64 query rows of one head of one sequence; key/value tiles of 64 rows are
+// staged in shared memory. HDP is the head dim rounded up to a supported size (16..256); dims
+// >= hd are zero. The reduction order of a row does not depend on the other rows in the batch.
+
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *(unsigned*)&v;
+}
+__device__ __forceinline__ unsigned pack_bf(bf16 lo, bf16 hi) {
+  return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
+}
+
+// rows x HDP tile from src (row r at src + r*stride, hd valid columns, `valid` valid rows) into
+// shared memory with leading dimension LD; everything else zero.
+template <int HDP, int LD>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, i64 stride, int valid, int hd, int rows) {
+  if ((hd & 7) == 0) {
+    constexpr int V = HDP / 8;
+    for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
+      int r = i / V, c = (i % V) * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < valid && c < hd) v = *(const uint4*)(src + r * stride + c);
+      *(uint4*)(dst + r * LD + c) = v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < rows * HDP; i += blockDim.x) {
+      int r = i / HDP, c = i % HDP;
+      dst[r * LD + c] = (r < valid && c < hd) ? src[r * stride + c] : __float2bfloat16(0.f);
+    }
+  }
+}
+
+template <int HDP>
+__device__ void attn_fwd(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,
+                         const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  constexpr int BQ = 64, BK = 64, LD = HDP + 8, NT = HDP / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Qs = (bf16*)smem_raw;
+  bf16* Ks = Qs + BQ * LD;
+  bf16* Vs = Ks + BK * LD;
+  const int tile = blockIdx.x, h = blockIdx.y;
+  const i64* sg = segs + 5 * blockIdx.z;
+  const i64 q_start = sg[0];
+  const int nq = (int)sg[1];
+  const bf16* kc = (const bf16*)sg[2];
+  const bf16* vc = (const bf16*)sg[3];
+  const int kvlen = (int)sg[4] + nq;
+  if (tile * BQ >= nq) return;
+  const int g = h / (heads / kvh);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  const int qbase = tile * BQ;
+  const int offset = kvlen - nq;
+  const int qlast = min(nq, qbase + BQ) - 1;
+  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
+
+  load_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, (i64)heads * hd, nq - qbase, hd, BQ);
+
+  float o[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const int r0 = warp * 16 + gr;  // this thread's two rows in the tile: r0 and r0 + 8
+  const int qi0 = qbase + r0, qi1 = qi0 + 8;
+
+  for (int kt = 0; kt * BK < klimit; kt++) {
+    __syncthreads();
+    const i64 kstride = (i64)kvh * hd;
+    load_tile<HDP, LD>(Ks, kc + ((i64)kt * BK * kvh + g) * hd, kstride, kvlen - kt * BK, hd, BK);
+    load_tile<HDP, LD>(Vs, vc + ((i64)kt * BK * kvh + g) * hd, kstride, kvlen - kt * BK, hd, BK);
+    __syncthreads();
+
+    // S = Q K^T for 16 rows x 64 keys per warp.
+    float sacc[BK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; nt++) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ks++) {
+      const bf16* qa = Qs + r0 * LD + ks * 16 + tg * 2;
+      unsigned a[4] = {*(const unsigned*)qa, *(const unsigned*)(qa + 8 * LD), *(const unsigned*)(qa + 8),
+                       *(const unsigned*)(qa + 8 * LD + 8)};
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; nt++) {
+        const bf16* kb = Ks + (nt * 8 + gr) * LD + ks * 16 + tg * 2;
+        unsigned b[2] = {*(const unsigned*)kb, *(const unsigned*)(kb + 8)};
+        mma_bf16_16816(sacc[nt], a, b);
+      }
+    }
+    // Scale, mask, online softmax (each row's 64 scores are spread over the 4 lanes of a quad).
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; nt++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int col = kt * BK + nt * 8 + tg * 2 + (e & 1);
+        int qi = e < 2 ? qi0 : qi1;
+        bool ok = col < kvlen && (!causal || col <= offset + qi);
+        float v = ok ? sacc[nt][e] * scale_log2 : NEG_INF;
+        sacc[nt][e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+    const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; nt++) {
+      sacc[nt][0] = exp2f(sacc[nt][0] - base0);
+      sacc[nt][1] = exp2f(sacc[nt][1] - base0);
+      sacc[nt][2] = exp2f(sacc[nt][2] - base1);
+      sacc[nt][3] = exp2f(sacc[nt][3] - base1);
+      ps0 += sacc[nt][0] + sacc[nt][1];
+      ps1 += sacc[nt][2] + sacc[nt][3];
+    }
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+    l0 = l0 * c0 + ps0;
+    l1 = l1 * c1 + ps1;
+    m0 = mn0;
+    m1 = mn1;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
+    // O += P V: the score accumulators are already laid out as the A operand.
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      unsigned a[4] = {pack_f32(sacc[2 * kk][0], sacc[2 * kk][1]), pack_f32(sacc[2 * kk][2], sacc[2 * kk][3]),
+                       pack_f32(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]),
+                       pack_f32(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3])};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        const bf16* vb = Vs + (kk * 16 + tg * 2) * LD + nt * 8 + gr;
+        unsigned b[2] = {pack_bf(vb[0], vb[LD]), pack_bf(vb[8 * LD], vb[9 * LD])};
+        mma_bf16_16816(o[nt], a, b);
+      }
+    }
+  }
+
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      int qi = e < 2 ? qi0 : qi1;
+      int col = nt * 8 + tg * 2 + (e & 1);
+      if (qi >= nq || col >= hd) continue;
+      float v = o[nt][e] * (e < 2 ? inv0 : inv1);
+      i64 row = q_start + qi;
+      if (gate) v *= sigmoid_f(bf(gate[row * gate_row + (i64)h * gate_head + col]));
+      out[(row * heads + h) * hd + col] = to_bf(v);
+    }
+  }
+}
+
+#define ATTN_ENTRY(HDP)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(128) attn_fwd_##HDP(                                         \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    attn_fwd<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);            \
+  }
+ATTN_ENTRY(16)
+ATTN_ENTRY(32)
+ATTN_ENTRY(64)
+ATTN_ENTRY(128)
+ATTN_ENTRY(256)

@@ -1,0 +1,92 @@
+// Data movement and elementwise kernels.
+// CPU twins: CpuBackend::{embed, embed_bag, scatter_rows, gather_rows, split_cols, add_assign,
+// swiglu, gelu, readout} in src/backend/cpu/mod.rs and kernels::{silu, gelu} in kernels.rs.
+
+extern "C" __global__ void cast_f32_bf16(const float* x, bf16* y, i64 n) {
+  FOR_EACH(i, n) y[i] = to_bf(x[i]);
+}
+
+extern "C" __global__ void cast_bf16_f32(const bf16* x, float* y, i64 n) {
+  FOR_EACH(i, n) y[i] = bf(x[i]);
+}
+
+// y[r] = x[rows[r]] for rows of width d (also the embedding lookup: rows = token ids).
+extern "C" __global__ void gather_rows(const bf16* x, const unsigned* rows, bf16* y, i64 n, int d) {
+  FOR_EACH(i, n * d) {
+    i64 r = i / d, c = i % d;
+    y[i] = x[(i64)rows[r] * d + c];
+  }
+}
+
+// dst[rows[r]] = src[r].
+extern "C" __global__ void scatter_rows(bf16* dst, const unsigned* rows, const bf16* src, i64 n, int d) {
+  FOR_EACH(i, n * d) {
+    i64 r = i / d, c = i % d;
+    dst[(i64)rows[r] * d + c] = src[i];
+  }
+}
+
+// y[r, c] = x[r, off + c] for c < w (one column block of a row-major [n, ldx] matrix).
+extern "C" __global__ void copy_cols(const bf16* x, int ldx, int off, bf16* y, int w, i64 n) {
+  FOR_EACH(i, n * w) {
+    i64 r = i / w, c = i % w;
+    y[i] = x[r * ldx + off + c];
+  }
+}
+
+// out[r] = sum_j w[r*taps+j] * table[idx[r*taps+j]], accumulated in f32 in tap order.
+extern "C" __global__ void embed_bag(const bf16* table, const unsigned* idx, const float* w, bf16* y,
+                                     i64 n, int d, int taps) {
+  FOR_EACH(i, n * d) {
+    i64 r = i / d, c = i % d;
+    float acc = 0.f;
+    for (int j = 0; j < taps; j++) acc += bf(table[(i64)idx[r * taps + j] * d + c]) * w[r * taps + j];
+    y[i] = to_bf(acc);
+  }
+}
+
+// x += y (residual add).
+extern "C" __global__ void add_bf16(bf16* x, const bf16* y, i64 n) {
+  FOR_EACH(i, n) x[i] = to_bf(bf(x[i]) + bf(y[i]));
+}
+
+// y[r, c] += b[c] for a row-major [m, n] output.
+extern "C" __global__ void add_bias(bf16* y, const float* b, i64 m, int n) {
+  FOR_EACH(i, m * n) y[i] = to_bf(bf(y[i]) + b[i % n]);
+}
+
+// [n, 2d] -> silu(gate) * up.
+extern "C" __global__ void swiglu(const bf16* gu, bf16* y, i64 n, int d) {
+  FOR_EACH(i, n * d) {
+    i64 r = i / d, c = i % d;
+    float g = bf(gu[r * 2 * d + c]), u = bf(gu[r * 2 * d + d + c]);
+    y[i] = to_bf(silu_f(g) * u);
+  }
+}
+
+// In place; tanh_mode 1 = gelu_pytorch_tanh, 0 = exact erf GELU.
+extern "C" __global__ void gelu(bf16* x, i64 n, int tanh_mode) {
+  FOR_EACH(i, n) {
+    float v = bf(x[i]), r;
+    if (tanh_mode) {
+      const float c = 0.7978845608028654f;  // sqrt(2/pi)
+      r = 0.5f * v * (1.f + tanhf(c * (v + 0.044715f * v * v * v)));
+    } else {
+      r = 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+    }
+    x[i] = to_bf(r);
+  }
+}
+
+// Readout head in f32: y[i, r] = h[i] . w[r] (h bf16 widened to f32, w f32). One warp per output;
+// the reduction order depends only on d, so a row's logits never depend on the batch.
+extern "C" __global__ void readout_f32(const bf16* h, const float* w, float* y, int n, int rows, int d) {
+  i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  int lane = threadIdx.x & 31;
+  if (warp >= (i64)n * rows) return;
+  i64 i = warp / rows, r = warp % rows;
+  float acc = 0.f;
+  for (int c = lane; c < d; c += 32) acc += bf(h[i * d + c]) * w[r * d + c];
+  acc = warp_sum(acc);
+  if (lane == 0) y[warp] = acc;
+}

@@ -1,0 +1,202 @@
+//! The kernels of `kernels/*.cu`, compiled at start-up by NVRTC for the GPU that is actually
+//! there, loaded as CUBIN, and cached on disk so later starts skip NVRTC.
+//!
+//! Sources are embedded with `include_str!`, so the binary needs no kernel files at run time;
+//! NVRTC needs the CUDA headers (`cuda_bf16.h`, `cuda_fp8.h`) only when something has to be
+//! compiled. A cache entry is keyed by the SHA-256 of (source, NVRTC options, GPU name, compute
+//! capability, driver and NVRTC versions) and carries a checksum of its payload; an entry that is
+//! truncated, corrupt or rejected by the driver is rebuilt, never fatal.
+
+use anyhow::{anyhow, bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// Prepended to every kernel file (shared typedefs and reductions).
+pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
+
+/// One `.cu` file of `kernels/`.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFile {
+    pub name: &'static str,
+    pub source: &'static str,
+}
+
+pub const FILES: &[KernelFile] = &[
+    KernelFile { name: "elementwise", source: include_str!("../../../kernels/elementwise.cu") },
+    KernelFile { name: "norm", source: include_str!("../../../kernels/norm.cu") },
+    KernelFile { name: "quant", source: include_str!("../../../kernels/quant.cu") },
+    KernelFile { name: "attention", source: include_str!("../../../kernels/attention.cu") },
+    KernelFile { name: "deltanet", source: include_str!("../../../kernels/deltanet.cu") },
+];
+
+/// The program NVRTC sees for a kernel file: the common header, then the file (with `#line` so
+/// diagnostics name the real file and line).
+pub fn full_source(f: &KernelFile) -> String {
+    format!("{COMMON}\n#line 1 \"kernels/{}.cu\"\n{}", f.name, f.source)
+}
+
+/// NVRTC options for a target architecture and CUDA include directory.
+pub fn compile_options(arch: &str, include_dir: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".to_string(),
+        format!("--include-path={}", include_dir.display()),
+        "-lineinfo".to_string(),
+    ]
+}
+
+/// Cache key: hex SHA-256 over the program, its options and the device/driver tag.
+pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
+    let mut h = Sha256::new();
+    for part in std::iter::once(source).chain(options.iter().map(|s| s.as_str())).chain(std::iter::once(device_tag)) {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// `$IMAJEV_KERNEL_CACHE`, else `$XDG_CACHE_HOME/imajev-serve/kernels`, else
+/// `~/.cache/imajev-serve/kernels`; `None` when none can be determined (then nothing is cached).
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    env("IMAJEV_KERNEL_CACHE")
+        .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("imajev-serve/kernels")))
+        .or_else(|| env("HOME").map(|p| p.join(".cache/imajev-serve/kernels")))
+}
+
+/// Where the CUDA headers are: `$CUDA_HOME/include`, `$CUDA_PATH/include`, then
+/// `/usr/local/cuda/include`. Returns the first that holds `cuda_bf16.h`, or `Err(default)` with
+/// the path that would have been used, when none does.
+pub fn cuda_include_dir() -> std::result::Result<PathBuf, PathBuf> {
+    let mut candidates = Vec::new();
+    for k in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(v) = std::env::var_os(k).filter(|v| !v.is_empty()) {
+            candidates.push(PathBuf::from(v).join("include"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    match candidates.iter().find(|p| p.join("cuda_bf16.h").is_file()) {
+        Some(p) => Ok(p.clone()),
+        None => Err(candidates[0].clone()),
+    }
+}
+
+const MAGIC: &[u8; 8] = b"IMJCUBN1";
+
+/// Payload of a cache file, or `None` if it is missing, truncated or fails its checksum.
+pub fn read_cache(path: &Path) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(path).ok()?;
+    if bytes.len() < MAGIC.len() + 32 || &bytes[..MAGIC.len()] != MAGIC {
+        return None;
+    }
+    let (sum, payload) = bytes[MAGIC.len()..].split_at(32);
+    if payload.is_empty() || Sha256::digest(payload).as_slice() != sum {
+        return None;
+    }
+    Some(payload.to_vec())
+}
+
+/// Writes a cache file atomically (temporary file + rename).
+pub fn write_cache(path: &Path, payload: &[u8]) -> Result<()> {
+    let dir = path.parent().ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut bytes = Vec::with_capacity(MAGIC.len() + 32 + payload.len());
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&Sha256::digest(payload));
+    bytes.extend_from_slice(payload);
+    std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+/// Compiles one program with NVRTC and returns its CUBIN.
+pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let src = std::ffi::CString::new(source).context("kernel source contains a NUL byte")?;
+    let fname = std::ffi::CString::new(format!("{name}.cu"))?;
+    let prog = result::create_program(&src, Some(&fname)).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+    let out = (|| -> Result<Vec<u8>> {
+        // SAFETY: `prog` was created above and is destroyed only after this closure.
+        let compiled = unsafe { result::compile_program(prog, options) };
+        if let Err(e) = compiled {
+            let log = unsafe { result::get_program_log(prog) }
+                .map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>())
+                .unwrap_or_default();
+            bail!("NVRTC could not compile kernels/{name}.cu ({e:?}) with {options:?}:\n{}", log.trim_end_matches('\0'));
+        }
+        let mut size = 0usize;
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+        if size == 0 {
+            bail!("NVRTC produced no CUBIN for kernels/{name}.cu (is --gpu-architecture a real sm_XY target?)");
+        }
+        let mut buf = vec![0u8; size];
+        unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) }
+            .result()
+            .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?}"))?;
+        Ok(buf)
+    })();
+    // SAFETY: created above, not destroyed before.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// The NVRTC version as `major.minor`.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut a, mut b) = (0, 0);
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) }.result().map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
+    Ok((a, b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_file_is_embedded_and_names_its_cpu_twin() {
+        assert!(COMMON.contains("block_sum"));
+        for f in FILES {
+            assert!(f.source.contains("__global__"), "{} has no kernel", f.name);
+            assert!(f.source.contains("CPU twin"), "{} does not name its CPU twin", f.name);
+            let full = full_source(f);
+            assert!(full.starts_with(COMMON) && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name)));
+        }
+    }
+
+    #[test]
+    fn key_depends_on_every_input() {
+        let o = compile_options("sm_90a", Path::new("/usr/local/cuda/include"));
+        assert!(o.contains(&"--gpu-architecture=sm_90a".to_string()));
+        let k = cache_key("src", &o, "H200|9.0|13000|13.0");
+        assert_eq!(k.len(), 64);
+        assert_eq!(k, cache_key("src", &o, "H200|9.0|13000|13.0"));
+        assert_ne!(k, cache_key("src2", &o, "H200|9.0|13000|13.0"));
+        assert_ne!(k, cache_key("src", &o, "H100|9.0|13000|13.0"));
+        assert_ne!(k, cache_key("src", &compile_options("sm_89", Path::new("/usr/local/cuda/include")), "H200|9.0|13000|13.0"));
+        // Length-prefixed: moving bytes between fields changes the key.
+        assert_ne!(cache_key("ab", &["c".into()], "d"), cache_key("a", &["bc".into()], "d"));
+    }
+
+    #[test]
+    fn cache_round_trip_and_corruption_is_a_miss() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sub/x.cubin");
+        assert!(read_cache(&p).is_none());
+        write_cache(&p, b"\x7fELF payload").unwrap();
+        assert_eq!(read_cache(&p).unwrap(), b"\x7fELF payload");
+        // Flip one payload byte: checksum mismatch.
+        let mut bytes = std::fs::read(&p).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        assert!(read_cache(&p).is_none());
+        // Truncated and foreign files are misses too.
+        std::fs::write(&p, &bytes[..20]).unwrap();
+        assert!(read_cache(&p).is_none());
+        std::fs::write(&p, b"not a cache file at all, definitely longer than forty bytes").unwrap();
+        assert!(read_cache(&p).is_none());
+        // A rewrite repairs it.
+        write_cache(&p, b"fresh").unwrap();
+        assert_eq!(read_cache(&p).unwrap(), b"fresh");
+    }
+}

@@ -1,0 +1,1410 @@
+//! The CUDA backend: the same [`Backend`] calls as the CPU reference, on an NVIDIA GPU.
+//!
+//! * Kernels are the `.cu` files of `kernels/` (each names its CPU twin), compiled by NVRTC for
+//!   the running GPU at start-up and cached on disk as CUBIN ([`compile`]).
+//! * GEMMs go through cuBLASLt ([`gemm`]): block-scaled FP8 for projections stored as FP8 (or
+//!   quantised at load with `quantize_fp8`), BF16 for the rest; LoRA stays unmerged in BF16.
+//! * Precision follows a bf16 transformers run: activations are BF16 tensors, reductions, norms,
+//!   softmax and gates run in f32, the DeltaNet state and chunked delta rule are f32, the readout
+//!   is an f32 GEMM. Vectors (norm weights, biases, `A_log`, `dt_bias`) are kept in f32, other
+//!   parameters in BF16.
+//! * One stream; cudarc's per-buffer event tracking is off (everything is stream-ordered, buffers
+//!   are freed with `cuMemFreeAsync` on that stream), so kernels take raw device addresses.
+//!
+//! The crate always compiles this module (cudarc loads libcuda, NVRTC and cuBLASLt with `dlopen`
+//! at first use), and [`CudaBackend::new`] returns an error instead of panicking on machines
+//! without a GPU, driver or library.
+
+pub mod compile;
+pub mod gemm;
+pub mod host;
+
+use super::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use crate::engine::weights::{StoredDtype, TensorRef};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use gemm::{Blas, Gemm, GemmKind};
+use half::bf16;
+use host::{PartFormat, PartInfo};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// How the CUDA backend places weights and where it caches kernels.
+#[derive(Debug, Clone, Default)]
+pub struct CudaOptions {
+    /// Quantise BF16/F32 projections whose dims are multiples of 128 to block FP8 at load (the
+    /// RTN 128×128 recipe of `synth::quantize_fp8_blocks`). FP8 checkpoint weights are FP8 anyway.
+    pub quantize_fp8: bool,
+    /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
+    /// or `~/.cache/imajev-serve/kernels`.
+    pub kernel_cache_dir: Option<PathBuf>,
+}
+
+/// What the backend runs on.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub driver_version: i32,
+    pub nvrtc_version: (i32, i32),
+    pub cublaslt_version: usize,
+    pub arch: String,
+    pub kernels_cached: usize,
+    pub kernels_compiled: usize,
+    pub kernel_seconds: f64,
+}
+
+/// The CUDA backend (cheap to clone: clones share the context, stream, kernels and GEMM plans).
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    // Field order is drop order: GEMM plans and kernels before the stream and context.
+    blas: Blas,
+    funcs: HashMap<&'static str, CudaFunction>,
+    stream: Arc<CudaStream>,
+    #[allow(dead_code)]
+    ctx: Arc<CudaContext>,
+    options: CudaOptions,
+    info: DeviceInfo,
+}
+
+enum Buf {
+    Bf16(CudaSlice<bf16>),
+    F32(CudaSlice<f32>),
+}
+
+/// A dense row-major tensor in GPU memory, BF16 (activations, matrices) or F32 (uploads,
+/// vectors, the readout head). The buffer may be longer than the shape (padded GEMM rows).
+pub struct CudaTensor {
+    buf: Buf,
+    shape: Vec<usize>,
+}
+
+impl CudaTensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// `(rows, cols)` viewing the last dim as columns.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        let cols = *self.shape.last().unwrap_or(&1);
+        (if cols == 0 { 0 } else { self.numel() / cols }, cols)
+    }
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.buf, Buf::Bf16(_))
+    }
+}
+
+enum GroupWeight {
+    Bf16(CudaSlice<bf16>),
+    Fp8 { w: CudaSlice<u8>, scales: CudaSlice<f32> },
+}
+
+struct LinearGroup {
+    cols: Range<usize>,
+    weight: GroupWeight,
+}
+
+struct CudaLora {
+    cols: Range<usize>,
+    rank: usize,
+    a: CudaSlice<bf16>,
+    b: CudaSlice<bf16>,
+    scale: f32,
+}
+
+/// A projection: its parts concatenated along the output dim and grouped into one FP8 or BF16
+/// GEMM per run of equal format; bias in f32; LoRA pairs unmerged in BF16.
+pub struct CudaLinear {
+    in_dim: usize,
+    out_dim: usize,
+    groups: Vec<LinearGroup>,
+    bias: Option<CudaSlice<f32>>,
+    loras: Vec<CudaLora>,
+}
+
+impl CudaLinear {
+    /// E.g. `fp8[0..12288] bf16[12288..12352] lora×2`.
+    pub fn summary(&self) -> String {
+        let mut s: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let f = match g.weight {
+                    GroupWeight::Bf16(_) => "bf16",
+                    GroupWeight::Fp8 { .. } => "fp8",
+                };
+                format!("{f}[{}..{}]", g.cols.start, g.cols.end)
+            })
+            .collect();
+        if !self.loras.is_empty() {
+            s.push(format!("lora×{}", self.loras.len()));
+        }
+        s.join(" ")
+    }
+    pub fn has_fp8(&self) -> bool {
+        self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
+    }
+}
+
+/// Keys and values of one attention layer of one sequence: `[capacity, kv_heads·head_dim]` BF16
+/// each, grown geometrically; `clone()` deep-copies on the GPU (forking a prefix state).
+pub struct CudaKvCache {
+    k: Option<CudaSlice<bf16>>,
+    v: Option<CudaSlice<bf16>>,
+    width: usize,
+    cap: usize,
+    len: usize,
+}
+
+impl CudaKvCache {
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+}
+
+fn copy_prefix<T>(src: &CudaSlice<T>, cap: usize, n: usize) -> Result<CudaSlice<T>>
+where
+    T: cudarc::driver::DeviceRepr,
+{
+    let stream = src.stream().clone();
+    // SAFETY: the first n elements are written below; the rest is unused capacity.
+    let mut dst = unsafe { stream.alloc::<T>(cap.max(1)) }?;
+    if n > 0 {
+        stream.memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?;
+    }
+    Ok(dst)
+}
+
+impl Clone for CudaKvCache {
+    fn clone(&self) -> Self {
+        let copy = |s: &Option<CudaSlice<bf16>>| {
+            s.as_ref().map(|s| copy_prefix(s, self.cap * self.width, self.len * self.width).expect("copying a KV cache on the GPU"))
+        };
+        CudaKvCache { k: copy(&self.k), v: copy(&self.v), width: self.width, cap: self.cap, len: self.len }
+    }
+}
+
+/// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
+/// one DeltaNet layer of one sequence, f32. `clone()` deep-copies on the GPU.
+pub struct CudaDeltaState {
+    conv: CudaSlice<f32>,
+    recurrent: CudaSlice<f32>,
+}
+
+impl Clone for CudaDeltaState {
+    fn clone(&self) -> Self {
+        CudaDeltaState {
+            conv: self.conv.try_clone().expect("copying a DeltaNet conv history on the GPU"),
+            recurrent: self.recurrent.try_clone().expect("copying a DeltaNet state on the GPU"),
+        }
+    }
+}
+
+impl CudaDeltaState {
+    /// The recurrent state `[value_heads, key_dim, value_dim]` (for tests).
+    pub fn recurrent(&self) -> Result<Vec<f32>> {
+        Ok(self.recurrent.stream().clone_dtoh(&self.recurrent)?)
+    }
+    /// The conv history `[kernel−1, channels]` (for tests).
+    pub fn conv_history(&self) -> Result<Vec<f32>> {
+        Ok(self.conv.stream().clone_dtoh(&self.conv)?)
+    }
+}
+
+/// A kernel argument.
+enum A {
+    P(u64),
+    L(i64),
+    I(i32),
+    F(f32),
+}
+
+fn grid1(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block).clamp(1, 1 << 20) as u32
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+/// A BF16 view of a tensor: borrowed when it already is BF16, converted otherwise.
+enum Bf16View<'a> {
+    Ref(&'a CudaSlice<bf16>),
+    Own(CudaSlice<bf16>),
+}
+impl Bf16View<'_> {
+    fn s(&self) -> &CudaSlice<bf16> {
+        match self {
+            Bf16View::Ref(s) => s,
+            Bf16View::Own(s) => s,
+        }
+    }
+}
+enum F32View<'a> {
+    Ref(&'a CudaSlice<f32>),
+    Own(CudaSlice<f32>),
+}
+impl F32View<'_> {
+    fn s(&self) -> &CudaSlice<f32> {
+        match self {
+            F32View::Ref(s) => s,
+            F32View::Own(s) => s,
+        }
+    }
+}
+
+fn check_2d(t: &TensorRef) -> Result<(usize, usize)> {
+    match t.shape {
+        [r, c] => Ok((*r, *c)),
+        s => bail!("{} must be 2-D, has shape {s:?}", t.name),
+    }
+}
+
+fn bf16_values(t: &TensorRef) -> Result<Vec<bf16>> {
+    if t.dtype == StoredDtype::BF16 {
+        ensure!(t.bytes.len() == 2 * t.numel(), "tensor {} has {} bytes for {} BF16 values", t.name, t.bytes.len(), t.numel());
+        return Ok(t.bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect());
+    }
+    Ok(t.to_f32()?.into_par_iter().map(bf16::from_f32).collect())
+}
+
+/// FP8 bytes + `[out/128][in/128]` multipliers of one part: the checkpoint's own when they are
+/// 128×128 blocks, else the RTN recipe applied to its values (in 128-row stripes, in parallel;
+/// blocks are independent so this equals `quantize_fp8_blocks` on the whole matrix).
+fn fp8_part(t: &TensorRef) -> Result<(Vec<u8>, Vec<f32>)> {
+    let (o, i) = check_2d(t)?;
+    if t.dtype == StoredDtype::F8E4M3 && scales_are_128(t) {
+        let s = t.scale_inv.expect("checked");
+        let scales = s.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        return Ok((t.bytes.to_vec(), scales));
+    }
+    let w = t.to_f32()?;
+    let stripes: Vec<(Vec<u8>, Vec<f32>)> =
+        w.par_chunks(128 * i).map(|s| crate::engine::synth::quantize_fp8_blocks(s, s.len() / i, i)).collect();
+    let mut q = Vec::with_capacity(o * i);
+    let mut sc = Vec::with_capacity(o / 128 * (i / 128));
+    for (a, b) in stripes {
+        q.extend(a);
+        sc.extend(b);
+    }
+    Ok((q, sc))
+}
+
+fn scales_are_128(t: &TensorRef) -> bool {
+    match (t.scale_inv, t.shape) {
+        (Some(s), [o, i]) => {
+            s.shape == [o / 128, i / 128] && o % 128 == 0 && i % 128 == 0 && s.block.is_none_or(|b| b == [128, 128])
+        }
+        _ => false,
+    }
+}
+
+fn check_tiling(segments: &[Range<usize>], n: usize) -> Result<()> {
+    let mut at = 0;
+    for s in segments {
+        ensure!(s.start == at && s.end >= s.start, "segments must tile the batch rows in order; got {segments:?} for {n} rows");
+        at = s.end;
+    }
+    ensure!(at == n, "segments {segments:?} do not cover the {n} batch rows");
+    Ok(())
+}
+
+const KERNELS: &[(&str, &[&str])] = &[
+    (
+        "elementwise",
+        &["cast_f32_bf16", "cast_bf16_f32", "gather_rows", "scatter_rows", "copy_cols", "embed_bag", "add_bf16", "add_bias", "swiglu", "gelu", "readout_f32"],
+    ),
+    ("norm", &["rms_norm", "layer_norm", "rms_norm_gated"]),
+    ("quant", &["quant_act_1x128"]),
+    ("attention", &["attn_prep", "attn_fwd_16", "attn_fwd_32", "attn_fwd_64", "attn_fwd_128", "attn_fwd_256"]),
+    ("deltanet", &["gdn_conv", "gdn_conv_hist", "gdn_chunk_prep", "gdn_chunk_scan"]),
+];
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads cached) kernels and creates the cuBLASLt handle.
+    /// Returns an error, never panics, when the driver, a library or the GPU is missing.
+    pub fn new(ordinal: usize, options: CudaOptions) -> Result<Self> {
+        // cudarc panics on first use of a library it cannot dlopen; look before touching it.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            bail!("no NVIDIA driver found (libcuda.so could not be loaded): install the NVIDIA driver, or use the CPU backend");
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            bail!("NVRTC (libnvrtc.so) not found: install the CUDA toolkit's NVRTC (e.g. cuda-nvrtc-13-0) or put its lib directory on LD_LIBRARY_PATH");
+        }
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            bail!("cuBLASLt (libcublasLt.so) not found: install the CUDA toolkit's cuBLAS (e.g. libcublas-13-0) or put its lib directory on LD_LIBRARY_PATH");
+        }
+        let count = CudaContext::device_count().map_err(|e| anyhow!("no CUDA device: cuInit/cuDeviceGetCount failed ({e:?})"))?;
+        ensure!(count > 0, "no CUDA device: the driver reports 0 GPUs");
+        ensure!(ordinal < count as usize, "CUDA device {ordinal} does not exist ({count} present)");
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
+        // SAFETY: called before any buffer exists; all work goes to the one stream below, so
+        // stream order alone keeps reads, writes and frees in order.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        if ctx.has_async_alloc() {
+            // Keep freed blocks in the pool instead of returning them at every synchronisation.
+            unsafe {
+                let pool = cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device())?;
+                let mut threshold = u64::MAX;
+                cudarc::driver::result::mem_pool::set_attribute(
+                    pool,
+                    cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut std::ffi::c_void,
+                )?;
+            }
+        }
+        let cc = ctx.compute_capability()?;
+        ensure!(cc.0 >= 8, "GPU compute capability {}.{} is too old: the kernels need bf16 mma.sync (sm_80 or newer)", cc.0, cc.1);
+        let mut driver = 0i32;
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }.result()?;
+        let name = ctx.name()?;
+        let nvrtc = compile::nvrtc_version()?;
+        let arch = host::gpu_arch(cc.0, cc.1);
+        let started = std::time::Instant::now();
+        let (funcs, cached, compiled) = load_kernels(&ctx, &options, &arch, &format!("{name}|{}.{}|{driver}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1))?;
+        let kernel_seconds = started.elapsed().as_secs_f64();
+        let blas = Blas::new(stream.clone())?;
+        let info = DeviceInfo {
+            ordinal,
+            name,
+            compute_capability: cc,
+            driver_version: driver,
+            nvrtc_version: nvrtc,
+            cublaslt_version: Blas::version(),
+            arch,
+            kernels_cached: cached,
+            kernels_compiled: compiled,
+            kernel_seconds,
+        };
+        tracing::info!(?info, "CUDA backend ready");
+        Ok(CudaBackend { inner: Arc::new(Inner { blas, funcs, stream, ctx, options, info }) })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    pub fn options(&self) -> &CudaOptions {
+        &self.inner.options
+    }
+
+    /// The cuBLASLt algorithm chosen per GEMM shape so far.
+    pub fn gemm_plans(&self) -> Vec<gemm::PlanInfo> {
+        self.inner.blas.plans()
+    }
+
+    /// GEMM calls that had to leave their shape's fixed (batch-invariant) algorithm.
+    pub fn gemm_fallbacks(&self) -> usize {
+        self.inner.blas.fallbacks()
+    }
+
+    /// Waits for all queued GPU work (and surfaces asynchronous errors).
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// The FP8 activations and `[K/128][Mpad]` scales the FP8 GEMM path makes from `x` (a
+    /// diagnostic for tests: the CPU twin is `host::quantize_act_1x128`).
+    pub fn quantize_activations(&self, x: &CudaTensor) -> Result<(Vec<u8>, Vec<f32>)> {
+        let (m, k) = x.rows_cols();
+        let xv = self.bf16_of(x)?;
+        let (q, s, _) = self.quantize(xv.s(), m, k)?;
+        Ok((self.inner.stream.clone_dtoh(&q)?, self.inner.stream.clone_dtoh(&s)?))
+    }
+
+    fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.inner.funcs.get(name).ok_or_else(|| anyhow!("kernel {name} is not loaded"))
+    }
+
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
+        let f = self.func(name)?;
+        let mut b = self.inner.stream.launch_builder(f);
+        for a in args {
+            match a {
+                A::P(v) => b.arg(v),
+                A::L(v) => b.arg(v),
+                A::I(v) => b.arg(v),
+                A::F(v) => b.arg(v),
+            };
+        }
+        // SAFETY: every kernel's parameter list matches the argument list its caller builds
+        // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and the buffers
+        // behind the pointers outlive the launch in stream order.
+        unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+        Ok(())
+    }
+
+    fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.inner.stream).0
+    }
+
+    fn alloc_bf16(&self, n: usize) -> Result<CudaSlice<bf16>> {
+        // SAFETY: every caller writes the elements it later reads.
+        Ok(unsafe { self.inner.stream.alloc::<bf16>(n.max(1)) }?)
+    }
+
+    fn alloc_f32(&self, n: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: as above.
+        Ok(unsafe { self.inner.stream.alloc::<f32>(n.max(1)) }?)
+    }
+
+    fn zeros_f32(&self, n: usize) -> Result<CudaSlice<f32>> {
+        Ok(self.inner.stream.alloc_zeros::<f32>(n.max(1))?)
+    }
+
+    fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        if v.is_empty() {
+            // SAFETY: never read.
+            return Ok(unsafe { self.inner.stream.alloc::<T>(1) }?);
+        }
+        Ok(self.inner.stream.clone_htod(v)?)
+    }
+
+    fn bf16_tensor(&self, buf: CudaSlice<bf16>, shape: &[usize]) -> CudaTensor {
+        CudaTensor { buf: Buf::Bf16(buf), shape: shape.to_vec() }
+    }
+
+    fn bf16_of<'a>(&self, t: &'a CudaTensor) -> Result<Bf16View<'a>> {
+        match &t.buf {
+            Buf::Bf16(s) => Ok(Bf16View::Ref(s)),
+            Buf::F32(s) => {
+                let n = t.numel();
+                let y = self.alloc_bf16(n)?;
+                self.launch("cast_f32_bf16", cfg((grid1(n, 256), 1, 1), 256, 0), &[A::P(self.p(s)), A::P(self.p(&y)), A::L(n as i64)])?;
+                Ok(Bf16View::Own(y))
+            }
+        }
+    }
+
+    fn f32_of<'a>(&self, t: &'a CudaTensor) -> Result<F32View<'a>> {
+        match &t.buf {
+            Buf::F32(s) => Ok(F32View::Ref(s)),
+            Buf::Bf16(s) => {
+                let n = t.numel();
+                let y = self.alloc_f32(n)?;
+                self.launch("cast_bf16_f32", cfg((grid1(n, 256), 1, 1), 256, 0), &[A::P(self.p(s)), A::P(self.p(&y)), A::L(n as i64)])?;
+                Ok(F32View::Own(y))
+            }
+        }
+    }
+
+    /// Makes `t` BF16 in place (for ops that update their input).
+    fn make_bf16(&self, t: &mut CudaTensor) -> Result<()> {
+        if let Buf::F32(_) = t.buf {
+            let y = match self.bf16_of(t)? {
+                Bf16View::Own(y) => y,
+                Bf16View::Ref(_) => unreachable!("an F32 tensor converts into a new buffer"),
+            };
+            t.buf = Buf::Bf16(y);
+        }
+        Ok(())
+    }
+
+    /// Per-token 1×128 FP8 quantisation: `[mpad, k]` bytes, `[k/128][mpad]` scales, mpad.
+    fn quantize(&self, x: &CudaSlice<bf16>, m: usize, k: usize) -> Result<(CudaSlice<u8>, CudaSlice<f32>, usize)> {
+        ensure!(k % host::FP8_BLOCK == 0, "FP8 activations need K to be a multiple of 128, got {k}");
+        let mpad = host::fp8_rows(m);
+        // SAFETY: the kernel writes all mpad·k bytes and all scales.
+        let q = unsafe { self.inner.stream.alloc::<u8>(mpad * k) }?;
+        let s = self.alloc_f32(mpad * k / host::FP8_BLOCK)?;
+        let warps = mpad * (k / host::FP8_BLOCK);
+        self.launch(
+            "quant_act_1x128",
+            cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
+            &[A::P(self.p(x)), A::P(self.p(&q)), A::P(self.p(&s)), A::I(m as i32), A::I(mpad as i32), A::I(k as i32)],
+        )?;
+        Ok((q, s, mpad))
+    }
+
+    fn reserve_kv(&self, c: &mut CudaKvCache, needed: usize) -> Result<()> {
+        if c.k.is_some() && needed <= c.cap {
+            return Ok(());
+        }
+        let cap = host::kv_capacity(c.cap, needed);
+        let (n, total) = (c.len * c.width, cap * c.width);
+        let grow = |old: &Option<CudaSlice<bf16>>| -> Result<CudaSlice<bf16>> {
+            match old {
+                Some(s) => copy_prefix(s, total, n),
+                None => self.alloc_bf16(total),
+            }
+        };
+        let k = grow(&c.k)?;
+        let v = grow(&c.v)?;
+        c.k = Some(k);
+        c.v = Some(v);
+        c.cap = cap;
+        Ok(())
+    }
+
+    fn dtod_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes > 0 {
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.inner.stream.cu_stream()) }?;
+        }
+        Ok(())
+    }
+
+    /// The attention kernel over the segment table `meta` (see kernels/attention.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_core(
+        &self,
+        q: &CudaSlice<bf16>,
+        meta: &CudaSlice<i64>,
+        segments: &[Range<usize>],
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+        causal: bool,
+        gate: Option<(u64, usize, usize)>,
+        out: &CudaSlice<bf16>,
+    ) -> Result<()> {
+        let hdp = host::attention_head_dim(hd).ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
+        let tiles = segments.iter().map(|s| s.len().div_ceil(64)).max().unwrap_or(0);
+        if tiles == 0 {
+            return Ok(());
+        }
+        let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        let (gp, grow, ghead) = gate.unwrap_or((0, 0, 0));
+        self.launch(
+            &format!("attn_fwd_{hdp}"),
+            cfg((tiles as u32, heads as u32, segments.len() as u32), 128, host::attention_smem_bytes(hdp)),
+            &[
+                A::P(self.p(q)),
+                A::P(self.p(meta)),
+                A::I(heads as i32),
+                A::I(kvh as i32),
+                A::I(hd as i32),
+                A::I(causal as i32),
+                A::F(scale_log2),
+                A::P(gp),
+                A::L(grow as i64),
+                A::I(ghead as i32),
+                A::P(self.p(out)),
+            ],
+        )
+    }
+}
+
+/// Loads every kernel module: from the disk cache when a valid entry exists, else NVRTC (the
+/// missing ones in parallel), writing the cache. Returns the functions and (cached, compiled).
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    options: &CudaOptions,
+    arch: &str,
+    device_tag: &str,
+) -> Result<(HashMap<&'static str, CudaFunction>, usize, usize)> {
+    let include = compile::cuda_include_dir();
+    let include_path = match &include {
+        Ok(p) | Err(p) => p.clone(),
+    };
+    let opts = compile::compile_options(arch, &include_path);
+    let cache_dir = options.kernel_cache_dir.clone().or_else(compile::default_cache_dir);
+    struct Job {
+        file: compile::KernelFile,
+        source: String,
+        path: Option<PathBuf>,
+        cubin: Option<Vec<u8>>,
+    }
+    let mut jobs: Vec<Job> = compile::FILES
+        .iter()
+        .map(|f| {
+            let source = compile::full_source(f);
+            let key = compile::cache_key(&source, &opts, device_tag);
+            let path = cache_dir.as_ref().map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
+            let cubin = path.as_deref().and_then(compile::read_cache);
+            Job { file: *f, source, path, cubin }
+        })
+        .collect();
+    let mut modules = HashMap::new();
+    let mut cached = 0;
+    for j in jobs.iter_mut() {
+        if let Some(bin) = &j.cubin {
+            match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.clone())) {
+                Ok(m) => {
+                    modules.insert(j.file.name, m);
+                    cached += 1;
+                }
+                Err(e) => {
+                    tracing::warn!("cached kernels/{}.cu CUBIN was rejected by the driver ({e:?}); rebuilding", j.file.name);
+                    j.cubin = None;
+                }
+            }
+        }
+    }
+    let todo: Vec<&Job> = jobs.iter().filter(|j| !modules.contains_key(j.file.name)).collect();
+    let compiled = todo.len();
+    if !todo.is_empty() {
+        if let Err(p) = &include {
+            bail!(
+                "NVRTC needs the CUDA headers (cuda_bf16.h, cuda_fp8.h) to build the kernels, and {} has none: set CUDA_HOME \
+                 to a CUDA 13 toolkit whose include/ holds cuda_bf16.h (or fill the kernel cache from a machine that has one)",
+                p.display()
+            );
+        }
+        tracing::info!(count = todo.len(), arch, "compiling CUDA kernels with NVRTC");
+        let bins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = todo.iter().map(|j| s.spawn(|| compile::nvrtc_cubin(j.file.name, &j.source, &opts))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked")))).collect()
+        });
+        for (j, bin) in todo.iter().zip(bins) {
+            let bin = bin?;
+            if let Some(p) = &j.path {
+                if let Err(e) = compile::write_cache(p, &bin) {
+                    tracing::warn!("could not cache kernels/{}.cu: {e:#}", j.file.name);
+                }
+            }
+            let m = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(bin))
+                .map_err(|e| anyhow!("loading the CUBIN of kernels/{}.cu: {e:?}", j.file.name))?;
+            modules.insert(j.file.name, m);
+        }
+    }
+    let mut funcs = HashMap::new();
+    for (file, names) in KERNELS {
+        let m = modules.get(file).ok_or_else(|| anyhow!("kernels/{file}.cu is not loaded"))?;
+        for &n in *names {
+            let f = m.load_function(n).map_err(|e| anyhow!("kernels/{file}.cu has no function {n}: {e:?}"))?;
+            funcs.insert(n, f);
+        }
+    }
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    for hdp in [16, 32, 64, 128, 256] {
+        funcs[format!("attn_fwd_{hdp}").as_str()].set_attribute(MAX_SMEM, host::attention_smem_bytes(hdp) as i32)?;
+    }
+    let (prep, scan) = host::delta_smem_bytes(128);
+    funcs["gdn_chunk_prep"].set_attribute(MAX_SMEM, prep as i32)?;
+    funcs["gdn_chunk_scan"].set_attribute(MAX_SMEM, scan as i32)?;
+    Ok((funcs, cached, compiled))
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Linear = CudaLinear;
+    type KvCache = CudaKvCache;
+    type DeltaState = CudaDeltaState;
+
+    fn describe(&self) -> String {
+        let i = &self.inner.info;
+        format!(
+            "cuda ({}, {}, driver {}, NVRTC {}.{}, cuBLASLt {}; bf16 activations, block-FP8 GEMMs{})",
+            i.name,
+            i.arch,
+            i.driver_version,
+            i.nvrtc_version.0,
+            i.nvrtc_version.1,
+            i.cublaslt_version,
+            if self.inner.options.quantize_fp8 { ", BF16 weights quantised to FP8 at load" } else { "" }
+        )
+    }
+
+    fn param(&self, t: &TensorRef) -> Result<CudaTensor> {
+        if t.shape.len() <= 1 {
+            return self.param_f32(t);
+        }
+        let v = bf16_values(t)?;
+        Ok(self.bf16_tensor(self.htod(&v)?, t.shape))
+    }
+
+    fn param_f32(&self, t: &TensorRef) -> Result<CudaTensor> {
+        Ok(CudaTensor { buf: Buf::F32(self.htod(&t.to_f32()?)?), shape: t.shape.to_vec() })
+    }
+
+    fn linear(&self, parts: &[LinearPart]) -> Result<CudaLinear> {
+        ensure!(!parts.is_empty(), "a projection needs at least one block");
+        let in_dim = check_2d(&parts[0].weight)?.1;
+        let mut formats = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (o, i) = check_2d(&p.weight)?;
+            ensure!(i == in_dim, "{} has {} inputs, expected {}", p.weight.name, i, in_dim);
+            let info = PartInfo { dtype: p.weight.dtype, out: o, inp: i, scales_are_128x128: scales_are_128(&p.weight) };
+            formats.push((host::part_format(&info, self.inner.options.quantize_fp8), o));
+        }
+        let out_dim: usize = formats.iter().map(|f| f.1).sum();
+        let mut groups = Vec::new();
+        for g in host::group_parts(&formats) {
+            let weight = match g.format {
+                PartFormat::Fp8 => {
+                    let mut q = Vec::with_capacity(g.cols.len() * in_dim);
+                    let mut s = Vec::new();
+                    for p in &parts[g.parts.clone()] {
+                        let (a, b) = fp8_part(&p.weight).with_context(|| format!("FP8 weights of {}", p.weight.name))?;
+                        q.extend(a);
+                        s.extend(b);
+                    }
+                    GroupWeight::Fp8 { w: self.htod(&q)?, scales: self.htod(&s)? }
+                }
+                PartFormat::Bf16 => {
+                    let mut w = Vec::with_capacity(g.cols.len() * in_dim);
+                    for p in &parts[g.parts.clone()] {
+                        w.extend(bf16_values(&p.weight)?);
+                    }
+                    GroupWeight::Bf16(self.htod(&w)?)
+                }
+            };
+            groups.push(LinearGroup { cols: g.cols, weight });
+        }
+        let mut bias = None;
+        if parts.iter().any(|p| p.bias.is_some()) {
+            let mut b = Vec::with_capacity(out_dim);
+            for p in parts {
+                let o = p.weight.shape[0];
+                match &p.bias {
+                    Some(t) => {
+                        ensure!(t.shape == [o], "{} must have shape [{o}]", t.name);
+                        b.extend(t.to_f32()?);
+                    }
+                    None => b.extend(std::iter::repeat_n(0f32, o)),
+                }
+            }
+            bias = Some(self.htod(&b)?);
+        }
+        let mut loras = Vec::new();
+        let mut col = 0;
+        for p in parts {
+            let o = p.weight.shape[0];
+            if let Some(l) = &p.lora {
+                let (r, ai) = check_2d(&l.a)?;
+                let (bo, br) = check_2d(&l.b)?;
+                ensure!(ai == in_dim && bo == o && br == r, "LoRA {} / {} shapes do not fit {}", l.a.name, l.b.name, p.weight.name);
+                loras.push(CudaLora {
+                    cols: col..col + o,
+                    rank: r,
+                    a: self.htod(&bf16_values(&l.a)?)?,
+                    b: self.htod(&bf16_values(&l.b)?)?,
+                    scale: l.scale,
+                });
+            }
+            col += o;
+        }
+        Ok(CudaLinear { in_dim, out_dim, groups, bias, loras })
+    }
+
+    fn linear_out(&self, w: &CudaLinear) -> usize {
+        w.out_dim
+    }
+
+    fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        ensure!(n == data.len(), "tensor of shape {shape:?} needs {n} values, got {}", data.len());
+        Ok(CudaTensor { buf: Buf::F32(self.htod(data)?), shape: shape.to_vec() })
+    }
+
+    fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        let n = t.numel();
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        let s = &self.inner.stream;
+        Ok(match &t.buf {
+            Buf::Bf16(b) => s.clone_dtoh(&b.slice(0..n))?.into_iter().map(|v| v.to_f32()).collect(),
+            Buf::F32(b) => s.clone_dtoh(&b.slice(0..n))?,
+        })
+    }
+
+    fn shape<'t>(&self, t: &'t CudaTensor) -> &'t [usize] {
+        &t.shape
+    }
+
+    fn reshape(&self, t: CudaTensor, shape: &[usize]) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        ensure!(n == t.numel(), "cannot reshape {:?} to {shape:?}", t.shape);
+        Ok(CudaTensor { buf: t.buf, shape: shape.to_vec() })
+    }
+
+    fn embed(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
+        let (v, d) = table.rows_cols();
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
+            bail!("token id {bad} is outside the embedding table ({v} rows)");
+        }
+        let n = ids.len();
+        let tab = self.bf16_of(table)?;
+        let ids_d = self.htod(ids)?;
+        let y = self.alloc_bf16(n * d)?;
+        self.launch(
+            "gather_rows",
+            cfg((grid1(n * d, 256), 1, 1), 256, 0),
+            &[A::P(self.p(tab.s())), A::P(self.p(&ids_d)), A::P(self.p(&y)), A::L(n as i64), A::I(d as i32)],
+        )?;
+        Ok(self.bf16_tensor(y, &[n, d]))
+    }
+
+    fn embed_bag(&self, table: &CudaTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CudaTensor> {
+        let (v, d) = table.rows_cols();
+        ensure!(idx.len() == w.len() && taps > 0 && idx.len() % taps == 0, "embed_bag shapes");
+        if let Some(&bad) = idx.iter().find(|&&i| i as usize >= v) {
+            bail!("embed_bag index {bad} out of range ({v} rows)");
+        }
+        let n = idx.len() / taps;
+        let tab = self.bf16_of(table)?;
+        let (idx_d, w_d) = (self.htod(idx)?, self.htod(w)?);
+        let y = self.alloc_bf16(n * d)?;
+        self.launch(
+            "embed_bag",
+            cfg((grid1(n * d, 256), 1, 1), 256, 0),
+            &[
+                A::P(self.p(tab.s())),
+                A::P(self.p(&idx_d)),
+                A::P(self.p(&w_d)),
+                A::P(self.p(&y)),
+                A::L(n as i64),
+                A::I(d as i32),
+                A::I(taps as i32),
+            ],
+        )?;
+        Ok(self.bf16_tensor(y, &[n, d]))
+    }
+
+    fn scatter_rows(&self, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
+        let (n, d) = dst.rows_cols();
+        let (sn, sd) = src.rows_cols();
+        ensure!(sd == d && sn == rows.len(), "scatter_rows: {} rows of width {sd} into width {d}", rows.len());
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            bail!("scatter_rows: row {r} out of range");
+        }
+        self.make_bf16(dst)?;
+        let s = self.bf16_of(src)?;
+        let rows_d = self.htod(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>())?;
+        let Buf::Bf16(db) = &dst.buf else { unreachable!() };
+        self.launch(
+            "scatter_rows",
+            cfg((grid1(sn * d, 256), 1, 1), 256, 0),
+            &[A::P(self.p(db)), A::P(self.p(&rows_d)), A::P(self.p(s.s())), A::L(sn as i64), A::I(d as i32)],
+        )
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        let (n, d) = x.rows_cols();
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            bail!("gather_rows: row {r} out of range");
+        }
+        let xs = self.bf16_of(x)?;
+        let rows_d = self.htod(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>())?;
+        let y = self.alloc_bf16(rows.len() * d)?;
+        self.launch(
+            "gather_rows",
+            cfg((grid1(rows.len() * d, 256), 1, 1), 256, 0),
+            &[A::P(self.p(xs.s())), A::P(self.p(&rows_d)), A::P(self.p(&y)), A::L(rows.len() as i64), A::I(d as i32)],
+        )?;
+        Ok(self.bf16_tensor(y, &[rows.len(), d]))
+    }
+
+    fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+        let (n, d) = x.rows_cols();
+        ensure!(widths.iter().sum::<usize>() == d, "split_cols: widths {widths:?} do not sum to {d}");
+        let xs = self.bf16_of(x)?;
+        let mut out = Vec::with_capacity(widths.len());
+        let mut off = 0;
+        for &w in widths {
+            let y = self.alloc_bf16(n * w)?;
+            if n * w > 0 {
+                self.launch(
+                    "copy_cols",
+                    cfg((grid1(n * w, 256), 1, 1), 256, 0),
+                    &[A::P(self.p(xs.s())), A::I(d as i32), A::I(off as i32), A::P(self.p(&y)), A::I(w as i32), A::L(n as i64)],
+                )?;
+            }
+            out.push(self.bf16_tensor(y, &[n, w]));
+            off += w;
+        }
+        Ok(out)
+    }
+
+    fn concat_rows(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+        let d = parts.first().map(|p| p.rows_cols().1).unwrap_or(0);
+        for p in parts {
+            ensure!(p.rows_cols().1 == d, "concat_rows: widths differ");
+        }
+        let total: usize = parts.iter().map(|p| p.numel()).sum();
+        let rows = if d == 0 { 0 } else { total / d };
+        if !parts.is_empty() && parts.iter().all(|p| !p.is_bf16()) {
+            let y = self.alloc_f32(total)?;
+            let mut at = 0;
+            for p in parts {
+                let Buf::F32(s) = &p.buf else { unreachable!() };
+                self.dtod_bytes(self.p(&y) + 4 * at as u64, self.p(s), 4 * p.numel())?;
+                at += p.numel();
+            }
+            return Ok(CudaTensor { buf: Buf::F32(y), shape: vec![rows, d] });
+        }
+        let y = self.alloc_bf16(total)?;
+        let mut at = 0;
+        for p in parts {
+            let s = self.bf16_of(p)?;
+            self.dtod_bytes(self.p(&y) + 2 * at as u64, self.p(s.s()), 2 * p.numel())?;
+            at += p.numel();
+        }
+        Ok(self.bf16_tensor(y, &[rows, d]))
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
+        let (m, k) = x.rows_cols();
+        ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
+        let n = w.out_dim;
+        let xs = self.bf16_of(x)?;
+        let fp8 = if w.has_fp8() && m > 0 { Some(self.quantize(xs.s(), m, k)?) } else { None };
+        let rows_alloc = fp8.as_ref().map(|f| f.2).unwrap_or(m);
+        let y = self.alloc_bf16(rows_alloc * n)?;
+        let yp = self.p(&y);
+        let blas = &self.inner.blas;
+        for g in &w.groups {
+            let yg = yp + 2 * g.cols.start as u64;
+            let gemm = match &g.weight {
+                GroupWeight::Fp8 { w: wq, scales } => {
+                    let (q, s, mpad) = fp8.as_ref().expect("quantised above");
+                    Gemm {
+                        kind: GemmKind::Fp8Block,
+                        n: g.cols.len(),
+                        m: *mpad,
+                        k,
+                        w: self.p(wq),
+                        ldw: k,
+                        x: self.p(q),
+                        ldx: k,
+                        y: yg,
+                        ldy: n,
+                        alpha: 1.0,
+                        beta: 0.0,
+                        w_scale: self.p(scales),
+                        x_scale: self.p(s),
+                    }
+                }
+                GroupWeight::Bf16(wb) => Gemm {
+                    kind: GemmKind::Bf16,
+                    n: g.cols.len(),
+                    m,
+                    k,
+                    w: self.p(wb),
+                    ldw: k,
+                    x: self.p(xs.s()),
+                    ldx: k,
+                    y: yg,
+                    ldy: n,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    w_scale: 0,
+                    x_scale: 0,
+                },
+            };
+            blas.run(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+        }
+        if let Some(b) = &w.bias {
+            if m > 0 {
+                self.launch("add_bias", cfg((grid1(m * n, 256), 1, 1), 256, 0), &[A::P(yp), A::P(self.p(b)), A::L(m as i64), A::I(n as i32)])?;
+            }
+        }
+        for l in &w.loras {
+            if m == 0 {
+                break;
+            }
+            // y[:, cols] += scale · (x·Aᵀ)·Bᵀ, two BF16 GEMMs; the second accumulates (β = 1).
+            let t = self.alloc_bf16(m * l.rank)?;
+            let g1 = Gemm {
+                kind: GemmKind::Bf16,
+                n: l.rank,
+                m,
+                k,
+                w: self.p(&l.a),
+                ldw: k,
+                x: self.p(xs.s()),
+                ldx: k,
+                y: self.p(&t),
+                ldy: l.rank,
+                alpha: 1.0,
+                beta: 0.0,
+                w_scale: 0,
+                x_scale: 0,
+            };
+            blas.run(&g1).context("LoRA A GEMM")?;
+            let g2 = Gemm {
+                kind: GemmKind::Bf16,
+                n: l.cols.len(),
+                m,
+                k: l.rank,
+                w: self.p(&l.b),
+                ldw: l.rank,
+                x: self.p(&t),
+                ldx: l.rank,
+                y: yp + 2 * l.cols.start as u64,
+                ldy: n,
+                alpha: l.scale,
+                beta: 1.0,
+                w_scale: 0,
+                x_scale: 0,
+            };
+            blas.run(&g2).context("LoRA B GEMM")?;
+        }
+        Ok(self.bf16_tensor(y, &[m, n]))
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32, offset: f32) -> Result<CudaTensor> {
+        let d = w.numel();
+        ensure!(d > 0 && x.numel() % d == 0, "rms_norm: {} values do not split into rows of {d}", x.numel());
+        let rows = x.numel() / d;
+        let (xs, ws) = (self.bf16_of(x)?, self.f32_of(w)?);
+        let y = self.alloc_bf16(rows * d)?;
+        if rows > 0 {
+            let block = d.div_ceil(32).clamp(1, 8) as u32 * 32;
+            self.launch(
+                "rms_norm",
+                cfg((rows as u32, 1, 1), block, 0),
+                &[A::P(self.p(xs.s())), A::P(self.p(ws.s())), A::P(self.p(&y)), A::I(d as i32), A::F(eps), A::F(offset)],
+            )?;
+        }
+        Ok(self.bf16_tensor(y, &x.shape))
+    }
+
+    fn layer_norm(&self, x: &CudaTensor, w: &CudaTensor, b: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        let d = w.numel();
+        ensure!(b.numel() == d && d > 0 && x.numel() % d == 0, "layer_norm shapes");
+        let rows = x.numel() / d;
+        let (xs, ws, bs) = (self.bf16_of(x)?, self.f32_of(w)?, self.f32_of(b)?);
+        let y = self.alloc_bf16(rows * d)?;
+        if rows > 0 {
+            let block = d.div_ceil(32).clamp(1, 8) as u32 * 32;
+            self.launch(
+                "layer_norm",
+                cfg((rows as u32, 1, 1), block, 0),
+                &[A::P(self.p(xs.s())), A::P(self.p(ws.s())), A::P(self.p(bs.s())), A::P(self.p(&y)), A::I(d as i32), A::F(eps)],
+            )?;
+        }
+        Ok(self.bf16_tensor(y, &x.shape))
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        ensure!(x.numel() == y.numel(), "add: shapes {:?} and {:?}", x.shape, y.shape);
+        self.make_bf16(x)?;
+        let ys = self.bf16_of(y)?;
+        let n = x.numel();
+        let Buf::Bf16(xb) = &x.buf else { unreachable!() };
+        if n > 0 {
+            self.launch("add_bf16", cfg((grid1(n, 256), 1, 1), 256, 0), &[A::P(self.p(xb)), A::P(self.p(ys.s())), A::L(n as i64)])?;
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
+        let (n, d2) = gate_up.rows_cols();
+        ensure!(d2 % 2 == 0, "swiglu needs an even width");
+        let d = d2 / 2;
+        let gs = self.bf16_of(gate_up)?;
+        let y = self.alloc_bf16(n * d)?;
+        if n * d > 0 {
+            self.launch(
+                "swiglu",
+                cfg((grid1(n * d, 256), 1, 1), 256, 0),
+                &[A::P(self.p(gs.s())), A::P(self.p(&y)), A::L(n as i64), A::I(d as i32)],
+            )?;
+        }
+        Ok(self.bf16_tensor(y, &[n, d]))
+    }
+
+    fn gelu(&self, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
+        self.make_bf16(x)?;
+        let n = x.numel();
+        let Buf::Bf16(xb) = &x.buf else { unreachable!() };
+        if n > 0 {
+            self.launch(
+                "gelu",
+                cfg((grid1(n, 256), 1, 1), 256, 0),
+                &[A::P(self.p(xb)), A::L(n as i64), A::I((kind == Gelu::Tanh) as i32)],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn readout(&self, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {
+        let (m, k) = h.rows_cols();
+        let (rows, wk) = w.rows_cols();
+        ensure!(k == wk, "readout: hidden {k} vs weight width {wk}");
+        if m * rows == 0 {
+            return Ok(vec![0.0; m * rows]);
+        }
+        let (hs, ws) = (self.bf16_of(h)?, self.f32_of(w)?);
+        let y = self.alloc_f32(m * rows)?;
+        self.launch(
+            "readout_f32",
+            cfg((grid1(m * rows * 32, 256), 1, 1), 256, 0),
+            &[A::P(self.p(hs.s())), A::P(self.p(ws.s())), A::P(self.p(&y)), A::I(m as i32), A::I(rows as i32), A::I(k as i32)],
+        )?;
+        Ok(self.inner.stream.clone_dtoh(&y.slice(0..m * rows))?)
+    }
+
+    fn new_kv_cache(&self, dims: &AttentionDims) -> Result<CudaKvCache> {
+        Ok(CudaKvCache { k: None, v: None, width: dims.kv_heads * dims.head_dim, cap: 0, len: 0 })
+    }
+
+    fn kv_len(&self, cache: &CudaKvCache) -> usize {
+        cache.len
+    }
+
+    fn gated_attention(
+        &self,
+        x: &AttentionInputs<CudaTensor>,
+        dims: &AttentionDims,
+        segments: &[Range<usize>],
+        caches: &mut [&mut CudaKvCache],
+    ) -> Result<CudaTensor> {
+        let AttentionDims { heads, kv_heads: kvh, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
+        ensure!(segments.len() == caches.len(), "one cache per segment");
+        let (n, qgw) = x.query_gate.rows_cols();
+        ensure!(qgw == heads * 2 * hd, "query/gate width {qgw} != {}", heads * 2 * hd);
+        ensure!(x.key.rows_cols() == (n, kvh * hd) && x.value.rows_cols() == (n, kvh * hd), "k/v shapes");
+        ensure!(x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot), "rotary table shapes");
+        ensure!(kvh > 0 && heads % kvh == 0, "{heads} heads do not group over {kvh} kv heads");
+        ensure!(hd <= 256 && rot <= hd && rot % 2 == 0, "head_dim {hd} / rotary_dim {rot} not supported (head_dim ≤ 256)");
+        ensure!(x.q_norm.numel() == hd && x.k_norm.numel() == hd, "q/k norm weights must have {hd} values");
+        check_tiling(segments, n)?;
+        for c in caches.iter() {
+            ensure!(c.width == kvh * hd, "KV cache width {} does not match {kvh}×{hd}", c.width);
+        }
+        if n == 0 {
+            return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, heads * hd]));
+        }
+        let (qg, k, v) = (self.bf16_of(x.query_gate)?, self.bf16_of(x.key)?, self.bf16_of(x.value)?);
+        let (qw, kw) = (self.f32_of(x.q_norm)?, self.f32_of(x.k_norm)?);
+        let (cos, sin) = (self.f32_of(x.cos)?, self.f32_of(x.sin)?);
+        let mut meta = Vec::with_capacity(5 * segments.len());
+        for (seg, c) in segments.iter().zip(caches.iter_mut()) {
+            self.reserve_kv(c, c.len + seg.len())?;
+            let (kc, vc) = (c.k.as_ref().expect("reserved"), c.v.as_ref().expect("reserved"));
+            meta.extend([seg.start as i64, seg.len() as i64, self.p(kc) as i64, self.p(vc) as i64, c.len as i64]);
+        }
+        let meta = self.htod(&meta)?;
+        let q = self.alloc_bf16(n * heads * hd)?;
+        self.launch(
+            "attn_prep",
+            cfg((n as u32, 1, 1), 128, 0),
+            &[
+                A::P(self.p(qg.s())),
+                A::L((heads * 2 * hd) as i64),
+                A::I((2 * hd) as i32),
+                A::P(self.p(k.s())),
+                A::L((kvh * hd) as i64),
+                A::P(self.p(v.s())),
+                A::L((kvh * hd) as i64),
+                A::P(self.p(qw.s())),
+                A::P(self.p(kw.s())),
+                A::I(1),
+                A::F(norm_eps),
+                A::P(self.p(cos.s())),
+                A::P(self.p(sin.s())),
+                A::I(rot as i32),
+                A::P(self.p(&meta)),
+                A::I(segments.len() as i32),
+                A::P(self.p(&q)),
+                A::I(heads as i32),
+                A::I(kvh as i32),
+                A::I(hd as i32),
+            ],
+        )?;
+        for (seg, c) in segments.iter().zip(caches.iter_mut()) {
+            c.len += seg.len();
+        }
+        let out = self.alloc_bf16(n * heads * hd)?;
+        // The gate of head h, dim c, row t is query_gate[t, h·2·hd + hd + c].
+        let gate = (self.p(qg.s()) + 2 * hd as u64, heads * 2 * hd, 2 * hd);
+        self.attention_core(&q, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
+        Ok(self.bf16_tensor(out, &[n, heads * hd]))
+    }
+
+    fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<CudaDeltaState> {
+        Ok(CudaDeltaState {
+            conv: self.zeros_f32(dims.conv_kernel.saturating_sub(1) * dims.conv_channels())?,
+            recurrent: self.zeros_f32(dims.value_heads * dims.key_dim * dims.value_dim)?,
+        })
+    }
+
+    fn gated_delta_net(
+        &self,
+        x: &DeltaNetInputs<CudaTensor>,
+        dims: &DeltaNetDims,
+        segments: &[Range<usize>],
+        states: &mut [&mut CudaDeltaState],
+    ) -> Result<CudaTensor> {
+        let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, norm_eps } = *dims;
+        let c = dims.conv_channels();
+        ensure!(segments.len() == states.len(), "one state per segment");
+        let (n, w) = x.qkv.rows_cols();
+        ensure!(w == c, "qkv width {w} != conv channels {c}");
+        ensure!(x.z.rows_cols() == (n, vh * dv) && x.b.rows_cols() == (n, vh) && x.a.rows_cols() == (n, vh), "z/b/a shapes");
+        ensure!(x.conv_weight.numel() == c * kw && kw >= 1, "conv weight shape");
+        ensure!(kh > 0 && vh % kh == 0, "{vh} value heads do not group over {kh} key heads");
+        ensure!(dk <= 128, "DeltaNet key_dim {dk} > 128 is not supported by the CUDA kernels");
+        ensure!(x.a_log.numel() == vh && x.dt_bias.numel() == vh && x.norm_weight.numel() == dv, "A_log/dt_bias/norm shapes");
+        check_tiling(segments, n)?;
+        if n == 0 {
+            return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, vh * dv]));
+        }
+        let (qkv, z, bb, aa, convw) =
+            (self.bf16_of(x.qkv)?, self.bf16_of(x.z)?, self.bf16_of(x.b)?, self.bf16_of(x.a)?, self.bf16_of(x.conv_weight)?);
+        let (alog, dtb, normw) = (self.f32_of(x.a_log)?, self.f32_of(x.dt_bias)?, self.f32_of(x.norm_weight)?);
+        let table = host::chunk_table(segments, host::DELTA_CHUNK);
+        let mut conv_meta = Vec::with_capacity(3 * segments.len());
+        let mut scan_meta = Vec::with_capacity(3 * segments.len());
+        for ((seg, st), &(first, count)) in segments.iter().zip(states.iter()).zip(&table.per_segment) {
+            conv_meta.extend([seg.start as i64, seg.len() as i64, self.p(&st.conv) as i64]);
+            scan_meta.extend([first as i64, count as i64, self.p(&st.recurrent) as i64]);
+        }
+        let (conv_meta, scan_meta, chunks) = (self.htod(&conv_meta)?, self.htod(&scan_meta)?, self.htod(&table.chunks)?);
+        let qn = self.alloc_f32(n * kh * dk)?;
+        let kn = self.alloc_f32(n * kh * dk)?;
+        let vv = self.alloc_f32(n * vh * dv)?;
+        let beta = self.alloc_f32(n * vh)?;
+        let g = self.alloc_f32(n * vh)?;
+        let nseg = segments.len();
+        self.launch(
+            "gdn_conv",
+            cfg((n as u32, 1, 1), 256, 0),
+            &[
+                A::P(self.p(qkv.s())),
+                A::P(self.p(convw.s())),
+                A::I(kw as i32),
+                A::P(self.p(&conv_meta)),
+                A::I(nseg as i32),
+                A::P(self.p(bb.s())),
+                A::P(self.p(aa.s())),
+                A::P(self.p(alog.s())),
+                A::P(self.p(dtb.s())),
+                A::P(self.p(&qn)),
+                A::P(self.p(&kn)),
+                A::P(self.p(&vv)),
+                A::P(self.p(&beta)),
+                A::P(self.p(&g)),
+                A::I(kh as i32),
+                A::I(vh as i32),
+                A::I(dk as i32),
+                A::I(dv as i32),
+            ],
+        )?;
+        self.launch(
+            "gdn_conv_hist",
+            cfg((grid1(c, 256), nseg as u32, 1), 256, 0),
+            &[A::P(self.p(qkv.s())), A::P(self.p(&conv_meta)), A::I(c as i32), A::I(kw as i32)],
+        )?;
+        let core = self.alloc_f32(n * vh * dv)?;
+        if !table.is_empty() {
+            let (prep_smem, scan_smem) = host::delta_smem_bytes(dk);
+            let tp = self.alloc_f32(table.len() * vh * 2 * host::DELTA_CHUNK * host::DELTA_CHUNK)?;
+            self.launch(
+                "gdn_chunk_prep",
+                cfg((table.len() as u32, vh as u32, 1), 256, prep_smem),
+                &[
+                    A::P(self.p(&qn)),
+                    A::P(self.p(&kn)),
+                    A::P(self.p(&beta)),
+                    A::P(self.p(&g)),
+                    A::P(self.p(&chunks)),
+                    A::I(kh as i32),
+                    A::I(vh as i32),
+                    A::I(dk as i32),
+                    A::P(self.p(&tp)),
+                ],
+            )?;
+            self.launch(
+                "gdn_chunk_scan",
+                cfg((nseg as u32, vh as u32, dv.div_ceil(32) as u32), 256, scan_smem),
+                &[
+                    A::P(self.p(&qn)),
+                    A::P(self.p(&kn)),
+                    A::P(self.p(&vv)),
+                    A::P(self.p(&beta)),
+                    A::P(self.p(&g)),
+                    A::P(self.p(&tp)),
+                    A::P(self.p(&chunks)),
+                    A::P(self.p(&scan_meta)),
+                    A::I(kh as i32),
+                    A::I(vh as i32),
+                    A::I(dk as i32),
+                    A::I(dv as i32),
+                    A::P(self.p(&core)),
+                ],
+            )?;
+        }
+        let y = self.alloc_bf16(n * vh * dv)?;
+        let rows = n * vh;
+        self.launch(
+            "rms_norm_gated",
+            cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
+            &[
+                A::P(self.p(&core)),
+                A::P(self.p(z.s())),
+                A::P(self.p(normw.s())),
+                A::P(self.p(&y)),
+                A::L(rows as i64),
+                A::I(dv as i32),
+                A::F(norm_eps),
+            ],
+        )?;
+        Ok(self.bf16_tensor(y, &[n, vh * dv]))
+    }
+
+    fn vision_attention(
+        &self,
+        qkv: &CudaTensor,
+        cos: &CudaTensor,
+        sin: &CudaTensor,
+        heads: usize,
+        segments: &[Range<usize>],
+    ) -> Result<CudaTensor> {
+        let (n, w) = qkv.rows_cols();
+        ensure!(heads > 0 && w % (3 * heads) == 0, "vision qkv width {w} is not 3·heads·head_dim");
+        let hd = w / (3 * heads);
+        let d = heads * hd;
+        ensure!(hd <= 256 && hd % 2 == 0, "vision head_dim {hd} not supported");
+        ensure!(cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd), "vision rotary shapes");
+        check_tiling(segments, n)?;
+        if n == 0 {
+            return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, d]));
+        }
+        let x = self.bf16_of(qkv)?;
+        let (cs, sn) = (self.f32_of(cos)?, self.f32_of(sin)?);
+        let q = self.alloc_bf16(n * d)?;
+        let kb = self.alloc_bf16(n * d)?;
+        let vb = self.alloc_bf16(n * d)?;
+        let mut meta = Vec::with_capacity(5 * segments.len());
+        for s in segments {
+            let off = 2 * (s.start * d) as u64;
+            meta.extend([s.start as i64, s.len() as i64, (self.p(&kb) + off) as i64, (self.p(&vb) + off) as i64, 0]);
+        }
+        let meta = self.htod(&meta)?;
+        let xp = self.p(x.s());
+        let row = (3 * d) as i64;
+        self.launch(
+            "attn_prep",
+            cfg((n as u32, 1, 1), 128, 0),
+            &[
+                A::P(xp),
+                A::L(row),
+                A::I(hd as i32),
+                A::P(xp + 2 * d as u64),
+                A::L(row),
+                A::P(xp + 4 * d as u64),
+                A::L(row),
+                A::P(0),
+                A::P(0),
+                A::I(0),
+                A::F(0.0),
+                A::P(self.p(cs.s())),
+                A::P(self.p(sn.s())),
+                A::I(hd as i32),
+                A::P(self.p(&meta)),
+                A::I(segments.len() as i32),
+                A::P(self.p(&q)),
+                A::I(heads as i32),
+                A::I(heads as i32),
+                A::I(hd as i32),
+            ],
+        )?;
+        let out = self.alloc_bf16(n * d)?;
+        self.attention_core(&q, &meta, segments, heads, heads, hd, false, None, &out)?;
+        Ok(self.bf16_tensor(out, &[n, d]))
+    }
+}

@@ -1,0 +1,174 @@
+//! Answers in the public shapes: imajev's (noul = P(true) + ½·P(unknown); choice/score over the
+//! real options; confidence = concentration × (1 − unknown); `unknown_probability`, `abstained`,
+//! `calibration_version`) or TypeSafe's (the same numbers with imajev's extra fields prefixed
+//! `x_`, and TypeSafe's confidence formulas).
+
+use super::outcome::{known, Outcome};
+use super::prompt::Field;
+use super::request::{ContractMode, DecisionRequest, QuestionKind};
+use serde_json::{json, Map, Value};
+
+/// imajev's confidence: `max(0, (n·p_max − 1)/(n − 1))`, 1 when n < 2.
+pub fn concentration(p: &[f64]) -> f64 {
+    let n = p.len();
+    if n < 2 {
+        return 1.0;
+    }
+    let max = p.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    ((n as f64 * max - 1.0) / (n as f64 - 1.0)).max(0.0)
+}
+
+/// TypeSafe's choice confidence `(max − 1/n)/(1 − 1/n)`.
+pub fn typesafe_choice_confidence(p: &[f64]) -> f64 {
+    let n = p.len() as f64;
+    if p.len() <= 1 {
+        return 1.0;
+    }
+    let max = p.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    (max - 1.0 / n) / (1.0 - 1.0 / n)
+}
+
+/// TypeSafe's score confidence `max(0, 1 − Σ pᵢ·|i − k| / D)`, k the (first) mode,
+/// `D = (1/n)·Σ|i − (n−1)/2|`.
+pub fn typesafe_score_confidence(p: &[f64]) -> f64 {
+    let n = p.len();
+    if n <= 1 {
+        return 1.0;
+    }
+    let mut k = 0;
+    for i in 1..n {
+        if p[i] > p[k] {
+            k = i;
+        }
+    }
+    let spread: f64 = p.iter().enumerate().map(|(i, v)| v * (i as f64 - k as f64).abs()).sum();
+    let d: f64 = (0..n).map(|i| (i as f64 - (n as f64 - 1.0) / 2.0).abs()).sum::<f64>() / n as f64;
+    (1.0 - spread / d).max(0.0)
+}
+
+fn first_max(p: &[f64]) -> usize {
+    let mut k = 0;
+    for i in 1..p.len() {
+        if p[i] > p[k] {
+            k = i;
+        }
+    }
+    k
+}
+
+struct Extras {
+    mode: ContractMode,
+}
+
+impl Extras {
+    fn name(&self, base: &str) -> String {
+        match self.mode {
+            ContractMode::Imajev => base.to_string(),
+            ContractMode::Typesafe => format!("x_{base}"),
+        }
+    }
+
+    fn common(&self, m: &mut Map<String, Value>, o: &Outcome, unknown: f64) {
+        m.insert(self.name("unknown_probability"), json!(unknown));
+        m.insert(self.name("abstained"), json!(o.abstained()));
+        if let Some(v) = &o.calibration_version {
+            m.insert(self.name("calibration_version"), json!(v));
+        }
+    }
+}
+
+/// The `answers` object: one entry per question, in request order.
+pub fn answers(req: &DecisionRequest, fields: &[Field], outcomes: &[Outcome], mode: ContractMode) -> Map<String, Value> {
+    let ex = Extras { mode };
+    let mut out = Map::new();
+    let mut next = 0; // index into fields/outcomes
+    for (qi, q) in req.questions.iter().enumerate() {
+        let mut a = Map::new();
+        match &q.kind {
+            QuestionKind::Noul { .. } => {
+                let o = &outcomes[next];
+                next += 1;
+                let unknown = o.unknown();
+                a.insert("type".into(), json!("noul"));
+                a.insert("noul".into(), json!(o.scores[0] + 0.5 * unknown));
+                ex.common(&mut a, o, unknown);
+            }
+            QuestionKind::Choice { options, .. } => {
+                let o = &outcomes[next];
+                next += 1;
+                let (p, unknown) = known(o);
+                let selected = if o.abstained() { first_max(&p) } else { o.selected };
+                let confidence = match mode {
+                    ContractMode::Imajev => concentration(&p) * (1.0 - unknown),
+                    ContractMode::Typesafe => typesafe_choice_confidence(&p),
+                };
+                let probs: Map<String, Value> = options.iter().zip(&p).map(|((v, _), x)| (v.clone(), json!(x))).collect();
+                a.insert("type".into(), json!("choice"));
+                a.insert("choice".into(), json!(options[selected].0));
+                a.insert("probabilities".into(), Value::Object(probs));
+                a.insert("confidence".into(), json!(confidence));
+                ex.common(&mut a, o, unknown);
+            }
+            QuestionKind::Score { levels, .. } => {
+                let o = &outcomes[next];
+                next += 1;
+                let (p, unknown) = known(o);
+                let score: f64 = p.iter().enumerate().map(|(i, v)| i as f64 * v).sum();
+                let confidence = match mode {
+                    ContractMode::Imajev => concentration(&p) * (1.0 - unknown),
+                    ContractMode::Typesafe => typesafe_score_confidence(&p),
+                };
+                let legend: Map<String, Value> = levels.iter().enumerate().map(|(i, d)| (i.to_string(), json!(d))).collect();
+                let probs: Map<String, Value> = p.iter().enumerate().map(|(i, x)| (i.to_string(), json!(x))).collect();
+                a.insert("type".into(), json!("score"));
+                a.insert("score".into(), json!(score));
+                a.insert("legend".into(), Value::Object(legend));
+                a.insert("probabilities".into(), Value::Object(probs));
+                a.insert("confidence".into(), json!(confidence));
+                ex.common(&mut a, o, unknown);
+            }
+            QuestionKind::Multi { labels, threshold, .. } => {
+                let mut probs = Map::new();
+                let mut unknowns = Map::new();
+                let mut selected = Vec::new();
+                let mut all_abstained = true;
+                for (label, _) in labels {
+                    let o = &outcomes[next];
+                    debug_assert_eq!(fields[next].owner, qi);
+                    next += 1;
+                    let unknown = o.unknown();
+                    let p = o.scores[0] + 0.5 * unknown;
+                    if p > threshold + 1e-9 {
+                        selected.push(json!(label));
+                    }
+                    probs.insert(label.clone(), json!(p));
+                    unknowns.insert(label.clone(), json!(unknown));
+                    all_abstained &= o.abstained();
+                }
+                a.insert("type".into(), json!("multi"));
+                a.insert("labels".into(), Value::Array(selected));
+                a.insert("probabilities".into(), Value::Object(probs));
+                a.insert("threshold".into(), json!(threshold));
+                a.insert(ex.name("unknown_probabilities"), Value::Object(unknowns));
+                a.insert(ex.name("abstained"), json!(all_abstained));
+            }
+        }
+        out.insert(q.id.clone(), Value::Object(a));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn confidence_formulas_match_the_docs() {
+        // TypeSafe docs: {0.88, 0.12, 0.0} → 0.82; score {0, .95, .05} → 0.925.
+        assert!((typesafe_choice_confidence(&[0.88, 0.12, 0.0]) - 0.82).abs() < 1e-12);
+        assert!((typesafe_score_confidence(&[0.0, 0.95, 0.05]) - 0.925).abs() < 1e-12);
+        assert_eq!(concentration(&[0.5, 0.5]), 0.0);
+        assert_eq!(concentration(&[1.0, 0.0, 0.0]), 1.0);
+        assert!((concentration(&[0.6, 0.3, 0.1]) - 0.4).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,65 @@
+//! A validated decision request: the state, the questions (as the model will see them) and the
+//! decoded images. The API layer builds it from the wire format; everything here is already
+//! checked, so planning and answering cannot fail on user input.
+
+use crate::image::PatchedImage;
+use serde_json::Value;
+
+/// Which public contract the answers follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContractMode {
+    /// imajev's answer fields unprefixed and imajev's confidence (concentration × (1 − unknown)).
+    #[default]
+    Imajev,
+    /// imajev's extra answer fields prefixed `x_`, TypeSafe's confidence formulas.
+    Typesafe,
+}
+
+/// One question of a request, in the model's words (instructions and descriptions flattened).
+#[derive(Debug, Clone, PartialEq)]
+pub enum QuestionKind {
+    /// Yes/no; optional descriptions of what counts as yes and as no.
+    Noul { question: String, yes: Option<String>, no: Option<String> },
+    /// One of the options (value, optional description), in request order.
+    Choice { question: String, options: Vec<(String, Option<String>)> },
+    /// Ordered levels 0..n−1 with their descriptions.
+    Score { question: String, levels: Vec<String> },
+    /// Any subset of labels: one noul per label, folded back into one answer.
+    Multi { instructions: String, labels: Vec<(String, Option<String>)>, threshold: f64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Question {
+    /// The client's id: echoed back, never shown to the model.
+    pub id: String,
+    pub kind: QuestionKind,
+}
+
+/// A decoded, preprocessed image of a request.
+#[derive(Debug, Clone)]
+pub struct RequestImage {
+    pub sha256: String,
+    pub width: u32,
+    pub height: u32,
+    pub patched: PatchedImage,
+}
+
+#[derive(Debug, Clone)]
+pub struct DecisionRequest {
+    /// An object or a string (other JSON values were wrapped as `{"state": value}`).
+    pub state: Value,
+    pub questions: Vec<Question>,
+    pub images: Vec<RequestImage>,
+}
+
+impl DecisionRequest {
+    /// `{}` or `""`: the "photo only" case of schema-1.2 calibration.
+    pub fn state_is_empty(&self) -> bool {
+        match &self.state {
+            Value::Object(m) => m.is_empty(),
+            Value::String(s) => s.is_empty(),
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! Runs a decision [`Plan`] on a model: vision once per image, the shared prefix prefilled once,
+//! each question's common tokens once, then every (question, rotation) suffix as forks extended
+//! in packed batches. Only the readout logits leave the engine.
+
+use crate::backend::Backend;
+use crate::decision::Plan;
+use crate::engine::{Qwen35, State};
+use crate::image::PatchedImage;
+use std::time::Instant;
+
+/// How passes are grouped into packed forwards.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchLimits {
+    /// Most suffix tokens in one packed forward.
+    pub max_tokens: usize,
+    /// Most sequences (forks) in one packed forward.
+    pub max_sequences: usize,
+}
+
+impl Default for BatchLimits {
+    fn default() -> Self {
+        BatchLimits { max_tokens: 8192, max_sequences: 64 }
+    }
+}
+
+/// Readout logits of every pass (`logits[field][pass]`) and where the time went.
+#[derive(Debug, Clone, Default)]
+pub struct EngineOutput {
+    pub logits: Vec<Vec<Vec<f32>>>,
+    pub vision_ms: f64,
+    pub prefill_ms: f64,
+    pub questions_ms: f64,
+    pub tokens: usize,
+    pub passes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The caller gave up (deadline passed or client gone) between two steps.
+    #[error("stopped: {0}")]
+    Stopped(&'static str),
+    #[error(transparent)]
+    Engine(#[from] anyhow::Error),
+}
+
+/// What the worker needs from a loaded model, independent of its backend.
+pub trait DecisionEngine: Send {
+    /// Runs a plan; `keep_going` is polled between steps and returns why to stop, if anything.
+    fn run(
+        &self,
+        plan: &Plan,
+        images: &[&PatchedImage],
+        limits: BatchLimits,
+        keep_going: &dyn Fn() -> Result<(), &'static str>,
+    ) -> Result<EngineOutput, RunError>;
+    /// Backend description for `/v1/models` and logs.
+    fn backend_name(&self) -> String;
+    fn readout_rows(&self) -> Option<usize>;
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+impl<B: Backend> DecisionEngine for Qwen35<B> {
+    fn run(
+        &self,
+        plan: &Plan,
+        images: &[&PatchedImage],
+        limits: BatchLimits,
+        keep_going: &dyn Fn() -> Result<(), &'static str>,
+    ) -> Result<EngineOutput, RunError> {
+        let mut out = EngineOutput::default();
+        let t = Instant::now();
+        let feats = self.encode_images(images)?;
+        out.vision_ms = ms(t);
+        keep_going().map_err(RunError::Stopped)?;
+
+        let t = Instant::now();
+        let layout = self.layout(&plan.prefix, images, 0)?;
+        let mut prefix = self.new_state()?;
+        self.forward(&[crate::engine::Segment { layout: &layout, images: &feats }], &mut [&mut prefix])?;
+        prefix.share(&self.backend)?;
+        out.tokens += layout.ids.len();
+        out.prefill_ms = ms(t);
+        keep_going().map_err(RunError::Stopped)?;
+
+        let t = Instant::now();
+        // Per field: the prefix state extended with the tokens all its passes share.
+        let mut field_states: Vec<Option<State<B>>> = (0..plan.fields.len()).map(|_| None).collect();
+        let with_common: Vec<usize> = (0..plan.fields.len()).filter(|&i| !plan.fields[i].common.is_empty()).collect();
+        for chunk in batches(&with_common, |&i| plan.fields[i].common.len(), limits) {
+            let mut states: Vec<State<B>> = chunk.iter().map(|_| prefix.fork()).collect();
+            let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| plan.fields[i].common.as_slice()).collect();
+            self.extend(&mut states, &suffixes)?;
+            out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
+            for (&i, mut s) in chunk.iter().zip(states) {
+                s.share(&self.backend)?;
+                field_states[i] = Some(s);
+            }
+            keep_going().map_err(RunError::Stopped)?;
+        }
+        // Every pass: a fork of its field's state, extended with its suffix.
+        let passes: Vec<(usize, usize)> =
+            plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
+        out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
+        for chunk in batches(&passes, |&(f, p)| plan.fields[f].passes[p].suffix.len(), limits) {
+            let mut states: Vec<State<B>> =
+                chunk.iter().map(|&(f, _)| field_states[f].as_ref().unwrap_or(&prefix).fork()).collect();
+            let suffixes: Vec<&[u32]> = chunk.iter().map(|&(f, p)| plan.fields[f].passes[p].suffix.as_slice()).collect();
+            let hidden = self.extend(&mut states, &suffixes)?;
+            let logits = self.readout(&hidden)?;
+            out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
+            for (&(f, p), l) in chunk.iter().zip(logits) {
+                out.logits[f][p] = l;
+            }
+            out.passes += chunk.len();
+            keep_going().map_err(RunError::Stopped)?;
+        }
+        out.questions_ms = ms(t);
+        Ok(out)
+    }
+
+    fn backend_name(&self) -> String {
+        self.backend.describe()
+    }
+
+    fn readout_rows(&self) -> Option<usize> {
+        Qwen35::readout_rows(self)
+    }
+}
+
+/// Splits items into consecutive batches within the limits (an item larger than the token
+/// limit gets a batch of its own).
+fn batches<T: Copy>(items: &[T], tokens: impl Fn(&T) -> usize, limits: BatchLimits) -> Vec<Vec<T>> {
+    let mut out: Vec<Vec<T>> = Vec::new();
+    let mut cur: Vec<T> = Vec::new();
+    let mut cur_tokens = 0;
+    for it in items {
+        let n = tokens(it);
+        if !cur.is_empty() && (cur.len() >= limits.max_sequences.max(1) || cur_tokens + n > limits.max_tokens) {
+            out.push(std::mem::take(&mut cur));
+            cur_tokens = 0;
+        }
+        cur.push(*it);
+        cur_tokens += n;
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_respect_limits() {
+        let items: Vec<usize> = vec![3, 3, 3, 10, 1, 1];
+        let b = batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2 });
+        assert_eq!(b, vec![vec![3, 3], vec![3], vec![10], vec![1, 1]]);
+    }
+}
