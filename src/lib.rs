@@ -9,3 +9,4 @@ pub mod tokenizer;
 pub mod cli;
 pub mod decision;
 pub mod worker;
+pub mod serve;

@@ -1,0 +1,172 @@
+//! Composition root of a serving process: resolves the model and adapter (or builds the demo),
+//! builds the decision layer from the adapter's files, and starts the engine thread, which loads
+//! the weights in the background so the HTTP side can answer `503 loading` meanwhile.
+
+use crate::backend::cpu::CpuBackend;
+use crate::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
+use crate::engine::adapter::{readout_path, ReadoutFile};
+use crate::engine::synth::{self, SynthDtype};
+use crate::engine::{ModelConfig, Qwen35};
+use crate::image::ImageProcessorConfig;
+use crate::tokenizer::QwenTokenizer;
+use crate::worker::{self, BatchLimits, DecisionEngine, EngineMetrics, WorkerHandle};
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Which backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// CUDA when a usable GPU is present, else CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// Everything that decides which model answers and how.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// None: the built-in demo model.
+    pub model: Option<PathBuf>,
+    pub adapter: Option<PathBuf>,
+    pub calibration: Option<PathBuf>,
+    pub rotations: usize,
+    pub max_input_tokens: usize,
+    pub device: Device,
+    pub model_name: Option<String>,
+    pub contract: ContractMode,
+    pub queue_depth: usize,
+    pub batch: BatchLimits,
+}
+
+/// What `/v1/models` reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelInfo {
+    pub model: String,
+    pub model_dir: String,
+    pub adapter: Option<String>,
+    pub readout_codes: usize,
+    pub max_options: usize,
+    pub prompt_layout: &'static str,
+    pub rotations: usize,
+    pub calibration_version: Option<String>,
+    pub contract: ContractMode,
+    pub demo: bool,
+}
+
+pub struct Service {
+    pub decider: Arc<Decider>,
+    pub worker: WorkerHandle,
+    pub engine_thread: JoinHandle<()>,
+    pub image_config: ImageProcessorConfig,
+    pub info: ModelInfo,
+    pub registry: prometheus::Registry,
+    /// Keeps the demo checkpoint's temporary folder alive.
+    _demo: Option<tempfile::TempDir>,
+}
+
+/// The demo bundle: the tiny synthetic Qwen3.5 (real tokenizer, random weights) and an
+/// imajev-style adapter with a 256-code readout, written to a temporary folder.
+pub fn demo_bundle() -> Result<(tempfile::TempDir, PathBuf, PathBuf)> {
+    let dir = tempfile::Builder::new().prefix("imajev-demo-").tempdir()?;
+    let cfg = synth::preset("tiny")?;
+    let model = dir.path().join("model");
+    let adapter = dir.path().join("adapter");
+    synth::write_model(&cfg, SynthDtype::Bf16, 20261202, &model)?;
+    synth::write_adapter(&cfg, 8, 16.0, 256, 20261202, &adapter)?;
+    Codebook::derive(&QwenTokenizer::builtin()?, 256)?.write(&adapter.join("decision_readout.json"))?;
+    Ok((dir, model, adapter))
+}
+
+const DEMO_NOTICE: &str = "\n\
+==============================================================================\n\
+  DEMO MODE: no --model given. Serving a tiny RANDOM-WEIGHT Qwen3.5 with the\n\
+  real tokenizer. The API is real; the ANSWERS ARE MEANINGLESS. Point --model\n\
+  at Qwen/Qwen3.5-4B and --adapter at mohit67890/imajev-4b to serve decisions.\n\
+==============================================================================";
+
+/// Builds the decision layer and starts the engine thread.
+pub fn start(opts: &ServeOptions) -> Result<Service> {
+    let (demo, model_dir, adapter_dir) = match (&opts.model, &opts.adapter) {
+        (Some(m), a) => (None, m.clone(), a.clone()),
+        (None, Some(_)) => bail!("--adapter needs --model (the base checkpoint it adapts)"),
+        (None, None) => {
+            let (d, m, a) = demo_bundle().context("building the demo model")?;
+            eprintln!("{DEMO_NOTICE}");
+            tracing::warn!("demo mode: random weights, meaningless answers");
+            (Some(d), m, Some(a))
+        }
+    };
+    let adapter_dir = adapter_dir.ok_or_else(|| {
+        anyhow::anyhow!("--adapter is required: decisions are read by the adapter's decision_readout.safetensors")
+    })?;
+    if !model_dir.join("config.json").exists() {
+        bail!("{} has no config.json; --model must be a Hugging Face model folder", model_dir.display());
+    }
+    let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let tokenizer = Arc::new(QwenTokenizer::from_model_dir(&model_dir)?);
+    let readout = readout_path(&adapter_dir);
+    if !readout.exists() {
+        bail!("{} is missing: the adapter folder must hold the decision readout", readout.display());
+    }
+    let rows = ReadoutFile::open(&readout, config.text_config.hidden_size)?.rows();
+    let codebook = Codebook::for_adapter(&adapter_dir, &tokenizer, rows)?;
+    let calibration = opts.calibration.as_deref().map(Calibration::load).transpose()?;
+    let model_name = opts.model_name.clone().unwrap_or_else(|| if demo.is_some() { "imajev-demo".into() } else { "imajev-4b".into() });
+    let settings = DecisionSettings {
+        rotations: opts.rotations.max(1),
+        calibration: calibration.clone(),
+        mode: opts.contract,
+        max_input_tokens: opts.max_input_tokens,
+        model_name: model_name.clone(),
+    };
+    let decider = Arc::new(Decider::new(tokenizer, codebook, settings));
+    let info = ModelInfo {
+        model: model_name,
+        model_dir: model_dir.display().to_string(),
+        adapter: Some(adapter_dir.display().to_string()),
+        readout_codes: rows,
+        max_options: decider.max_options(),
+        prompt_layout: "standard",
+        rotations: opts.rotations.max(1),
+        calibration_version: calibration.map(|c| c.version),
+        contract: opts.contract,
+        demo: demo.is_some(),
+    };
+    let image_config = ImageProcessorConfig::from_model_dir(&model_dir)?;
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(EngineMetrics::new(&registry)?);
+    metrics.weight_bytes.set(dir_bytes(&model_dir) as i64);
+    let device = opts.device;
+    let (m, a) = (model_dir.clone(), adapter_dir.clone());
+    let (worker, engine_thread) = worker::spawn(
+        move || load_engine(device, &m, &a),
+        opts.queue_depth,
+        opts.batch,
+        metrics,
+    );
+    Ok(Service { decider, worker, engine_thread, image_config, info, registry, _demo: demo })
+}
+
+/// Loads the model on the requested device.
+pub fn load_engine(device: Device, model: &Path, adapter: &Path) -> Result<Box<dyn DecisionEngine>> {
+    match device {
+        Device::Cuda => bail!("--device cuda: the CUDA backend is not available in this build; use --device cpu"),
+        Device::Auto | Device::Cpu => Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?)),
+    }
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|it| {
+            it.filter_map(|e| e.ok())
+                .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
