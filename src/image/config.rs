@@ -67,19 +67,28 @@ struct SizeJson {
 }
 
 /// Accepts a scalar where transformers accepts one for mean/std (broadcast to 3 channels).
+/// (Read through `serde_json::Value`: untagged enums cannot see numbers when serde_json keeps
+/// arbitrary-precision literals, as this crate does.)
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum Triple {
-    One(f64),
-    Three([f64; 3]),
+#[serde(try_from = "serde_json::Value")]
+struct Triple([f64; 3]);
+
+impl TryFrom<serde_json::Value> for Triple {
+    type Error = String;
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        if let Some(x) = v.as_f64() {
+            return Ok(Triple([x; 3]));
+        }
+        match v.as_array().map(|a| a.iter().map(|x| x.as_f64()).collect::<Option<Vec<f64>>>()) {
+            Some(Some(a)) if a.len() == 3 => Ok(Triple([a[0], a[1], a[2]])),
+            _ => Err(format!("expected a number or 3 numbers, got {v}")),
+        }
+    }
 }
 
 impl Triple {
     fn get(self) -> [f64; 3] {
-        match self {
-            Triple::One(v) => [v; 3],
-            Triple::Three(v) => v,
-        }
+        self.0
     }
 }
 

@@ -128,6 +128,10 @@ pub fn rotate_half_inplace(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 ///
 /// `q`: `[nq, heads, hd]`; each part of `k`, `v`: `[rows, kv_heads, hd]`, `nk` rows in all; query
 /// `t` sees keys `0..=nk − nq + t` when `causal`, all keys otherwise. Output `[nq, heads, hd]`.
+///
+/// Per head and block of queries: scores `Q·Kᵀ` and `P·V` through the `gemm` crate (strided
+/// views, no copies), softmax in f32 between them; heads run in parallel, each with a fixed
+/// reduction order, so results do not depend on the thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_parts(
     q: &[f32],
@@ -139,52 +143,125 @@ pub fn attention_parts(
     hd: usize,
     causal: bool,
 ) -> Vec<f32> {
+    const BLOCK: usize = 128;
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let w = kv_heads * hd;
     let nk: usize = k.iter().map(|p| p.len() / w).sum();
     let offset = nk - nq;
+    let qs = heads * hd;
+    // Per head: [nq, hd] results, later interleaved into [nq, heads, hd].
+    let per_head: Vec<Vec<f32>> = (0..heads)
+        .into_par_iter()
+        .map(|h| {
+            let kvh = h / group;
+            let mut o = vec![0f32; nq * hd];
+            let mut scores = Vec::new();
+            for t0 in (0..nq).step_by(BLOCK) {
+                let rows = BLOCK.min(nq - t0);
+                // Keys any row of this block may see.
+                let visible = if causal { offset + t0 + rows } else { nk };
+                scores.clear();
+                scores.resize(rows * visible, 0f32);
+                let mut col = 0;
+                for part in k {
+                    if col >= visible {
+                        break;
+                    }
+                    let n = (part.len() / w).min(visible - col);
+                    if n == 0 {
+                        continue;
+                    }
+                    // SAFETY: q rows t0..t0+rows of head h (stride heads·hd), the part's first n
+                    // rows of kv head kvh (stride w), and columns col..col+n of `scores`
+                    // (stride visible) are all in bounds.
+                    unsafe {
+                        gemm::gemm(
+                            rows,
+                            n,
+                            hd,
+                            scores.as_mut_ptr().add(col),
+                            1,
+                            visible as isize,
+                            false,
+                            q.as_ptr().add(t0 * qs + h * hd),
+                            1,
+                            qs as isize,
+                            part.as_ptr().add(kvh * hd),
+                            w as isize,
+                            1,
+                            0.0,
+                            scale,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    col += n;
+                }
+                for r in 0..rows {
+                    let row = &mut scores[r * visible..(r + 1) * visible];
+                    let lim = if causal { offset + t0 + r + 1 } else { nk };
+                    let mut max = f32::NEG_INFINITY;
+                    for x in &row[..lim] {
+                        max = max.max(*x);
+                    }
+                    let mut denom = 0f32;
+                    for x in row[..lim].iter_mut() {
+                        *x = (*x - max).exp();
+                        denom += *x;
+                    }
+                    for x in row[..lim].iter_mut() {
+                        *x /= denom;
+                    }
+                    row[lim..].fill(0.0);
+                }
+                let mut col = 0;
+                for part in v {
+                    if col >= visible {
+                        break;
+                    }
+                    let n = (part.len() / w).min(visible - col);
+                    if n == 0 {
+                        continue;
+                    }
+                    // SAFETY: as above; the output block is rows t0..t0+rows of `o`.
+                    unsafe {
+                        gemm::gemm(
+                            rows,
+                            hd,
+                            n,
+                            o.as_mut_ptr().add(t0 * hd),
+                            1,
+                            hd as isize,
+                            col > 0,
+                            scores.as_ptr().add(col),
+                            1,
+                            visible as isize,
+                            part.as_ptr().add(kvh * hd),
+                            1,
+                            w as isize,
+                            1.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    col += n;
+                }
+            }
+            o
+        })
+        .collect();
     let mut out = vec![0f32; nq * heads * hd];
-    // Parallel over (query, head) rows; each row's reduction order is fixed.
-    out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
-        let t = row / heads;
-        let h = row % heads;
-        let kvh = h / group;
-        let qv = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-        let visible = if causal { offset + t + 1 } else { nk };
-        let mut scores = Vec::with_capacity(visible);
-        let mut max = f32::NEG_INFINITY;
-        'keys: for part in k {
-            for r in 0..part.len() / w {
-                if scores.len() == visible {
-                    break 'keys;
-                }
-                let kv = &part[r * w + kvh * hd..r * w + (kvh + 1) * hd];
-                let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                max = max.max(s);
-                scores.push(s);
-            }
+    for (h, o) in per_head.iter().enumerate() {
+        for t in 0..nq {
+            out[(t * heads + h) * hd..(t * heads + h + 1) * hd].copy_from_slice(&o[t * hd..(t + 1) * hd]);
         }
-        let mut denom = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            denom += *s;
-        }
-        let mut j = 0;
-        'values: for part in v {
-            for r in 0..part.len() / w {
-                if j == visible {
-                    break 'values;
-                }
-                let p = scores[j] / denom;
-                let vv = &part[r * w + kvh * hd..r * w + (kvh + 1) * hd];
-                for (oo, &x) in o.iter_mut().zip(vv) {
-                    *oo += p * x;
-                }
-                j += 1;
-            }
-        }
-    });
+    }
     out
 }
 
