@@ -2,15 +2,18 @@
 // CPU twins: CpuBackend::{gated_attention, vision_attention} and kernels::{rms_norm,
 // rotate_half_inplace, attention} (src/backend/cpu).
 //
-// Segment table, 5 x i64 per sequence of the packed batch:
-//   [q_start, nq, k_ptr, v_ptr, base_len]
-// The sequence's query rows are q_start .. q_start+nq of the batch; its keys/values live at k_ptr /
-// v_ptr as [capacity, kv_heads, hd] bf16 with rows 0 .. base_len+nq valid after attn_prep appended
-// the new ones. Causal: query i (0-based within the sequence) sees keys 0 ..= base_len + i.
+// Segment table, SEG = 8 x i64 per sequence of the packed batch:
+//   [q_start, nq, k_shared, v_shared, shared_len, k_own, v_own, own_len]
+// The sequence's query rows are q_start .. q_start+nq of the batch. Its keys/values are
+// shared_len rows of an immutable shared prefix (k_shared / v_shared, may be 0 rows) followed by
+// its own rows at k_own / v_own, each [rows, kv_heads, hd] bf16; attn_prep appends the new keys
+// at own row own_len + i, so key j of the sequence is shared row j (j < shared_len) or own row
+// j - shared_len. Causal: query i sees keys 0 ..= shared_len + own_len + i.
+#define SEG 8
 
 __device__ __forceinline__ int find_segment(const i64* segs, int nseg, i64 t) {
   for (int s = 0; s < nseg; s++)
-    if (t >= segs[5 * s] && t < segs[5 * s] + segs[5 * s + 1]) return s;
+    if (t >= segs[SEG * s] && t < segs[SEG * s] + segs[SEG * s + 1]) return s;
   return -1;
 }
 
@@ -27,9 +30,9 @@ extern "C" __global__ void attn_prep(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int s = find_segment(segs, nseg, t);
   if (s < 0) return;
-  const i64 krow = segs[5 * s + 4] + (t - segs[5 * s]);
-  bf16* kc = (bf16*)segs[5 * s + 2];
-  bf16* vc = (bf16*)segs[5 * s + 3];
+  const i64 krow = segs[SEG * s + 7] + (t - segs[SEG * s]);
+  bf16* kc = (bf16*)segs[SEG * s + 5];
+  bf16* vc = (bf16*)segs[SEG * s + 6];
   const int half = rot / 2;
   float* b = sb[warp];
   for (int u = warp; u < heads + 2 * kvh; u += 4) {
@@ -82,22 +85,33 @@ __device__ __forceinline__ unsigned pack_bf(bf16 lo, bf16 hi) {
   return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
 }
 
-// rows x HDP tile from src (row r at src + r*stride, hd valid columns, `valid` valid rows) into
-// shared memory with leading dimension LD; everything else zero.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+// Tile of `rows` rows x HDP columns into shared memory (leading dimension LD), zero-filled past
+// `valid` rows and hd columns. Row r is row j0 + r of a sequence stored as `alen` rows at `a`
+// followed by rows at `b` (row stride `stride` elements in both); `b` must be a valid address
+// (zero-filled copies still name one).
 template <int HDP, int LD>
-__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, i64 stride, int valid, int hd, int rows) {
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* a, int alen, const bf16* b, i64 stride, int j0,
+                                          int valid, int hd, int rows) {
   if ((hd & 7) == 0) {
     constexpr int V = HDP / 8;
     for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
-      int r = i / V, c = (i % V) * 8;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < valid && c < hd) v = *(const uint4*)(src + r * stride + c);
-      *(uint4*)(dst + r * LD + c) = v;
+      int r = i / V, c = (i % V) * 8, j = j0 + r;
+      bool ok = r < valid && c < hd;
+      const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + c : b + (i64)(j - alen) * stride + c;
+      cp_async16(dst + r * LD + c, src, ok);  // all of a thread's copies in flight at once
     }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
   } else {
     for (int i = threadIdx.x; i < rows * HDP; i += blockDim.x) {
-      int r = i / HDP, c = i % HDP;
-      dst[r * LD + c] = (r < valid && c < hd) ? src[r * stride + c] : __float2bfloat16(0.f);
+      int r = i / HDP, c = i % HDP, j = j0 + r;
+      bf16 v = __float2bfloat16(0.f);
+      if (r < valid && c < hd) v = j < alen ? a[(i64)j * stride + c] : b[(i64)(j - alen) * stride + c];
+      dst[r * LD + c] = v;
     }
   }
 }
@@ -111,12 +125,11 @@ __device__ void attn_fwd(const bf16* q, const i64* segs, int heads, int kvh, int
   bf16* Ks = Qs + BQ * LD;
   bf16* Vs = Ks + BK * LD;
   const int tile = blockIdx.x, h = blockIdx.y;
-  const i64* sg = segs + 5 * blockIdx.z;
+  const i64* sg = segs + SEG * blockIdx.z;
   const i64 q_start = sg[0];
   const int nq = (int)sg[1];
-  const bf16* kc = (const bf16*)sg[2];
-  const bf16* vc = (const bf16*)sg[3];
-  const int kvlen = (int)sg[4] + nq;
+  const int shared_len = (int)sg[4];
+  const int kvlen = shared_len + (int)sg[7] + nq;
   if (tile * BQ >= nq) return;
   const int g = h / (heads / kvh);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
@@ -125,7 +138,12 @@ __device__ void attn_fwd(const bf16* q, const i64* segs, int heads, int kvh, int
   const int qlast = min(nq, qbase + BQ) - 1;
   const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
 
-  load_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, (i64)heads * hd, nq - qbase, hd, BQ);
+  load_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
+  const i64 kstride = (i64)kvh * hd;
+  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
+  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
+  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
+  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
 
   float o[NT][4];
 #pragma unroll
@@ -136,9 +154,8 @@ __device__ void attn_fwd(const bf16* q, const i64* segs, int heads, int kvh, int
 
   for (int kt = 0; kt * BK < klimit; kt++) {
     __syncthreads();
-    const i64 kstride = (i64)kvh * hd;
-    load_tile<HDP, LD>(Ks, kc + ((i64)kt * BK * kvh + g) * hd, kstride, kvlen - kt * BK, hd, BK);
-    load_tile<HDP, LD>(Vs, vc + ((i64)kt * BK * kvh + g) * hd, kstride, kvlen - kt * BK, hd, BK);
+    load_tile<HDP, LD>(Ks, ks_, shared_len, ko_, kstride, kt * BK, kvlen - kt * BK, hd, BK);
+    load_tile<HDP, LD>(Vs, vs_, shared_len, vo_, kstride, kt * BK, kvlen - kt * BK, hd, BK);
     __syncthreads();
 
     // S = Q K^T for 16 rows x 64 keys per warp.

@@ -15,6 +15,18 @@ __device__ __forceinline__ int find_seg3(const i64* segs, int nseg, i64 t) {
   return -1;
 }
 
+// Asynchronous global -> shared copies (sm_80+), zero-filled when !valid (gmem must still be a
+// mapped address). cp_async_wait_all() waits for all of this thread's copies.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Causal depthwise conv + SiLU of channel c at sequence position i (history for i + j - (kw-1) < 0).
 __device__ __forceinline__ float conv_silu(const bf16* qkv, i64 row0, int i, int C, const float* hist,
                                            const bf16* w, int kw, int c) {
@@ -94,7 +106,8 @@ extern "C" __global__ void gdn_conv_hist(const bf16* qkv, const i64* segs, int C
 // chunk's length are zero (beta = g = 0), so they add nothing.
 extern "C" __global__ void gdn_chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
                                           const int* chunks, int kh, int vh, int dk, float* tp) {
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float smem_prep[];
+  float* sm = smem_prep;
   const int ld = dk + 1;
   float* Kc = sm;
   float* Qc = Kc + CHUNK * ld;
@@ -108,13 +121,15 @@ extern "C" __global__ void gdn_chunk_prep(const float* qn, const float* kn, cons
   for (int idx = threadIdx.x; idx < CHUNK * dk; idx += blockDim.x) {
     int i = idx / dk, d = idx % dk;
     bool ok = i < len;
-    Kc[i * ld + d] = ok ? kn[((row0 + i) * kh + hk) * dk + d] : 0.f;
-    Qc[i * ld + d] = ok ? qn[((row0 + i) * kh + hk) * dk + d] : 0.f;
+    i64 src = ok ? ((row0 + i) * kh + hk) * dk + d : 0;
+    cp_async4(Kc + i * ld + d, kn + src, ok);
+    cp_async4(Qc + i * ld + d, qn + src, ok);
   }
   for (int i = threadIdx.x; i < CHUNK; i += blockDim.x) {
     bet[i] = i < len ? beta[(row0 + i) * vh + hv] : 0.f;
     gam[i] = i < len ? g[(row0 + i) * vh + hv] : 0.f;
   }
+  cp_async_wait_all();
   __syncthreads();
   if (threadIdx.x == 0)
     for (int i = 1; i < CHUNK; i++) gam[i] += gam[i - 1];
@@ -150,27 +165,32 @@ extern "C" __global__ void gdn_chunk_prep(const float* qn, const float* kn, cons
 //   Vn   = T R                                        (= U - W S of the WY form)
 //   O_i  = e^{gamma_i} q_i S + sum_{j<=i} P_ij Vn_j
 //   S   <- e^{gamma_last} S + sum_i e^{gamma_last - gamma_i} k_i^T Vn_i
-// O is written in f32 to out [n, vh, dv]. Block of 256 threads: 8 warps x 32 columns.
-extern "C" __global__ void gdn_chunk_scan(const float* qn, const float* kn, const float* v, const float* beta,
-                                          const float* g, const float* tp, const int* chunks, const i64* segs,
-                                          int kh, int vh, int dk, int dv, float* out) {
-  extern __shared__ float sm[];
-  float* S = sm;                   // [dk][32]
-  float* Kc = S + dk * 32;         // [64][dk]
-  float* Qc = Kc + CHUNK * dk;     // [64][dk]
-  float* Tm = Qc + CHUNK * dk;     // [64][64]
+// O is written in f32 to out [n, vh, dv]. Block of 256 threads = 8 warps; a thread owns value
+// column c = lane and 8 rows of the chunk (i0 = 8*warp) or DK/8 rows of the state (d0 = warp*DK/8).
+// Chunk inputs are staged with cp.async (16-byte, zero-filled past the chunk / the columns);
+// dk and dv are multiples of 4 (checked by the host).
+
+template <int DK>
+__device__ void chunk_scan(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
+                           const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
+  extern __shared__ __align__(16) float smem_scan[];
+  float* S = smem_scan;            // [DK][32]
+  float* Kc = S + DK * 32;         // [64][DK]
+  float* Qc = Kc + CHUNK * DK;     // [64][DK]
+  float* Tm = Qc + CHUNK * DK;     // [64][64]
   float* Pm = Tm + CHUNK * CHUNK;  // [64][64]
   float* R = Pm + CHUNK * CHUNK;   // [64][32]
   float* Vn = R + CHUNK * 32;      // [64][32]
   float* gam = Vn + CHUNK * 32;
   float* bet = gam + CHUNK;
   float* fac = bet + CHUNK;
+  constexpr int PD = DK / 8;       // state rows per thread
   const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh);
   const int first = (int)segs[3 * s], nch = (int)segs[3 * s + 1];
-  float* state = (float*)segs[3 * s + 2] + (i64)hv * dk * dv;
+  float* state = (float*)segs[3 * s + 2] + (i64)hv * DK * dv;
   const int ncols = min(32, dv - c0);
-  const int c = threadIdx.x & 31, w = threadIdx.x >> 5, i0 = w * 8;
-  for (int idx = threadIdx.x; idx < dk * 32; idx += blockDim.x) {
+  const int c = threadIdx.x & 31, w = threadIdx.x >> 5, i0 = w * 8, d0 = w * PD;
+  for (int idx = threadIdx.x; idx < DK * 32; idx += blockDim.x) {
     int d = idx / 32, cc = idx % 32;
     S[idx] = cc < ncols ? state[(i64)d * dv + c0 + cc] : 0.f;
   }
@@ -178,40 +198,46 @@ extern "C" __global__ void gdn_chunk_scan(const float* qn, const float* kn, cons
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < CHUNK * dk; idx += blockDim.x) {
-      int i = idx / dk, d = idx % dk;
+    for (int idx = threadIdx.x; idx < CHUNK * DK / 4; idx += blockDim.x) {
+      int i = idx / (DK / 4), d = (idx % (DK / 4)) * 4;
       bool ok = i < len;
-      Kc[idx] = ok ? kn[((row0 + i) * kh + hk) * dk + d] : 0.f;
-      Qc[idx] = ok ? qn[((row0 + i) * kh + hk) * dk + d] : 0.f;
+      i64 src = ok ? ((row0 + i) * kh + hk) * DK + d : 0;
+      cp_async16(Kc + i * DK + d, kn + src, ok);
+      cp_async16(Qc + i * DK + d, qn + src, ok);
     }
     const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
-    for (int idx = threadIdx.x; idx < CHUNK * CHUNK; idx += blockDim.x) {
-      Tm[idx] = Tg[idx];
-      Pm[idx] = Tg[CHUNK * CHUNK + idx];
+    for (int idx = threadIdx.x; idx < CHUNK * CHUNK / 4; idx += blockDim.x) {
+      cp_async16(Tm + 4 * idx, Tg + 4 * idx, true);
+      cp_async16(Pm + 4 * idx, Tg + CHUNK * CHUNK + 4 * idx, true);
     }
-    for (int idx = threadIdx.x; idx < CHUNK * 32; idx += blockDim.x) {
-      int i = idx / 32, cc = idx % 32;
-      R[idx] = (i < len && cc < ncols) ? v[((row0 + i) * vh + hv) * dv + c0 + cc] : 0.f;
+    for (int idx = threadIdx.x; idx < CHUNK * 8; idx += blockDim.x) {
+      int i = idx / 8, cc = (idx % 8) * 4;
+      bool ok = i < len && cc < ncols;
+      cp_async16(R + i * 32 + cc, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + cc : 0), ok);
     }
     for (int i = threadIdx.x; i < CHUNK; i += blockDim.x) {
       bet[i] = i < len ? beta[(row0 + i) * vh + hv] : 0.f;
       gam[i] = i < len ? g[(row0 + i) * vh + hv] : 0.f;
     }
+    cp_async_wait_all();
     __syncthreads();
     if (threadIdx.x == 0)
       for (int i = 1; i < CHUNK; i++) gam[i] += gam[i - 1];
     __syncthreads();
     if (threadIdx.x < CHUNK) fac[threadIdx.x] = expf(gam[CHUNK - 1] - gam[threadIdx.x]);
-    // k S and q S for this thread's 8 rows and column c.
+    // k S and q S for rows i0..i0+7, column c.
     float ks[8], qs[8];
 #pragma unroll
     for (int r = 0; r < 8; r++) ks[r] = qs[r] = 0.f;
-    for (int d = 0; d < dk; d++) {
-      float sv = S[d * 32 + c];
+#pragma unroll 4
+    for (int d = 0; d < DK; d += 4) {
+      const float s0 = S[d * 32 + c], s1 = S[(d + 1) * 32 + c], s2 = S[(d + 2) * 32 + c], s3 = S[(d + 3) * 32 + c];
 #pragma unroll
       for (int r = 0; r < 8; r++) {
-        ks[r] += Kc[(i0 + r) * dk + d] * sv;
-        qs[r] += Qc[(i0 + r) * dk + d] * sv;
+        const float4 kv = *(const float4*)(Kc + (i0 + r) * DK + d);
+        const float4 qv = *(const float4*)(Qc + (i0 + r) * DK + d);
+        ks[r] += kv.x * s0 + kv.y * s1 + kv.z * s2 + kv.w * s3;
+        qs[r] += qv.x * s0 + qv.y * s1 + qv.z * s2 + qv.w * s3;
       }
     }
 #pragma unroll
@@ -220,32 +246,76 @@ extern "C" __global__ void gdn_chunk_scan(const float* qn, const float* kn, cons
       R[i * 32 + c] = bet[i] * (R[i * 32 + c] - expf(gam[i]) * ks[r]);
     }
     __syncthreads();
+    // Vn = T R (T is unit lower triangular with exact zeros above the diagonal).
+    float acc[8];
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-      int i = i0 + r;
-      float acc = 0.f;
-      for (int j = 0; j <= i; j++) acc += Tm[i * CHUNK + j] * R[j * 32 + c];
-      Vn[i * 32 + c] = acc;
+    for (int r = 0; r < 8; r++) acc[r] = 0.f;
+    for (int j = 0; j < i0 + 8; j += 4) {
+      const float r0 = R[j * 32 + c], r1 = R[(j + 1) * 32 + c], r2 = R[(j + 2) * 32 + c], r3 = R[(j + 3) * 32 + c];
+#pragma unroll
+      for (int r = 0; r < 8; r++) {
+        const float4 t = *(const float4*)(Tm + (i0 + r) * CHUNK + j);
+        acc[r] += t.x * r0 + t.y * r1 + t.z * r2 + t.w * r3;
+      }
     }
+#pragma unroll
+    for (int r = 0; r < 8; r++) Vn[(i0 + r) * 32 + c] = acc[r];
     __syncthreads();
+    // O = e^gamma (q S) + P Vn (P is zero above the diagonal).
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-      int i = i0 + r;
-      if (i >= len || c >= ncols) continue;
-      float acc = expf(gam[i]) * qs[r];
-      for (int j = 0; j <= i; j++) acc += Pm[i * CHUNK + j] * Vn[j * 32 + c];
-      out[((row0 + i) * vh + hv) * dv + c0 + c] = acc;
+    for (int r = 0; r < 8; r++) acc[r] = expf(gam[i0 + r]) * qs[r];
+    for (int j = 0; j < i0 + 8; j += 4) {
+      const float v0 = Vn[j * 32 + c], v1 = Vn[(j + 1) * 32 + c], v2 = Vn[(j + 2) * 32 + c], v3 = Vn[(j + 3) * 32 + c];
+#pragma unroll
+      for (int r = 0; r < 8; r++) {
+        const float4 p = *(const float4*)(Pm + (i0 + r) * CHUNK + j);
+        acc[r] += p.x * v0 + p.y * v1 + p.z * v2 + p.w * v3;
+      }
     }
+    if (c < ncols) {
+#pragma unroll
+      for (int r = 0; r < 8; r++)
+        if (i0 + r < len) out[((row0 + i0 + r) * vh + hv) * dv + c0 + c] = acc[r];
+    }
+    // S <- e^{gamma_last} S + sum_i fac_i k_i^T Vn_i, rows d0..d0+PD of column c.
     const float el = expf(gam[CHUNK - 1]);
-    for (int d = w; d < dk; d += 8) {
-      float acc = el * S[d * 32 + c];
-      for (int i = 0; i < CHUNK; i++) acc += fac[i] * Kc[i * dk + d] * Vn[i * 32 + c];
-      S[d * 32 + c] = acc;
+    float sacc[PD];
+#pragma unroll
+    for (int r = 0; r < PD; r++) sacc[r] = el * S[(d0 + r) * 32 + c];
+    for (int i = 0; i < CHUNK; i++) {
+      const float f = fac[i] * Vn[i * 32 + c];
+      const float* kr = Kc + i * DK + d0;
+      if constexpr (PD % 4 == 0) {
+#pragma unroll
+        for (int r = 0; r < PD; r += 4) {
+          const float4 k4 = *(const float4*)(kr + r);
+          sacc[r] += k4.x * f;
+          sacc[r + 1] += k4.y * f;
+          sacc[r + 2] += k4.z * f;
+          sacc[r + 3] += k4.w * f;
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < PD; r++) sacc[r] += kr[r] * f;
+      }
     }
+#pragma unroll
+    for (int r = 0; r < PD; r++) S[(d0 + r) * 32 + c] = sacc[r];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < dk * 32; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < DK * 32; idx += blockDim.x) {
     int d = idx / 32, cc = idx % 32;
     if (cc < ncols) state[(i64)d * dv + c0 + cc] = S[idx];
   }
 }
+
+#define SCAN_ENTRY(DK)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_##DK(                                   \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan<DK>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                                 \
+  }
+SCAN_ENTRY(16)
+SCAN_ENTRY(32)
+SCAN_ENTRY(64)
+SCAN_ENTRY(128)

@@ -22,11 +22,26 @@ pub struct KernelFile {
 }
 
 pub const FILES: &[KernelFile] = &[
-    KernelFile { name: "elementwise", source: include_str!("../../../kernels/elementwise.cu") },
-    KernelFile { name: "norm", source: include_str!("../../../kernels/norm.cu") },
-    KernelFile { name: "quant", source: include_str!("../../../kernels/quant.cu") },
-    KernelFile { name: "attention", source: include_str!("../../../kernels/attention.cu") },
-    KernelFile { name: "deltanet", source: include_str!("../../../kernels/deltanet.cu") },
+    KernelFile {
+        name: "elementwise",
+        source: include_str!("../../../kernels/elementwise.cu"),
+    },
+    KernelFile {
+        name: "norm",
+        source: include_str!("../../../kernels/norm.cu"),
+    },
+    KernelFile {
+        name: "quant",
+        source: include_str!("../../../kernels/quant.cu"),
+    },
+    KernelFile {
+        name: "attention",
+        source: include_str!("../../../kernels/attention.cu"),
+    },
+    KernelFile {
+        name: "deltanet",
+        source: include_str!("../../../kernels/deltanet.cu"),
+    },
 ];
 
 /// The program NVRTC sees for a kernel file: the common header, then the file (with `#line` so
@@ -48,7 +63,10 @@ pub fn compile_options(arch: &str, include_dir: &Path) -> Vec<String> {
 /// Cache key: hex SHA-256 over the program, its options and the device/driver tag.
 pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
     let mut h = Sha256::new();
-    for part in std::iter::once(source).chain(options.iter().map(|s| s.as_str())).chain(std::iter::once(device_tag)) {
+    for part in std::iter::once(source)
+        .chain(options.iter().map(|s| s.as_str()))
+        .chain(std::iter::once(device_tag))
+    {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -58,7 +76,11 @@ pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
 /// `$IMAJEV_KERNEL_CACHE`, else `$XDG_CACHE_HOME/imajev-serve/kernels`, else
 /// `~/.cache/imajev-serve/kernels`; `None` when none can be determined (then nothing is cached).
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     env("IMAJEV_KERNEL_CACHE")
         .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("imajev-serve/kernels")))
         .or_else(|| env("HOME").map(|p| p.join(".cache/imajev-serve/kernels")))
@@ -98,7 +120,9 @@ pub fn read_cache(path: &Path) -> Option<Vec<u8>> {
 
 /// Writes a cache file atomically (temporary file + rename).
 pub fn write_cache(path: &Path, payload: &[u8]) -> Result<()> {
-    let dir = path.parent().ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
+    let dir = path
+        .parent()
+        .ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut bytes = Vec::with_capacity(MAGIC.len() + 32 + payload.len());
@@ -106,7 +130,8 @@ pub fn write_cache(path: &Path, payload: &[u8]) -> Result<()> {
     bytes.extend_from_slice(&Sha256::digest(payload));
     bytes.extend_from_slice(payload);
     std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
     Ok(())
 }
 
@@ -115,7 +140,8 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
     use cudarc::nvrtc::{result, sys};
     let src = std::ffi::CString::new(source).context("kernel source contains a NUL byte")?;
     let fname = std::ffi::CString::new(format!("{name}.cu"))?;
-    let prog = result::create_program(&src, Some(&fname)).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+    let prog = result::create_program(&src, Some(&fname))
+        .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
     let out = (|| -> Result<Vec<u8>> {
         // SAFETY: `prog` was created above and is destroyed only after this closure.
         let compiled = unsafe { result::compile_program(prog, options) };
@@ -123,10 +149,15 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
             let log = unsafe { result::get_program_log(prog) }
                 .map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>())
                 .unwrap_or_default();
-            bail!("NVRTC could not compile kernels/{name}.cu ({e:?}) with {options:?}:\n{}", log.trim_end_matches('\0'));
+            bail!(
+                "NVRTC could not compile kernels/{name}.cu ({e:?}) with {options:?}:\n{}",
+                log.trim_end_matches('\0')
+            );
         }
         let mut size = 0usize;
-        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+            .result()
+            .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
         if size == 0 {
             bail!("NVRTC produced no CUBIN for kernels/{name}.cu (is --gpu-architecture a real sm_XY target?)");
         }
@@ -144,7 +175,9 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
 /// The NVRTC version as `major.minor`.
 pub fn nvrtc_version() -> Result<(i32, i32)> {
     let (mut a, mut b) = (0, 0);
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) }.result().map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) }
+        .result()
+        .map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
     Ok((a, b))
 }
 
@@ -157,9 +190,16 @@ mod tests {
         assert!(COMMON.contains("block_sum"));
         for f in FILES {
             assert!(f.source.contains("__global__"), "{} has no kernel", f.name);
-            assert!(f.source.contains("CPU twin"), "{} does not name its CPU twin", f.name);
+            assert!(
+                f.source.contains("CPU twin"),
+                "{} does not name its CPU twin",
+                f.name
+            );
             let full = full_source(f);
-            assert!(full.starts_with(COMMON) && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name)));
+            assert!(
+                full.starts_with(COMMON)
+                    && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name))
+            );
         }
     }
 
@@ -172,9 +212,47 @@ mod tests {
         assert_eq!(k, cache_key("src", &o, "H200|9.0|13000|13.0"));
         assert_ne!(k, cache_key("src2", &o, "H200|9.0|13000|13.0"));
         assert_ne!(k, cache_key("src", &o, "H100|9.0|13000|13.0"));
-        assert_ne!(k, cache_key("src", &compile_options("sm_89", Path::new("/usr/local/cuda/include")), "H200|9.0|13000|13.0"));
+        assert_ne!(
+            k,
+            cache_key(
+                "src",
+                &compile_options("sm_89", Path::new("/usr/local/cuda/include")),
+                "H200|9.0|13000|13.0"
+            )
+        );
         // Length-prefixed: moving bytes between fields changes the key.
-        assert_ne!(cache_key("ab", &["c".into()], "d"), cache_key("a", &["bc".into()], "d"));
+        assert_ne!(
+            cache_key("ab", &["c".into()], "d"),
+            cache_key("a", &["bc".into()], "d")
+        );
+    }
+
+    /// Where NVRTC and the CUDA headers are installed (no GPU needed), every kernel file must
+    /// compile for sm_90a through the same path the backend uses; elsewhere this only says so.
+    #[test]
+    fn kernels_compile_with_nvrtc_when_present() {
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: NVRTC (libnvrtc.so) not found");
+            return;
+        }
+        let Ok(include) = cuda_include_dir() else {
+            eprintln!("skipped: no CUDA headers (set CUDA_HOME)");
+            return;
+        };
+        let opts = compile_options("sm_90a", &include);
+        for f in FILES {
+            let cubin = nvrtc_cubin(f.name, &full_source(f), &opts).unwrap();
+            assert!(
+                cubin.starts_with(b"\x7fELF"),
+                "kernels/{}.cu: not an ELF CUBIN",
+                f.name
+            );
+        }
+        eprintln!(
+            "NVRTC {:?}: {} kernel files compiled for sm_90a",
+            nvrtc_version().unwrap(),
+            FILES.len()
+        );
     }
 
     #[test]
@@ -193,7 +271,11 @@ mod tests {
         // Truncated and foreign files are misses too.
         std::fs::write(&p, &bytes[..20]).unwrap();
         assert!(read_cache(&p).is_none());
-        std::fs::write(&p, b"not a cache file at all, definitely longer than forty bytes").unwrap();
+        std::fs::write(
+            &p,
+            b"not a cache file at all, definitely longer than forty bytes",
+        )
+        .unwrap();
         assert!(read_cache(&p).is_none());
         // A rewrite repairs it.
         write_cache(&p, b"fresh").unwrap();

@@ -130,28 +130,66 @@ fn layouts(g: &Gemm, m: usize) -> Result<Layouts> {
         GemmKind::Fp8Block => lts::cudaDataType_t::CUDA_R_8F_E4M3,
     };
     let mut out = Layouts([std::ptr::null_mut(); 3]);
-    out.0[0] = lt::create_matrix_layout(ab, g.k as u64, g.n as u64, g.ldw as i64).map_err(|e| anyhow!("layout A: {e:?}"))?;
-    out.0[1] = lt::create_matrix_layout(ab, g.k as u64, m as u64, g.ldx as i64).map_err(|e| anyhow!("layout B: {e:?}"))?;
-    out.0[2] = lt::create_matrix_layout(lts::cudaDataType_t::CUDA_R_16BF, g.n as u64, m as u64, g.ldy as i64)
-        .map_err(|e| anyhow!("layout D: {e:?}"))?;
+    out.0[0] = lt::create_matrix_layout(ab, g.k as u64, g.n as u64, g.ldw as i64)
+        .map_err(|e| anyhow!("layout A: {e:?}"))?;
+    out.0[1] = lt::create_matrix_layout(ab, g.k as u64, m as u64, g.ldx as i64)
+        .map_err(|e| anyhow!("layout B: {e:?}"))?;
+    out.0[2] = lt::create_matrix_layout(
+        lts::cudaDataType_t::CUDA_R_16BF,
+        g.n as u64,
+        m as u64,
+        g.ldy as i64,
+    )
+    .map_err(|e| anyhow!("layout D: {e:?}"))?;
     Ok(out)
 }
 
-fn set_desc<T>(desc: lts::cublasLtMatmulDesc_t, attr: lts::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
-    unsafe { lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()) }
-        .map_err(|e| anyhow!("cuBLASLt desc attribute {attr:?}: {e:?}"))
+fn set_desc<T>(
+    desc: lts::cublasLtMatmulDesc_t,
+    attr: lts::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<()> {
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| anyhow!("cuBLASLt desc attribute {attr:?}: {e:?}"))
 }
 
-fn set_pref<T>(pref: lts::cublasLtMatmulPreference_t, attr: lts::cublasLtMatmulPreferenceAttributes_t, v: &T) -> Result<()> {
-    unsafe { lt::set_matmul_pref_attribute(pref, attr, v as *const T as *const c_void, std::mem::size_of::<T>()) }
-        .map_err(|e| anyhow!("cuBLASLt preference {attr:?}: {e:?}"))
+fn set_pref<T>(
+    pref: lts::cublasLtMatmulPreference_t,
+    attr: lts::cublasLtMatmulPreferenceAttributes_t,
+    v: &T,
+) -> Result<()> {
+    unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| anyhow!("cuBLASLt preference {attr:?}: {e:?}"))
 }
 
-fn algo_attr(algo: &lts::cublasLtMatmulAlgo_t, attr: lts::cublasLtMatmulAlgoConfigAttributes_t) -> u32 {
+fn algo_attr(
+    algo: &lts::cublasLtMatmulAlgo_t,
+    attr: lts::cublasLtMatmulAlgoConfigAttributes_t,
+) -> u32 {
     let mut v = 0u32;
     let mut written = 0usize;
     let _ = unsafe {
-        lts::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, &mut v as *mut u32 as *mut c_void, 4, &mut written)
+        lts::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            attr,
+            &mut v as *mut u32 as *mut c_void,
+            4,
+            &mut written,
+        )
     };
     v
 }
@@ -162,7 +200,15 @@ impl Blas {
         let handle = lt::create_handle().map_err(|e| anyhow!("cublasLtCreate: {e:?}"))?;
         // SAFETY: uninitialised device memory is fine for a workspace.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE) }?;
-        Ok(Blas { handle, stream, workspace, state: Mutex::new(State { plans: HashMap::new(), fallbacks: 0 }) })
+        Ok(Blas {
+            handle,
+            stream,
+            workspace,
+            state: Mutex::new(State {
+                plans: HashMap::new(),
+                fallbacks: 0,
+            }),
+        })
     }
 
     pub fn version() -> usize {
@@ -188,30 +234,62 @@ impl Blas {
         st(
             unsafe {
                 lts::cublasLtMatmulAlgoGetHeuristic(
-                    self.handle, p.desc, l.0[0], l.0[1], l.0[2], l.0[2], p.pref, 8, results.as_mut_ptr(), &mut count,
+                    self.handle,
+                    p.desc,
+                    l.0[0],
+                    l.0[1],
+                    l.0[2],
+                    l.0[2],
+                    p.pref,
+                    8,
+                    results.as_mut_ptr(),
+                    &mut count,
                 )
             },
             "heuristic",
         )?;
         results[..count.max(0) as usize]
             .iter()
-            .find(|r| r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE)
+            .find(|r| {
+                r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= WORKSPACE
+            })
             .map(|r| r.algo)
-            .ok_or_else(|| anyhow!("cuBLASLt has no {:?} algorithm for N={} K={} M={m}", g.kind, g.n, g.k))
+            .ok_or_else(|| {
+                anyhow!(
+                    "cuBLASLt has no {:?} algorithm for N={} K={} M={m}",
+                    g.kind,
+                    g.n,
+                    g.k
+                )
+            })
     }
 
     fn plan(&self, g: &Gemm) -> Result<Plan> {
         use lts::cublasLtMatmulDescAttributes_t as D;
         use lts::cublasLtMatmulPreferenceAttributes_t as P;
-        let desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, lts::cudaDataType_t::CUDA_R_32F)
-            .map_err(|e| anyhow!("cublasLtMatmulDescCreate: {e:?}"))?;
-        let pref = lt::create_matmul_pref().map_err(|e| anyhow!("cublasLtMatmulPreferenceCreate: {e:?}"))?;
+        let desc = lt::create_matmul_desc(
+            lts::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            lts::cudaDataType_t::CUDA_R_32F,
+        )
+        .map_err(|e| anyhow!("cublasLtMatmulDescCreate: {e:?}"))?;
+        let pref = lt::create_matmul_pref()
+            .map_err(|e| anyhow!("cublasLtMatmulPreferenceCreate: {e:?}"))?;
         let mut plan = Plan {
             desc,
             pref,
             algo: unsafe { std::mem::zeroed() },
             per_m: HashMap::new(),
-            info: PlanInfo { kind: g.kind, n: g.n, k: g.k, algo_id: -1, tile_id: 0, splitk: 0, stages: 0, workspace: 0 },
+            info: PlanInfo {
+                kind: g.kind,
+                n: g.n,
+                k: g.k,
+                algo_id: -1,
+                tile_id: 0,
+                splitk: 0,
+                stages: 0,
+                workspace: 0,
+            },
         };
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?; // CUBLAS_OP_N
@@ -223,12 +301,36 @@ impl Blas {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale)?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scale)?;
         }
-        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(WORKSPACE as u64))?;
-        set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &(lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32))?;
-        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ptr_alignment(g.w))?;
-        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ptr_alignment(g.x))?;
-        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ptr_alignment(g.y))?;
-        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ptr_alignment(g.y))?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &(WORKSPACE as u64),
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+            &(lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32),
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            &ptr_alignment(g.w),
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            &ptr_alignment(g.x),
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            &ptr_alignment(g.y),
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            &ptr_alignment(g.y),
+        )?;
         let m_ref = match g.kind {
             GemmKind::Fp8Block => super::host::fp8_rows(M_REF),
             GemmKind::Bf16 => M_REF,
@@ -258,18 +360,29 @@ impl Blas {
             align: [ptr_alignment(g.w), ptr_alignment(g.x), ptr_alignment(g.y)],
             accumulate: g.beta != 0.0,
         };
-        let mut state = self.state.lock().map_err(|_| anyhow!("gemm state poisoned"))?;
-        if !state.plans.contains_key(&key) {
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| anyhow!("gemm state poisoned"))?;
+        if let std::collections::hash_map::Entry::Vacant(e) = state.plans.entry(key) {
             let p = self.plan(g)?;
             tracing::debug!(?p.info, "cuBLASLt plan");
-            state.plans.insert(key, p);
+            e.insert(p);
         }
         let State { plans, fallbacks } = &mut *state;
         let plan = plans.get_mut(&key).expect("plan just inserted");
         if g.kind == GemmKind::Fp8Block {
             use lts::cublasLtMatmulDescAttributes_t as D;
-            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale)?;
-            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scale)?;
+            set_desc(
+                plan.desc,
+                D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &g.w_scale,
+            )?;
+            set_desc(
+                plan.desc,
+                D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &g.x_scale,
+            )?;
         }
         let l = layouts(g, g.m)?;
         let (ws, _guard) = self.workspace.device_ptr(&self.stream);

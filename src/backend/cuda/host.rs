@@ -59,7 +59,8 @@ pub fn dequantize_act_1x128(q: &[u8], s: &[f32], m: usize, mpad: usize, k: usize
     let mut out = vec![0f32; m * k];
     for r in 0..m {
         for c in 0..k {
-            out[r * k + c] = lut[q[r * k + c] as usize] * s[act_scale_index(r, c / FP8_BLOCK, mpad)];
+            out[r * k + c] =
+                lut[q[r * k + c] as usize] * s[act_scale_index(r, c / FP8_BLOCK, mpad)];
         }
     }
     out
@@ -115,7 +116,11 @@ pub fn group_parts(parts: &[(PartFormat, usize)]) -> Vec<PartGroup> {
                 g.parts.end = i + 1;
                 g.cols.end = col + out;
             }
-            _ => groups.push(PartGroup { format: f, parts: i..i + 1, cols: col..col + out }),
+            _ => groups.push(PartGroup {
+                format: f,
+                parts: i..i + 1,
+                cols: col..col + out,
+            }),
         }
         col += out;
     }
@@ -154,7 +159,10 @@ pub fn chunk_table(segments: &[Range<usize>], chunk: usize) -> ChunkTable {
         }
         per_segment.push((first, chunks.len() / 2 - first));
     }
-    ChunkTable { chunks, per_segment }
+    ChunkTable {
+        chunks,
+        per_segment,
+    }
 }
 
 /// Capacity (rows) of a KV cache that holds `current` rows and must hold `needed`: at least 1.5×
@@ -249,7 +257,9 @@ mod tests {
     #[test]
     fn activation_quantisation_error_is_e4m3_sized() {
         let (m, k) = (5, 384);
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 << (i % 5)) as f32).collect();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 << (i % 5)) as f32)
+            .collect();
         let (q, s) = quantize_act_1x128(&x, m, k);
         let back = dequantize_act_1x128(&q, &s, m, fp8_rows(m), k);
         for r in 0..m {
@@ -259,7 +269,12 @@ mod tests {
                 for i in blk {
                     // 3 mantissa bits: half an ulp is ≤ 1/16 relative, plus subnormal spacing near 0.
                     let tol = x[i].abs() / 16.0 + amax / 448.0 * 2f32.powi(-9);
-                    assert!((back[i] - x[i]).abs() <= tol * 1.0001, "x {} back {}", x[i], back[i]);
+                    assert!(
+                        (back[i] - x[i]).abs() <= tol * 1.0001,
+                        "x {} back {}",
+                        x[i],
+                        back[i]
+                    );
                 }
             }
         }
@@ -274,14 +289,37 @@ mod tests {
 
     #[test]
     fn formats_follow_dtype_alignment_and_option() {
-        let p = |dtype, out, inp, sc| PartInfo { dtype, out, inp, scales_are_128x128: sc };
+        let p = |dtype, out, inp, sc| PartInfo {
+            dtype,
+            out,
+            inp,
+            scales_are_128x128: sc,
+        };
         use StoredDtype::*;
-        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, true), false), PartFormat::Fp8);
-        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, false), false), PartFormat::Bf16);
-        assert_eq!(part_format(&p(F8E4M3, 32, 2560, true), false), PartFormat::Bf16);
-        assert_eq!(part_format(&p(BF16, 8192, 2560, false), false), PartFormat::Bf16);
-        assert_eq!(part_format(&p(BF16, 8192, 2560, false), true), PartFormat::Fp8);
-        assert_eq!(part_format(&p(F32, 32, 2560, false), true), PartFormat::Bf16);
+        assert_eq!(
+            part_format(&p(F8E4M3, 8192, 2560, true), false),
+            PartFormat::Fp8
+        );
+        assert_eq!(
+            part_format(&p(F8E4M3, 8192, 2560, false), false),
+            PartFormat::Bf16
+        );
+        assert_eq!(
+            part_format(&p(F8E4M3, 32, 2560, true), false),
+            PartFormat::Bf16
+        );
+        assert_eq!(
+            part_format(&p(BF16, 8192, 2560, false), false),
+            PartFormat::Bf16
+        );
+        assert_eq!(
+            part_format(&p(BF16, 8192, 2560, false), true),
+            PartFormat::Fp8
+        );
+        assert_eq!(
+            part_format(&p(F32, 32, 2560, false), true),
+            PartFormat::Bf16
+        );
         assert_eq!(part_format(&p(BF16, 64, 64, false), true), PartFormat::Bf16);
     }
 
@@ -293,8 +331,16 @@ mod tests {
         assert_eq!(
             g,
             vec![
-                PartGroup { format: Fp8, parts: 0..2, cols: 0..12288 },
-                PartGroup { format: Bf16, parts: 2..4, cols: 12288..12352 },
+                PartGroup {
+                    format: Fp8,
+                    parts: 0..2,
+                    cols: 0..12288
+                },
+                PartGroup {
+                    format: Bf16,
+                    parts: 2..4,
+                    cols: 12288..12352
+                },
             ]
         );
         let g = group_parts(&[(Bf16, 10), (Fp8, 128), (Bf16, 5)]);

@@ -19,10 +19,14 @@ pub mod compile;
 pub mod gemm;
 pub mod host;
 
-use super::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use super::{
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
+};
 use crate::engine::weights::{StoredDtype, TensorRef};
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use gemm::{Blas, Gemm, GemmKind};
 use half::bf16;
 use host::{PartFormat, PartInfo};
@@ -65,14 +69,51 @@ pub struct CudaBackend {
 }
 
 struct Inner {
-    // Field order is drop order: GEMM plans and kernels before the stream and context.
+    // Field order is drop order: GEMM plans, kernels and staging before the stream and context.
     blas: Blas,
     funcs: HashMap<&'static str, CudaFunction>,
+    staging: std::sync::Mutex<Staging>,
     stream: Arc<CudaStream>,
     #[allow(dead_code)]
     ctx: Arc<CudaContext>,
     options: CudaOptions,
     info: DeviceInfo,
+}
+
+/// Pinned staging ring for host→device copies of small tables (token ids, row lists, segment
+/// tables): a copy from pageable memory synchronises the stream, one from pinned memory does not,
+/// so these keep the GPU queue full. When the ring wraps, the stream is synchronised once before
+/// its bytes are reused.
+struct Staging {
+    ptr: *mut u8,
+    size: usize,
+    cursor: usize,
+    stream: Arc<CudaStream>,
+}
+
+const STAGING_BYTES: usize = 8 << 20;
+
+// SAFETY: the pinned buffer is only touched under the Mutex in `Inner`.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    fn new(stream: Arc<CudaStream>) -> Result<Self> {
+        stream.context().bind_to_thread()?;
+        let ptr = unsafe { cudarc::driver::result::malloc_host(STAGING_BYTES, 0) }? as *mut u8;
+        Ok(Staging {
+            ptr,
+            size: STAGING_BYTES,
+            cursor: 0,
+            stream,
+        })
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
 }
 
 enum Buf {
@@ -94,7 +135,7 @@ impl CudaTensor {
     /// `(rows, cols)` viewing the last dim as columns.
     pub fn rows_cols(&self) -> (usize, usize) {
         let cols = *self.shape.last().unwrap_or(&1);
-        (if cols == 0 { 0 } else { self.numel() / cols }, cols)
+        (self.numel().checked_div(cols).unwrap_or(0), cols)
     }
     pub fn is_bf16(&self) -> bool {
         matches!(self.buf, Buf::Bf16(_))
@@ -103,7 +144,10 @@ impl CudaTensor {
 
 enum GroupWeight {
     Bf16(CudaSlice<bf16>),
-    Fp8 { w: CudaSlice<u8>, scales: CudaSlice<f32> },
+    Fp8 {
+        w: CudaSlice<u8>,
+        scales: CudaSlice<f32>,
+    },
 }
 
 struct LinearGroup {
@@ -149,13 +193,18 @@ impl CudaLinear {
         s.join(" ")
     }
     pub fn has_fp8(&self) -> bool {
-        self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
+        self.groups
+            .iter()
+            .any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
     }
 }
 
-/// Keys and values of one attention layer of one sequence: `[capacity, kv_heads·head_dim]` BF16
-/// each, grown geometrically; `clone()` deep-copies on the GPU (forking a prefix state).
+/// Keys and values of one attention layer of one sequence: an optional immutable shared prefix
+/// (made by `share_kv`, referenced by every fork), then the sequence's own rows
+/// `[capacity, kv_heads·head_dim]` BF16, grown geometrically. `clone()` shares the prefix and
+/// deep-copies the own rows on the GPU.
 pub struct CudaKvCache {
+    shared: Option<Arc<SharedKv>>,
     k: Option<CudaSlice<bf16>>,
     v: Option<CudaSlice<bf16>>,
     width: usize,
@@ -163,9 +212,20 @@ pub struct CudaKvCache {
     len: usize,
 }
 
+struct SharedKv {
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    len: usize,
+}
+
 impl CudaKvCache {
+    /// Rows the own buffers can hold before they are reallocated.
     pub fn capacity(&self) -> usize {
         self.cap
+    }
+    /// Rows in the shared (immutable) prefix.
+    pub fn shared_len(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.len)
     }
 }
 
@@ -185,9 +245,19 @@ where
 impl Clone for CudaKvCache {
     fn clone(&self) -> Self {
         let copy = |s: &Option<CudaSlice<bf16>>| {
-            s.as_ref().map(|s| copy_prefix(s, self.cap * self.width, self.len * self.width).expect("copying a KV cache on the GPU"))
+            s.as_ref().map(|s| {
+                copy_prefix(s, self.cap * self.width, self.len * self.width)
+                    .expect("copying a KV cache on the GPU")
+            })
         };
-        CudaKvCache { k: copy(&self.k), v: copy(&self.v), width: self.width, cap: self.cap, len: self.len }
+        CudaKvCache {
+            shared: self.shared.clone(),
+            k: copy(&self.k),
+            v: copy(&self.v),
+            width: self.width,
+            cap: self.cap,
+            len: self.len,
+        }
     }
 }
 
@@ -201,8 +271,14 @@ pub struct CudaDeltaState {
 impl Clone for CudaDeltaState {
     fn clone(&self) -> Self {
         CudaDeltaState {
-            conv: self.conv.try_clone().expect("copying a DeltaNet conv history on the GPU"),
-            recurrent: self.recurrent.try_clone().expect("copying a DeltaNet state on the GPU"),
+            conv: self
+                .conv
+                .try_clone()
+                .expect("copying a DeltaNet conv history on the GPU"),
+            recurrent: self
+                .recurrent
+                .try_clone()
+                .expect("copying a DeltaNet state on the GPU"),
         }
     }
 }
@@ -231,7 +307,11 @@ fn grid1(n: usize, per_block: usize) -> u32 {
 }
 
 fn cfg(grid: (u32, u32, u32), block: u32, smem: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 }
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
 }
 
 /// A BF16 view of a tensor: borrowed when it already is BF16, converted otherwise.
@@ -269,8 +349,18 @@ fn check_2d(t: &TensorRef) -> Result<(usize, usize)> {
 
 fn bf16_values(t: &TensorRef) -> Result<Vec<bf16>> {
     if t.dtype == StoredDtype::BF16 {
-        ensure!(t.bytes.len() == 2 * t.numel(), "tensor {} has {} bytes for {} BF16 values", t.name, t.bytes.len(), t.numel());
-        return Ok(t.bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect());
+        ensure!(
+            t.bytes.len() == 2 * t.numel(),
+            "tensor {} has {} bytes for {} BF16 values",
+            t.name,
+            t.bytes.len(),
+            t.numel()
+        );
+        return Ok(t
+            .bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+            .collect());
     }
     Ok(t.to_f32()?.into_par_iter().map(bf16::from_f32).collect())
 }
@@ -282,12 +372,18 @@ fn fp8_part(t: &TensorRef) -> Result<(Vec<u8>, Vec<f32>)> {
     let (o, i) = check_2d(t)?;
     if t.dtype == StoredDtype::F8E4M3 && scales_are_128(t) {
         let s = t.scale_inv.expect("checked");
-        let scales = s.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let scales = s
+            .bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         return Ok((t.bytes.to_vec(), scales));
     }
     let w = t.to_f32()?;
-    let stripes: Vec<(Vec<u8>, Vec<f32>)> =
-        w.par_chunks(128 * i).map(|s| crate::engine::synth::quantize_fp8_blocks(s, s.len() / i, i)).collect();
+    let stripes: Vec<(Vec<u8>, Vec<f32>)> = w
+        .par_chunks(128 * i)
+        .map(|s| crate::engine::synth::quantize_fp8_blocks(s, s.len() / i, i))
+        .collect();
     let mut q = Vec::with_capacity(o * i);
     let mut sc = Vec::with_capacity(o / 128 * (i / 128));
     for (a, b) in stripes {
@@ -300,7 +396,10 @@ fn fp8_part(t: &TensorRef) -> Result<(Vec<u8>, Vec<f32>)> {
 fn scales_are_128(t: &TensorRef) -> bool {
     match (t.scale_inv, t.shape) {
         (Some(s), [o, i]) => {
-            s.shape == [o / 128, i / 128] && o % 128 == 0 && i % 128 == 0 && s.block.is_none_or(|b| b == [128, 128])
+            s.shape == [o / 128, i / 128]
+                && o % 128 == 0
+                && i % 128 == 0
+                && s.block.is_none_or(|b| b == [128, 128])
         }
         _ => false,
     }
@@ -309,22 +408,61 @@ fn scales_are_128(t: &TensorRef) -> bool {
 fn check_tiling(segments: &[Range<usize>], n: usize) -> Result<()> {
     let mut at = 0;
     for s in segments {
-        ensure!(s.start == at && s.end >= s.start, "segments must tile the batch rows in order; got {segments:?} for {n} rows");
+        ensure!(
+            s.start == at && s.end >= s.start,
+            "segments must tile the batch rows in order; got {segments:?} for {n} rows"
+        );
         at = s.end;
     }
-    ensure!(at == n, "segments {segments:?} do not cover the {n} batch rows");
+    ensure!(
+        at == n,
+        "segments {segments:?} do not cover the {n} batch rows"
+    );
     Ok(())
 }
 
 const KERNELS: &[(&str, &[&str])] = &[
     (
         "elementwise",
-        &["cast_f32_bf16", "cast_bf16_f32", "gather_rows", "scatter_rows", "copy_cols", "embed_bag", "add_bf16", "add_bias", "swiglu", "gelu", "readout_f32"],
+        &[
+            "cast_f32_bf16",
+            "cast_bf16_f32",
+            "gather_rows",
+            "scatter_rows",
+            "copy_cols",
+            "embed_bag",
+            "add_bf16",
+            "add_bias",
+            "swiglu",
+            "gelu",
+            "readout_f32",
+        ],
     ),
     ("norm", &["rms_norm", "layer_norm", "rms_norm_gated"]),
     ("quant", &["quant_act_1x128"]),
-    ("attention", &["attn_prep", "attn_fwd_16", "attn_fwd_32", "attn_fwd_64", "attn_fwd_128", "attn_fwd_256"]),
-    ("deltanet", &["gdn_conv", "gdn_conv_hist", "gdn_chunk_prep", "gdn_chunk_scan"]),
+    (
+        "attention",
+        &[
+            "attn_prep",
+            "attn_fwd_16",
+            "attn_fwd_32",
+            "attn_fwd_64",
+            "attn_fwd_128",
+            "attn_fwd_256",
+        ],
+    ),
+    (
+        "deltanet",
+        &[
+            "gdn_conv",
+            "gdn_conv_hist",
+            "gdn_chunk_prep",
+            "gdn_chunk_scan_16",
+            "gdn_chunk_scan_32",
+            "gdn_chunk_scan_64",
+            "gdn_chunk_scan_128",
+        ],
+    ),
 ];
 
 impl CudaBackend {
@@ -341,10 +479,15 @@ impl CudaBackend {
         if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
             bail!("cuBLASLt (libcublasLt.so) not found: install the CUDA toolkit's cuBLAS (e.g. libcublas-13-0) or put its lib directory on LD_LIBRARY_PATH");
         }
-        let count = CudaContext::device_count().map_err(|e| anyhow!("no CUDA device: cuInit/cuDeviceGetCount failed ({e:?})"))?;
+        let count = CudaContext::device_count()
+            .map_err(|e| anyhow!("no CUDA device: cuInit/cuDeviceGetCount failed ({e:?})"))?;
         ensure!(count > 0, "no CUDA device: the driver reports 0 GPUs");
-        ensure!(ordinal < count as usize, "CUDA device {ordinal} does not exist ({count} present)");
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
+        ensure!(
+            ordinal < count as usize,
+            "CUDA device {ordinal} does not exist ({count} present)"
+        );
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
         // SAFETY: called before any buffer exists; all work goes to the one stream below, so
         // stream order alone keeps reads, writes and frees in order.
         unsafe { ctx.disable_event_tracking() };
@@ -369,9 +512,15 @@ impl CudaBackend {
         let nvrtc = compile::nvrtc_version()?;
         let arch = host::gpu_arch(cc.0, cc.1);
         let started = std::time::Instant::now();
-        let (funcs, cached, compiled) = load_kernels(&ctx, &options, &arch, &format!("{name}|{}.{}|{driver}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1))?;
+        let (funcs, cached, compiled) = load_kernels(
+            &ctx,
+            &options,
+            &arch,
+            &format!("{name}|{}.{}|{driver}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1),
+        )?;
         let kernel_seconds = started.elapsed().as_secs_f64();
         let blas = Blas::new(stream.clone())?;
+        let staging = std::sync::Mutex::new(Staging::new(stream.clone())?);
         let info = DeviceInfo {
             ordinal,
             name,
@@ -385,7 +534,17 @@ impl CudaBackend {
             kernel_seconds,
         };
         tracing::info!(?info, "CUDA backend ready");
-        Ok(CudaBackend { inner: Arc::new(Inner { blas, funcs, stream, ctx, options, info }) })
+        Ok(CudaBackend {
+            inner: Arc::new(Inner {
+                blas,
+                funcs,
+                staging,
+                stream,
+                ctx,
+                options,
+                info,
+            }),
+        })
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -418,11 +577,17 @@ impl CudaBackend {
         let (m, k) = x.rows_cols();
         let xv = self.bf16_of(x)?;
         let (q, s, _) = self.quantize(xv.s(), m, k)?;
-        Ok((self.inner.stream.clone_dtoh(&q)?, self.inner.stream.clone_dtoh(&s)?))
+        Ok((
+            self.inner.stream.clone_dtoh(&q)?,
+            self.inner.stream.clone_dtoh(&s)?,
+        ))
     }
 
     fn func(&self, name: &str) -> Result<&CudaFunction> {
-        self.inner.funcs.get(name).ok_or_else(|| anyhow!("kernel {name} is not loaded"))
+        self.inner
+            .funcs
+            .get(name)
+            .ok_or_else(|| anyhow!("kernel {name} is not loaded"))
     }
 
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[A]) -> Result<()> {
@@ -461,16 +626,53 @@ impl CudaBackend {
         Ok(self.inner.stream.alloc_zeros::<f32>(n.max(1))?)
     }
 
+    /// A new device buffer holding `v`. Small copies go through the pinned staging ring (no stream
+    /// synchronisation); large ones (weights) are plain pageable copies.
     fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
-        if v.is_empty() {
+        let stream = &self.inner.stream;
+        let bytes = std::mem::size_of_val(v);
+        if bytes == 0 {
             // SAFETY: never read.
-            return Ok(unsafe { self.inner.stream.alloc::<T>(1) }?);
+            return Ok(unsafe { stream.alloc::<T>(1) }?);
         }
-        Ok(self.inner.stream.clone_htod(v)?)
+        if bytes > STAGING_BYTES / 4 {
+            return Ok(stream.clone_htod(v)?);
+        }
+        // SAFETY: written by the copy below before any kernel reads it (stream order).
+        let dst = unsafe { stream.alloc::<T>(v.len()) }?;
+        let mut st = self
+            .inner
+            .staging
+            .lock()
+            .map_err(|_| anyhow!("staging buffer poisoned"))?;
+        let mut at = st.cursor.div_ceil(256) * 256;
+        if at + bytes > st.size {
+            // Every earlier copy out of the ring must be done before its bytes are reused.
+            stream.synchronize()?;
+            at = 0;
+        }
+        // SAFETY: `at + bytes <= size` bytes of the pinned ring are ours until the next wrap, which
+        // synchronises first; `v` is plain data of `bytes` bytes.
+        unsafe {
+            let src = st.ptr.add(at);
+            std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, src, bytes);
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                self.p(&dst),
+                src as *const std::ffi::c_void,
+                bytes,
+                stream.cu_stream(),
+            )
+            .result()?;
+        }
+        st.cursor = at + bytes;
+        Ok(dst)
     }
 
     fn bf16_tensor(&self, buf: CudaSlice<bf16>, shape: &[usize]) -> CudaTensor {
-        CudaTensor { buf: Buf::Bf16(buf), shape: shape.to_vec() }
+        CudaTensor {
+            buf: Buf::Bf16(buf),
+            shape: shape.to_vec(),
+        }
     }
 
     fn bf16_of<'a>(&self, t: &'a CudaTensor) -> Result<Bf16View<'a>> {
@@ -479,7 +681,11 @@ impl CudaBackend {
             Buf::F32(s) => {
                 let n = t.numel();
                 let y = self.alloc_bf16(n)?;
-                self.launch("cast_f32_bf16", cfg((grid1(n, 256), 1, 1), 256, 0), &[A::P(self.p(s)), A::P(self.p(&y)), A::L(n as i64)])?;
+                self.launch(
+                    "cast_f32_bf16",
+                    cfg((grid1(n, 256), 1, 1), 256, 0),
+                    &[A::P(self.p(s)), A::P(self.p(&y)), A::L(n as i64)],
+                )?;
                 Ok(Bf16View::Own(y))
             }
         }
@@ -491,7 +697,11 @@ impl CudaBackend {
             Buf::Bf16(s) => {
                 let n = t.numel();
                 let y = self.alloc_f32(n)?;
-                self.launch("cast_bf16_f32", cfg((grid1(n, 256), 1, 1), 256, 0), &[A::P(self.p(s)), A::P(self.p(&y)), A::L(n as i64)])?;
+                self.launch(
+                    "cast_bf16_f32",
+                    cfg((grid1(n, 256), 1, 1), 256, 0),
+                    &[A::P(self.p(s)), A::P(self.p(&y)), A::L(n as i64)],
+                )?;
                 Ok(F32View::Own(y))
             }
         }
@@ -510,8 +720,16 @@ impl CudaBackend {
     }
 
     /// Per-token 1×128 FP8 quantisation: `[mpad, k]` bytes, `[k/128][mpad]` scales, mpad.
-    fn quantize(&self, x: &CudaSlice<bf16>, m: usize, k: usize) -> Result<(CudaSlice<u8>, CudaSlice<f32>, usize)> {
-        ensure!(k % host::FP8_BLOCK == 0, "FP8 activations need K to be a multiple of 128, got {k}");
+    fn quantize(
+        &self,
+        x: &CudaSlice<bf16>,
+        m: usize,
+        k: usize,
+    ) -> Result<(CudaSlice<u8>, CudaSlice<f32>, usize)> {
+        ensure!(
+            k % host::FP8_BLOCK == 0,
+            "FP8 activations need K to be a multiple of 128, got {k}"
+        );
         let mpad = host::fp8_rows(m);
         // SAFETY: the kernel writes all mpad·k bytes and all scales.
         let q = unsafe { self.inner.stream.alloc::<u8>(mpad * k) }?;
@@ -520,7 +738,14 @@ impl CudaBackend {
         self.launch(
             "quant_act_1x128",
             cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
-            &[A::P(self.p(x)), A::P(self.p(&q)), A::P(self.p(&s)), A::I(m as i32), A::I(mpad as i32), A::I(k as i32)],
+            &[
+                A::P(self.p(x)),
+                A::P(self.p(&q)),
+                A::P(self.p(&s)),
+                A::I(m as i32),
+                A::I(mpad as i32),
+                A::I(k as i32),
+            ],
         )?;
         Ok((q, s, mpad))
     }
@@ -547,7 +772,14 @@ impl CudaBackend {
 
     fn dtod_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes > 0 {
-            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.inner.stream.cu_stream()) }?;
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    dst,
+                    src,
+                    bytes,
+                    self.inner.stream.cu_stream(),
+                )
+            }?;
         }
         Ok(())
     }
@@ -566,8 +798,13 @@ impl CudaBackend {
         gate: Option<(u64, usize, usize)>,
         out: &CudaSlice<bf16>,
     ) -> Result<()> {
-        let hdp = host::attention_head_dim(hd).ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
-        let tiles = segments.iter().map(|s| s.len().div_ceil(64)).max().unwrap_or(0);
+        let hdp = host::attention_head_dim(hd)
+            .ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
+        let tiles = segments
+            .iter()
+            .map(|s| s.len().div_ceil(64))
+            .max()
+            .unwrap_or(0);
         if tiles == 0 {
             return Ok(());
         }
@@ -575,7 +812,11 @@ impl CudaBackend {
         let (gp, grow, ghead) = gate.unwrap_or((0, 0, 0));
         self.launch(
             &format!("attn_fwd_{hdp}"),
-            cfg((tiles as u32, heads as u32, segments.len() as u32), 128, host::attention_smem_bytes(hdp)),
+            cfg(
+                (tiles as u32, heads as u32, segments.len() as u32),
+                128,
+                host::attention_smem_bytes(hdp),
+            ),
             &[
                 A::P(self.p(q)),
                 A::P(self.p(meta)),
@@ -606,7 +847,10 @@ fn load_kernels(
         Ok(p) | Err(p) => p.clone(),
     };
     let opts = compile::compile_options(arch, &include_path);
-    let cache_dir = options.kernel_cache_dir.clone().or_else(compile::default_cache_dir);
+    let cache_dir = options
+        .kernel_cache_dir
+        .clone()
+        .or_else(compile::default_cache_dir);
     struct Job {
         file: compile::KernelFile,
         source: String,
@@ -618,9 +862,16 @@ fn load_kernels(
         .map(|f| {
             let source = compile::full_source(f);
             let key = compile::cache_key(&source, &opts, device_tag);
-            let path = cache_dir.as_ref().map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
+            let path = cache_dir
+                .as_ref()
+                .map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
             let cubin = path.as_deref().and_then(compile::read_cache);
-            Job { file: *f, source, path, cubin }
+            Job {
+                file: *f,
+                source,
+                path,
+                cubin,
+            }
         })
         .collect();
     let mut modules = HashMap::new();
@@ -633,13 +884,19 @@ fn load_kernels(
                     cached += 1;
                 }
                 Err(e) => {
-                    tracing::warn!("cached kernels/{}.cu CUBIN was rejected by the driver ({e:?}); rebuilding", j.file.name);
+                    tracing::warn!(
+                        "cached kernels/{}.cu CUBIN was rejected by the driver ({e:?}); rebuilding",
+                        j.file.name
+                    );
                     j.cubin = None;
                 }
             }
         }
     }
-    let todo: Vec<&Job> = jobs.iter().filter(|j| !modules.contains_key(j.file.name)).collect();
+    let todo: Vec<&Job> = jobs
+        .iter()
+        .filter(|j| !modules.contains_key(j.file.name))
+        .collect();
     let compiled = todo.len();
     if !todo.is_empty() {
         if let Err(p) = &include {
@@ -649,10 +906,22 @@ fn load_kernels(
                 p.display()
             );
         }
-        tracing::info!(count = todo.len(), arch, "compiling CUDA kernels with NVRTC");
+        tracing::info!(
+            count = todo.len(),
+            arch,
+            "compiling CUDA kernels with NVRTC"
+        );
         let bins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
-            let hs: Vec<_> = todo.iter().map(|j| s.spawn(|| compile::nvrtc_cubin(j.file.name, &j.source, &opts))).collect();
-            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked")))).collect()
+            let hs: Vec<_> = todo
+                .iter()
+                .map(|j| s.spawn(|| compile::nvrtc_cubin(j.file.name, &j.source, &opts)))
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked")))
+                })
+                .collect()
         });
         for (j, bin) in todo.iter().zip(bins) {
             let bin = bin?;
@@ -669,19 +938,26 @@ fn load_kernels(
     }
     let mut funcs = HashMap::new();
     for (file, names) in KERNELS {
-        let m = modules.get(file).ok_or_else(|| anyhow!("kernels/{file}.cu is not loaded"))?;
+        let m = modules
+            .get(file)
+            .ok_or_else(|| anyhow!("kernels/{file}.cu is not loaded"))?;
         for &n in *names {
-            let f = m.load_function(n).map_err(|e| anyhow!("kernels/{file}.cu has no function {n}: {e:?}"))?;
+            let f = m
+                .load_function(n)
+                .map_err(|e| anyhow!("kernels/{file}.cu has no function {n}: {e:?}"))?;
             funcs.insert(n, f);
         }
     }
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
     for hdp in [16, 32, 64, 128, 256] {
-        funcs[format!("attn_fwd_{hdp}").as_str()].set_attribute(MAX_SMEM, host::attention_smem_bytes(hdp) as i32)?;
+        funcs[format!("attn_fwd_{hdp}").as_str()]
+            .set_attribute(MAX_SMEM, host::attention_smem_bytes(hdp) as i32)?;
     }
-    let (prep, scan) = host::delta_smem_bytes(128);
-    funcs["gdn_chunk_prep"].set_attribute(MAX_SMEM, prep as i32)?;
-    funcs["gdn_chunk_scan"].set_attribute(MAX_SMEM, scan as i32)?;
+    funcs["gdn_chunk_prep"].set_attribute(MAX_SMEM, host::delta_smem_bytes(128).0 as i32)?;
+    for dk in [16, 32, 64, 128] {
+        funcs[format!("gdn_chunk_scan_{dk}").as_str()]
+            .set_attribute(MAX_SMEM, host::delta_smem_bytes(dk).1 as i32)?;
+    }
     Ok((funcs, cached, compiled))
 }
 
@@ -714,7 +990,10 @@ impl Backend for CudaBackend {
     }
 
     fn param_f32(&self, t: &TensorRef) -> Result<CudaTensor> {
-        Ok(CudaTensor { buf: Buf::F32(self.htod(&t.to_f32()?)?), shape: t.shape.to_vec() })
+        Ok(CudaTensor {
+            buf: Buf::F32(self.htod(&t.to_f32()?)?),
+            shape: t.shape.to_vec(),
+        })
     }
 
     fn linear(&self, parts: &[LinearPart]) -> Result<CudaLinear> {
@@ -723,8 +1002,19 @@ impl Backend for CudaBackend {
         let mut formats = Vec::with_capacity(parts.len());
         for p in parts {
             let (o, i) = check_2d(&p.weight)?;
-            ensure!(i == in_dim, "{} has {} inputs, expected {}", p.weight.name, i, in_dim);
-            let info = PartInfo { dtype: p.weight.dtype, out: o, inp: i, scales_are_128x128: scales_are_128(&p.weight) };
+            ensure!(
+                i == in_dim,
+                "{} has {} inputs, expected {}",
+                p.weight.name,
+                i,
+                in_dim
+            );
+            let info = PartInfo {
+                dtype: p.weight.dtype,
+                out: o,
+                inp: i,
+                scales_are_128x128: scales_are_128(&p.weight),
+            };
             formats.push((host::part_format(&info, self.inner.options.quantize_fp8), o));
         }
         let out_dim: usize = formats.iter().map(|f| f.1).sum();
@@ -735,11 +1025,15 @@ impl Backend for CudaBackend {
                     let mut q = Vec::with_capacity(g.cols.len() * in_dim);
                     let mut s = Vec::new();
                     for p in &parts[g.parts.clone()] {
-                        let (a, b) = fp8_part(&p.weight).with_context(|| format!("FP8 weights of {}", p.weight.name))?;
+                        let (a, b) = fp8_part(&p.weight)
+                            .with_context(|| format!("FP8 weights of {}", p.weight.name))?;
                         q.extend(a);
                         s.extend(b);
                     }
-                    GroupWeight::Fp8 { w: self.htod(&q)?, scales: self.htod(&s)? }
+                    GroupWeight::Fp8 {
+                        w: self.htod(&q)?,
+                        scales: self.htod(&s)?,
+                    }
                 }
                 PartFormat::Bf16 => {
                     let mut w = Vec::with_capacity(g.cols.len() * in_dim);
@@ -749,7 +1043,10 @@ impl Backend for CudaBackend {
                     GroupWeight::Bf16(self.htod(&w)?)
                 }
             };
-            groups.push(LinearGroup { cols: g.cols, weight });
+            groups.push(LinearGroup {
+                cols: g.cols,
+                weight,
+            });
         }
         let mut bias = None;
         if parts.iter().any(|p| p.bias.is_some()) {
@@ -773,7 +1070,13 @@ impl Backend for CudaBackend {
             if let Some(l) = &p.lora {
                 let (r, ai) = check_2d(&l.a)?;
                 let (bo, br) = check_2d(&l.b)?;
-                ensure!(ai == in_dim && bo == o && br == r, "LoRA {} / {} shapes do not fit {}", l.a.name, l.b.name, p.weight.name);
+                ensure!(
+                    ai == in_dim && bo == o && br == r,
+                    "LoRA {} / {} shapes do not fit {}",
+                    l.a.name,
+                    l.b.name,
+                    p.weight.name
+                );
                 loras.push(CudaLora {
                     cols: col..col + o,
                     rank: r,
@@ -784,7 +1087,13 @@ impl Backend for CudaBackend {
             }
             col += o;
         }
-        Ok(CudaLinear { in_dim, out_dim, groups, bias, loras })
+        Ok(CudaLinear {
+            in_dim,
+            out_dim,
+            groups,
+            bias,
+            loras,
+        })
     }
 
     fn linear_out(&self, w: &CudaLinear) -> usize {
@@ -793,8 +1102,15 @@ impl Backend for CudaBackend {
 
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CudaTensor> {
         let n: usize = shape.iter().product();
-        ensure!(n == data.len(), "tensor of shape {shape:?} needs {n} values, got {}", data.len());
-        Ok(CudaTensor { buf: Buf::F32(self.htod(data)?), shape: shape.to_vec() })
+        ensure!(
+            n == data.len(),
+            "tensor of shape {shape:?} needs {n} values, got {}",
+            data.len()
+        );
+        Ok(CudaTensor {
+            buf: Buf::F32(self.htod(data)?),
+            shape: shape.to_vec(),
+        })
     }
 
     fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
@@ -804,7 +1120,11 @@ impl Backend for CudaBackend {
         }
         let s = &self.inner.stream;
         Ok(match &t.buf {
-            Buf::Bf16(b) => s.clone_dtoh(&b.slice(0..n))?.into_iter().map(|v| v.to_f32()).collect(),
+            Buf::Bf16(b) => s
+                .clone_dtoh(&b.slice(0..n))?
+                .into_iter()
+                .map(|v| v.to_f32())
+                .collect(),
             Buf::F32(b) => s.clone_dtoh(&b.slice(0..n))?,
         })
     }
@@ -816,7 +1136,10 @@ impl Backend for CudaBackend {
     fn reshape(&self, t: CudaTensor, shape: &[usize]) -> Result<CudaTensor> {
         let n: usize = shape.iter().product();
         ensure!(n == t.numel(), "cannot reshape {:?} to {shape:?}", t.shape);
-        Ok(CudaTensor { buf: t.buf, shape: shape.to_vec() })
+        Ok(CudaTensor {
+            buf: t.buf,
+            shape: shape.to_vec(),
+        })
     }
 
     fn embed(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
@@ -831,14 +1154,29 @@ impl Backend for CudaBackend {
         self.launch(
             "gather_rows",
             cfg((grid1(n * d, 256), 1, 1), 256, 0),
-            &[A::P(self.p(tab.s())), A::P(self.p(&ids_d)), A::P(self.p(&y)), A::L(n as i64), A::I(d as i32)],
+            &[
+                A::P(self.p(tab.s())),
+                A::P(self.p(&ids_d)),
+                A::P(self.p(&y)),
+                A::L(n as i64),
+                A::I(d as i32),
+            ],
         )?;
         Ok(self.bf16_tensor(y, &[n, d]))
     }
 
-    fn embed_bag(&self, table: &CudaTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CudaTensor> {
+    fn embed_bag(
+        &self,
+        table: &CudaTensor,
+        idx: &[u32],
+        w: &[f32],
+        taps: usize,
+    ) -> Result<CudaTensor> {
         let (v, d) = table.rows_cols();
-        ensure!(idx.len() == w.len() && taps > 0 && idx.len() % taps == 0, "embed_bag shapes");
+        ensure!(
+            idx.len() == w.len() && taps > 0 && idx.len() % taps == 0,
+            "embed_bag shapes"
+        );
         if let Some(&bad) = idx.iter().find(|&&i| i as usize >= v) {
             bail!("embed_bag index {bad} out of range ({v} rows)");
         }
@@ -865,18 +1203,30 @@ impl Backend for CudaBackend {
     fn scatter_rows(&self, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
         let (n, d) = dst.rows_cols();
         let (sn, sd) = src.rows_cols();
-        ensure!(sd == d && sn == rows.len(), "scatter_rows: {} rows of width {sd} into width {d}", rows.len());
+        ensure!(
+            sd == d && sn == rows.len(),
+            "scatter_rows: {} rows of width {sd} into width {d}",
+            rows.len()
+        );
         if let Some(&r) = rows.iter().find(|&&r| r >= n) {
             bail!("scatter_rows: row {r} out of range");
         }
         self.make_bf16(dst)?;
         let s = self.bf16_of(src)?;
         let rows_d = self.htod(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>())?;
-        let Buf::Bf16(db) = &dst.buf else { unreachable!() };
+        let Buf::Bf16(db) = &dst.buf else {
+            unreachable!()
+        };
         self.launch(
             "scatter_rows",
             cfg((grid1(sn * d, 256), 1, 1), 256, 0),
-            &[A::P(self.p(db)), A::P(self.p(&rows_d)), A::P(self.p(s.s())), A::L(sn as i64), A::I(d as i32)],
+            &[
+                A::P(self.p(db)),
+                A::P(self.p(&rows_d)),
+                A::P(self.p(s.s())),
+                A::L(sn as i64),
+                A::I(d as i32),
+            ],
         )
     }
 
@@ -891,14 +1241,23 @@ impl Backend for CudaBackend {
         self.launch(
             "gather_rows",
             cfg((grid1(rows.len() * d, 256), 1, 1), 256, 0),
-            &[A::P(self.p(xs.s())), A::P(self.p(&rows_d)), A::P(self.p(&y)), A::L(rows.len() as i64), A::I(d as i32)],
+            &[
+                A::P(self.p(xs.s())),
+                A::P(self.p(&rows_d)),
+                A::P(self.p(&y)),
+                A::L(rows.len() as i64),
+                A::I(d as i32),
+            ],
         )?;
         Ok(self.bf16_tensor(y, &[rows.len(), d]))
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
         let (n, d) = x.rows_cols();
-        ensure!(widths.iter().sum::<usize>() == d, "split_cols: widths {widths:?} do not sum to {d}");
+        ensure!(
+            widths.iter().sum::<usize>() == d,
+            "split_cols: widths {widths:?} do not sum to {d}"
+        );
         let xs = self.bf16_of(x)?;
         let mut out = Vec::with_capacity(widths.len());
         let mut off = 0;
@@ -908,7 +1267,14 @@ impl Backend for CudaBackend {
                 self.launch(
                     "copy_cols",
                     cfg((grid1(n * w, 256), 1, 1), 256, 0),
-                    &[A::P(self.p(xs.s())), A::I(d as i32), A::I(off as i32), A::P(self.p(&y)), A::I(w as i32), A::L(n as i64)],
+                    &[
+                        A::P(self.p(xs.s())),
+                        A::I(d as i32),
+                        A::I(off as i32),
+                        A::P(self.p(&y)),
+                        A::I(w as i32),
+                        A::L(n as i64),
+                    ],
                 )?;
             }
             out.push(self.bf16_tensor(y, &[n, w]));
@@ -923,7 +1289,7 @@ impl Backend for CudaBackend {
             ensure!(p.rows_cols().1 == d, "concat_rows: widths differ");
         }
         let total: usize = parts.iter().map(|p| p.numel()).sum();
-        let rows = if d == 0 { 0 } else { total / d };
+        let rows = total.checked_div(d).unwrap_or(0);
         if !parts.is_empty() && parts.iter().all(|p| !p.is_bf16()) {
             let y = self.alloc_f32(total)?;
             let mut at = 0;
@@ -932,7 +1298,10 @@ impl Backend for CudaBackend {
                 self.dtod_bytes(self.p(&y) + 4 * at as u64, self.p(s), 4 * p.numel())?;
                 at += p.numel();
             }
-            return Ok(CudaTensor { buf: Buf::F32(y), shape: vec![rows, d] });
+            return Ok(CudaTensor {
+                buf: Buf::F32(y),
+                shape: vec![rows, d],
+            });
         }
         let y = self.alloc_bf16(total)?;
         let mut at = 0;
@@ -946,10 +1315,18 @@ impl Backend for CudaBackend {
 
     fn matmul(&self, x: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
         let (m, k) = x.rows_cols();
-        ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
+        ensure!(
+            k == w.in_dim,
+            "matmul: input width {k}, projection expects {}",
+            w.in_dim
+        );
         let n = w.out_dim;
         let xs = self.bf16_of(x)?;
-        let fp8 = if w.has_fp8() && m > 0 { Some(self.quantize(xs.s(), m, k)?) } else { None };
+        let fp8 = if w.has_fp8() && m > 0 {
+            Some(self.quantize(xs.s(), m, k)?)
+        } else {
+            None
+        };
         let rows_alloc = fp8.as_ref().map(|f| f.2).unwrap_or(m);
         let y = self.alloc_bf16(rows_alloc * n)?;
         let yp = self.p(&y);
@@ -993,11 +1370,16 @@ impl Backend for CudaBackend {
                     x_scale: 0,
                 },
             };
-            blas.run(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+            blas.run(&gemm)
+                .with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
         }
         if let Some(b) = &w.bias {
             if m > 0 {
-                self.launch("add_bias", cfg((grid1(m * n, 256), 1, 1), 256, 0), &[A::P(yp), A::P(self.p(b)), A::L(m as i64), A::I(n as i32)])?;
+                self.launch(
+                    "add_bias",
+                    cfg((grid1(m * n, 256), 1, 1), 256, 0),
+                    &[A::P(yp), A::P(self.p(b)), A::L(m as i64), A::I(n as i32)],
+                )?;
             }
         }
         for l in &w.loras {
@@ -1044,9 +1426,19 @@ impl Backend for CudaBackend {
         Ok(self.bf16_tensor(y, &[m, n]))
     }
 
-    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32, offset: f32) -> Result<CudaTensor> {
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
         let d = w.numel();
-        ensure!(d > 0 && x.numel() % d == 0, "rms_norm: {} values do not split into rows of {d}", x.numel());
+        ensure!(
+            d > 0 && x.numel() % d == 0,
+            "rms_norm: {} values do not split into rows of {d}",
+            x.numel()
+        );
         let rows = x.numel() / d;
         let (xs, ws) = (self.bf16_of(x)?, self.f32_of(w)?);
         let y = self.alloc_bf16(rows * d)?;
@@ -1055,15 +1447,31 @@ impl Backend for CudaBackend {
             self.launch(
                 "rms_norm",
                 cfg((rows as u32, 1, 1), block, 0),
-                &[A::P(self.p(xs.s())), A::P(self.p(ws.s())), A::P(self.p(&y)), A::I(d as i32), A::F(eps), A::F(offset)],
+                &[
+                    A::P(self.p(xs.s())),
+                    A::P(self.p(ws.s())),
+                    A::P(self.p(&y)),
+                    A::I(d as i32),
+                    A::F(eps),
+                    A::F(offset),
+                ],
             )?;
         }
         Ok(self.bf16_tensor(y, &x.shape))
     }
 
-    fn layer_norm(&self, x: &CudaTensor, w: &CudaTensor, b: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+    fn layer_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        b: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
         let d = w.numel();
-        ensure!(b.numel() == d && d > 0 && x.numel() % d == 0, "layer_norm shapes");
+        ensure!(
+            b.numel() == d && d > 0 && x.numel() % d == 0,
+            "layer_norm shapes"
+        );
         let rows = x.numel() / d;
         let (xs, ws, bs) = (self.bf16_of(x)?, self.f32_of(w)?, self.f32_of(b)?);
         let y = self.alloc_bf16(rows * d)?;
@@ -1072,20 +1480,38 @@ impl Backend for CudaBackend {
             self.launch(
                 "layer_norm",
                 cfg((rows as u32, 1, 1), block, 0),
-                &[A::P(self.p(xs.s())), A::P(self.p(ws.s())), A::P(self.p(bs.s())), A::P(self.p(&y)), A::I(d as i32), A::F(eps)],
+                &[
+                    A::P(self.p(xs.s())),
+                    A::P(self.p(ws.s())),
+                    A::P(self.p(bs.s())),
+                    A::P(self.p(&y)),
+                    A::I(d as i32),
+                    A::F(eps),
+                ],
             )?;
         }
         Ok(self.bf16_tensor(y, &x.shape))
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
-        ensure!(x.numel() == y.numel(), "add: shapes {:?} and {:?}", x.shape, y.shape);
+        ensure!(
+            x.numel() == y.numel(),
+            "add: shapes {:?} and {:?}",
+            x.shape,
+            y.shape
+        );
         self.make_bf16(x)?;
         let ys = self.bf16_of(y)?;
         let n = x.numel();
-        let Buf::Bf16(xb) = &x.buf else { unreachable!() };
+        let Buf::Bf16(xb) = &x.buf else {
+            unreachable!()
+        };
         if n > 0 {
-            self.launch("add_bf16", cfg((grid1(n, 256), 1, 1), 256, 0), &[A::P(self.p(xb)), A::P(self.p(ys.s())), A::L(n as i64)])?;
+            self.launch(
+                "add_bf16",
+                cfg((grid1(n, 256), 1, 1), 256, 0),
+                &[A::P(self.p(xb)), A::P(self.p(ys.s())), A::L(n as i64)],
+            )?;
         }
         Ok(())
     }
@@ -1100,7 +1526,12 @@ impl Backend for CudaBackend {
             self.launch(
                 "swiglu",
                 cfg((grid1(n * d, 256), 1, 1), 256, 0),
-                &[A::P(self.p(gs.s())), A::P(self.p(&y)), A::L(n as i64), A::I(d as i32)],
+                &[
+                    A::P(self.p(gs.s())),
+                    A::P(self.p(&y)),
+                    A::L(n as i64),
+                    A::I(d as i32),
+                ],
             )?;
         }
         Ok(self.bf16_tensor(y, &[n, d]))
@@ -1109,12 +1540,18 @@ impl Backend for CudaBackend {
     fn gelu(&self, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
         self.make_bf16(x)?;
         let n = x.numel();
-        let Buf::Bf16(xb) = &x.buf else { unreachable!() };
+        let Buf::Bf16(xb) = &x.buf else {
+            unreachable!()
+        };
         if n > 0 {
             self.launch(
                 "gelu",
                 cfg((grid1(n, 256), 1, 1), 256, 0),
-                &[A::P(self.p(xb)), A::L(n as i64), A::I((kind == Gelu::Tanh) as i32)],
+                &[
+                    A::P(self.p(xb)),
+                    A::L(n as i64),
+                    A::I((kind == Gelu::Tanh) as i32),
+                ],
             )?;
         }
         Ok(())
@@ -1132,17 +1569,64 @@ impl Backend for CudaBackend {
         self.launch(
             "readout_f32",
             cfg((grid1(m * rows * 32, 256), 1, 1), 256, 0),
-            &[A::P(self.p(hs.s())), A::P(self.p(ws.s())), A::P(self.p(&y)), A::I(m as i32), A::I(rows as i32), A::I(k as i32)],
+            &[
+                A::P(self.p(hs.s())),
+                A::P(self.p(ws.s())),
+                A::P(self.p(&y)),
+                A::I(m as i32),
+                A::I(rows as i32),
+                A::I(k as i32),
+            ],
         )?;
         Ok(self.inner.stream.clone_dtoh(&y.slice(0..m * rows))?)
     }
 
     fn new_kv_cache(&self, dims: &AttentionDims) -> Result<CudaKvCache> {
-        Ok(CudaKvCache { k: None, v: None, width: dims.kv_heads * dims.head_dim, cap: 0, len: 0 })
+        Ok(CudaKvCache {
+            shared: None,
+            k: None,
+            v: None,
+            width: dims.kv_heads * dims.head_dim,
+            cap: 0,
+            len: 0,
+        })
     }
 
     fn kv_len(&self, cache: &CudaKvCache) -> usize {
-        cache.len
+        cache.shared_len() + cache.len
+    }
+
+    fn share_kv(&self, c: &mut CudaKvCache) -> Result<()> {
+        if c.len == 0 {
+            return Ok(());
+        }
+        // New shared prefix = old shared rows + own rows, exactly sized; the own buffers are
+        // dropped so forks start with none.
+        let (old, own) = (c.shared_len() * c.width, c.len * c.width);
+        let k = self.alloc_bf16(old + own)?;
+        let v = self.alloc_bf16(old + own)?;
+        for (dst, sh, mine) in [
+            (&k, c.shared.as_ref().map(|s| &s.k), &c.k),
+            (&v, c.shared.as_ref().map(|s| &s.v), &c.v),
+        ] {
+            if let Some(sh) = sh {
+                self.dtod_bytes(self.p(dst), self.p(sh), 2 * old)?;
+            }
+            let mine = mine
+                .as_ref()
+                .ok_or_else(|| anyhow!("KV cache has rows but no buffer"))?;
+            self.dtod_bytes(self.p(dst) + 2 * old as u64, self.p(mine), 2 * own)?;
+        }
+        c.shared = Some(Arc::new(SharedKv {
+            k,
+            v,
+            len: c.shared_len() + c.len,
+        }));
+        c.k = None;
+        c.v = None;
+        c.cap = 0;
+        c.len = 0;
+        Ok(())
     }
 
     fn gated_attention(
@@ -1152,30 +1636,79 @@ impl Backend for CudaBackend {
         segments: &[Range<usize>],
         caches: &mut [&mut CudaKvCache],
     ) -> Result<CudaTensor> {
-        let AttentionDims { heads, kv_heads: kvh, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
+        let AttentionDims {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            rotary_dim: rot,
+            norm_eps,
+        } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
         let (n, qgw) = x.query_gate.rows_cols();
-        ensure!(qgw == heads * 2 * hd, "query/gate width {qgw} != {}", heads * 2 * hd);
-        ensure!(x.key.rows_cols() == (n, kvh * hd) && x.value.rows_cols() == (n, kvh * hd), "k/v shapes");
-        ensure!(x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot), "rotary table shapes");
-        ensure!(kvh > 0 && heads % kvh == 0, "{heads} heads do not group over {kvh} kv heads");
-        ensure!(hd <= 256 && rot <= hd && rot % 2 == 0, "head_dim {hd} / rotary_dim {rot} not supported (head_dim ≤ 256)");
-        ensure!(x.q_norm.numel() == hd && x.k_norm.numel() == hd, "q/k norm weights must have {hd} values");
+        ensure!(
+            qgw == heads * 2 * hd,
+            "query/gate width {qgw} != {}",
+            heads * 2 * hd
+        );
+        ensure!(
+            x.key.rows_cols() == (n, kvh * hd) && x.value.rows_cols() == (n, kvh * hd),
+            "k/v shapes"
+        );
+        ensure!(
+            x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot),
+            "rotary table shapes"
+        );
+        ensure!(
+            kvh > 0 && heads % kvh == 0,
+            "{heads} heads do not group over {kvh} kv heads"
+        );
+        ensure!(
+            hd <= 256 && rot <= hd && rot % 2 == 0,
+            "head_dim {hd} / rotary_dim {rot} not supported (head_dim ≤ 256)"
+        );
+        ensure!(
+            x.q_norm.numel() == hd && x.k_norm.numel() == hd,
+            "q/k norm weights must have {hd} values"
+        );
         check_tiling(segments, n)?;
         for c in caches.iter() {
-            ensure!(c.width == kvh * hd, "KV cache width {} does not match {kvh}×{hd}", c.width);
+            ensure!(
+                c.width == kvh * hd,
+                "KV cache width {} does not match {kvh}×{hd}",
+                c.width
+            );
         }
         if n == 0 {
             return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, heads * hd]));
         }
-        let (qg, k, v) = (self.bf16_of(x.query_gate)?, self.bf16_of(x.key)?, self.bf16_of(x.value)?);
+        let (qg, k, v) = (
+            self.bf16_of(x.query_gate)?,
+            self.bf16_of(x.key)?,
+            self.bf16_of(x.value)?,
+        );
         let (qw, kw) = (self.f32_of(x.q_norm)?, self.f32_of(x.k_norm)?);
         let (cos, sin) = (self.f32_of(x.cos)?, self.f32_of(x.sin)?);
-        let mut meta = Vec::with_capacity(5 * segments.len());
+        let mut meta = Vec::with_capacity(8 * segments.len());
         for (seg, c) in segments.iter().zip(caches.iter_mut()) {
             self.reserve_kv(c, c.len + seg.len())?;
-            let (kc, vc) = (c.k.as_ref().expect("reserved"), c.v.as_ref().expect("reserved"));
-            meta.extend([seg.start as i64, seg.len() as i64, self.p(kc) as i64, self.p(vc) as i64, c.len as i64]);
+            let (sk, sv, sl) = match &c.shared {
+                Some(s) => (self.p(&s.k), self.p(&s.v), s.len),
+                None => (0, 0, 0),
+            };
+            let (kc, vc) = (
+                c.k.as_ref().expect("reserved"),
+                c.v.as_ref().expect("reserved"),
+            );
+            meta.extend([
+                seg.start as i64,
+                seg.len() as i64,
+                sk as i64,
+                sv as i64,
+                sl as i64,
+                self.p(kc) as i64,
+                self.p(vc) as i64,
+                c.len as i64,
+            ]);
         }
         let meta = self.htod(&meta)?;
         let q = self.alloc_bf16(n * heads * hd)?;
@@ -1229,31 +1762,70 @@ impl Backend for CudaBackend {
         segments: &[Range<usize>],
         states: &mut [&mut CudaDeltaState],
     ) -> Result<CudaTensor> {
-        let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, norm_eps } = *dims;
+        let DeltaNetDims {
+            key_heads: kh,
+            value_heads: vh,
+            key_dim: dk,
+            value_dim: dv,
+            conv_kernel: kw,
+            norm_eps,
+        } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
         let (n, w) = x.qkv.rows_cols();
         ensure!(w == c, "qkv width {w} != conv channels {c}");
-        ensure!(x.z.rows_cols() == (n, vh * dv) && x.b.rows_cols() == (n, vh) && x.a.rows_cols() == (n, vh), "z/b/a shapes");
-        ensure!(x.conv_weight.numel() == c * kw && kw >= 1, "conv weight shape");
-        ensure!(kh > 0 && vh % kh == 0, "{vh} value heads do not group over {kh} key heads");
-        ensure!(dk <= 128, "DeltaNet key_dim {dk} > 128 is not supported by the CUDA kernels");
-        ensure!(x.a_log.numel() == vh && x.dt_bias.numel() == vh && x.norm_weight.numel() == dv, "A_log/dt_bias/norm shapes");
+        ensure!(
+            x.z.rows_cols() == (n, vh * dv)
+                && x.b.rows_cols() == (n, vh)
+                && x.a.rows_cols() == (n, vh),
+            "z/b/a shapes"
+        );
+        ensure!(
+            x.conv_weight.numel() == c * kw && kw >= 1,
+            "conv weight shape"
+        );
+        ensure!(
+            kh > 0 && vh % kh == 0,
+            "{vh} value heads do not group over {kh} key heads"
+        );
+        ensure!(
+            [16, 32, 64, 128].contains(&dk) && dv % 4 == 0,
+            "DeltaNet key_dim {dk} / value_dim {dv}: the CUDA kernels support key_dim 16, 32, 64 or 128 and value_dim a multiple of 4"
+        );
+        ensure!(
+            x.a_log.numel() == vh && x.dt_bias.numel() == vh && x.norm_weight.numel() == dv,
+            "A_log/dt_bias/norm shapes"
+        );
         check_tiling(segments, n)?;
         if n == 0 {
             return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, vh * dv]));
         }
-        let (qkv, z, bb, aa, convw) =
-            (self.bf16_of(x.qkv)?, self.bf16_of(x.z)?, self.bf16_of(x.b)?, self.bf16_of(x.a)?, self.bf16_of(x.conv_weight)?);
-        let (alog, dtb, normw) = (self.f32_of(x.a_log)?, self.f32_of(x.dt_bias)?, self.f32_of(x.norm_weight)?);
+        let (qkv, z, bb, aa, convw) = (
+            self.bf16_of(x.qkv)?,
+            self.bf16_of(x.z)?,
+            self.bf16_of(x.b)?,
+            self.bf16_of(x.a)?,
+            self.bf16_of(x.conv_weight)?,
+        );
+        let (alog, dtb, normw) = (
+            self.f32_of(x.a_log)?,
+            self.f32_of(x.dt_bias)?,
+            self.f32_of(x.norm_weight)?,
+        );
         let table = host::chunk_table(segments, host::DELTA_CHUNK);
         let mut conv_meta = Vec::with_capacity(3 * segments.len());
         let mut scan_meta = Vec::with_capacity(3 * segments.len());
-        for ((seg, st), &(first, count)) in segments.iter().zip(states.iter()).zip(&table.per_segment) {
+        for ((seg, st), &(first, count)) in
+            segments.iter().zip(states.iter()).zip(&table.per_segment)
+        {
             conv_meta.extend([seg.start as i64, seg.len() as i64, self.p(&st.conv) as i64]);
             scan_meta.extend([first as i64, count as i64, self.p(&st.recurrent) as i64]);
         }
-        let (conv_meta, scan_meta, chunks) = (self.htod(&conv_meta)?, self.htod(&scan_meta)?, self.htod(&table.chunks)?);
+        let (conv_meta, scan_meta, chunks) = (
+            self.htod(&conv_meta)?,
+            self.htod(&scan_meta)?,
+            self.htod(&table.chunks)?,
+        );
         let qn = self.alloc_f32(n * kh * dk)?;
         let kn = self.alloc_f32(n * kh * dk)?;
         let vv = self.alloc_f32(n * vh * dv)?;
@@ -1287,12 +1859,18 @@ impl Backend for CudaBackend {
         self.launch(
             "gdn_conv_hist",
             cfg((grid1(c, 256), nseg as u32, 1), 256, 0),
-            &[A::P(self.p(qkv.s())), A::P(self.p(&conv_meta)), A::I(c as i32), A::I(kw as i32)],
+            &[
+                A::P(self.p(qkv.s())),
+                A::P(self.p(&conv_meta)),
+                A::I(c as i32),
+                A::I(kw as i32),
+            ],
         )?;
         let core = self.alloc_f32(n * vh * dv)?;
         if !table.is_empty() {
             let (prep_smem, scan_smem) = host::delta_smem_bytes(dk);
-            let tp = self.alloc_f32(table.len() * vh * 2 * host::DELTA_CHUNK * host::DELTA_CHUNK)?;
+            let tp =
+                self.alloc_f32(table.len() * vh * 2 * host::DELTA_CHUNK * host::DELTA_CHUNK)?;
             self.launch(
                 "gdn_chunk_prep",
                 cfg((table.len() as u32, vh as u32, 1), 256, prep_smem),
@@ -1309,8 +1887,12 @@ impl Backend for CudaBackend {
                 ],
             )?;
             self.launch(
-                "gdn_chunk_scan",
-                cfg((nseg as u32, vh as u32, dv.div_ceil(32) as u32), 256, scan_smem),
+                &format!("gdn_chunk_scan_{dk}"),
+                cfg(
+                    (nseg as u32, vh as u32, dv.div_ceil(32) as u32),
+                    256,
+                    scan_smem,
+                ),
                 &[
                     A::P(self.p(&qn)),
                     A::P(self.p(&kn)),
@@ -1322,7 +1904,6 @@ impl Backend for CudaBackend {
                     A::P(self.p(&scan_meta)),
                     A::I(kh as i32),
                     A::I(vh as i32),
-                    A::I(dk as i32),
                     A::I(dv as i32),
                     A::P(self.p(&core)),
                 ],
@@ -1355,11 +1936,20 @@ impl Backend for CudaBackend {
         segments: &[Range<usize>],
     ) -> Result<CudaTensor> {
         let (n, w) = qkv.rows_cols();
-        ensure!(heads > 0 && w % (3 * heads) == 0, "vision qkv width {w} is not 3·heads·head_dim");
+        ensure!(
+            heads > 0 && w % (3 * heads) == 0,
+            "vision qkv width {w} is not 3·heads·head_dim"
+        );
         let hd = w / (3 * heads);
         let d = heads * hd;
-        ensure!(hd <= 256 && hd % 2 == 0, "vision head_dim {hd} not supported");
-        ensure!(cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd), "vision rotary shapes");
+        ensure!(
+            hd <= 256 && hd % 2 == 0,
+            "vision head_dim {hd} not supported"
+        );
+        ensure!(
+            cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd),
+            "vision rotary shapes"
+        );
         check_tiling(segments, n)?;
         if n == 0 {
             return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, d]));
@@ -1369,10 +1959,19 @@ impl Backend for CudaBackend {
         let q = self.alloc_bf16(n * d)?;
         let kb = self.alloc_bf16(n * d)?;
         let vb = self.alloc_bf16(n * d)?;
-        let mut meta = Vec::with_capacity(5 * segments.len());
+        let mut meta = Vec::with_capacity(8 * segments.len());
         for s in segments {
             let off = 2 * (s.start * d) as u64;
-            meta.extend([s.start as i64, s.len() as i64, (self.p(&kb) + off) as i64, (self.p(&vb) + off) as i64, 0]);
+            meta.extend([
+                s.start as i64,
+                s.len() as i64,
+                0,
+                0,
+                0,
+                (self.p(&kb) + off) as i64,
+                (self.p(&vb) + off) as i64,
+                0,
+            ]);
         }
         let meta = self.htod(&meta)?;
         let xp = self.p(x.s());
