@@ -8,7 +8,10 @@ use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};
 use crate::tokenizer::QwenTokenizer;
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use crate::decision::ContractMode;
+use crate::serve::{Device, Quantize, ServeOptions};
+use crate::worker::BatchLimits;
+use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -19,17 +22,116 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// Which backend runs the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Device {
-    /// CUDA when a usable GPU is present, else CPU.
-    Auto,
-    Cpu,
-    Cuda,
+/// What decides the answers (shared by `serve` and `decide`).
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json,
+    /// preprocessor_config.json). Without it, `serve` runs the built-in demo model.
+    #[arg(long, env = "IMAJEV_MODEL")]
+    pub model: Option<PathBuf>,
+    /// imajev adapter folder: adapter_config.json, adapter_model.safetensors,
+    /// decision_readout.safetensors (+ decision_readout.json).
+    #[arg(long, env = "IMAJEV_ADAPTER")]
+    pub adapter: Option<PathBuf>,
+    /// Temperature calibration file (imajev calibration.json, schema 1.0/1.1/1.2).
+    #[arg(long, env = "IMAJEV_CALIBRATION")]
+    pub calibration: Option<PathBuf>,
+    /// Option orders averaged per question (imajev's released setting is 4).
+    #[arg(long, default_value_t = 4, env = "IMAJEV_ROTATIONS")]
+    pub rotations: usize,
+    /// Refuse requests whose longest pass exceeds this many tokens (image tokens included).
+    #[arg(long, default_value_t = 65536, env = "IMAJEV_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: usize,
+    /// Backend: auto (CUDA when a GPU is usable, else CPU), cpu or cuda.
+    #[arg(long, value_enum, default_value_t = Device::Auto, env = "IMAJEV_DEVICE")]
+    pub device: Device,
+    /// GPU only: `fp8` quantises a BF16/F32 checkpoint's projections to block FP8 at load
+    /// (block-FP8 checkpoints are served as FP8 either way).
+    #[arg(long, value_enum, default_value_t = Quantize::None, env = "IMAJEV_QUANTIZE")]
+    pub quantize: Quantize,
+    /// Name reported as `model` in responses (default imajev-4b; imajev-demo for the demo).
+    #[arg(long, env = "IMAJEV_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// Answer shape: imajev (imajev's fields and confidence) or typesafe (extra fields prefixed
+    /// x_, TypeSafe's confidence formulas).
+    #[arg(long, value_enum, default_value_t = ContractMode::Imajev, env = "IMAJEV_CONTRACT")]
+    pub contract: ContractMode,
+    /// Most suffix tokens per packed forward of question passes.
+    #[arg(long, default_value_t = 8192)]
+    pub batch_tokens: usize,
+    /// Most forked sequences per packed forward.
+    #[arg(long, default_value_t = 64)]
+    pub batch_sequences: usize,
+}
+
+impl ModelArgs {
+    pub fn options(&self, queue_depth: usize) -> ServeOptions {
+        ServeOptions {
+            model: self.model.clone(),
+            adapter: self.adapter.clone(),
+            calibration: self.calibration.clone(),
+            rotations: self.rotations,
+            max_input_tokens: self.max_input_tokens,
+            device: self.device,
+            quantize: self.quantize,
+            model_name: self.model_name.clone(),
+            contract: self.contract,
+            queue_depth,
+            batch: BatchLimits { max_tokens: self.batch_tokens, max_sequences: self.batch_sequences },
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics and /openapi.json.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value = "127.0.0.1", env = "IMAJEV_HOST")]
+        host: String,
+        #[arg(long, default_value_t = 8765, env = "IMAJEV_PORT")]
+        port: u16,
+        /// File with one API key per line; when given, requests need `Authorization: Bearer <key>`.
+        #[arg(long, env = "IMAJEV_API_KEY_FILE")]
+        api_key_file: Option<PathBuf>,
+        /// Requests that may wait for the engine; beyond that the server answers 529 + Retry-After.
+        #[arg(long, default_value_t = 64, env = "IMAJEV_QUEUE_DEPTH")]
+        queue_depth: usize,
+        /// Seconds from arrival until a request is abandoned (504).
+        #[arg(long, default_value_t = 120, env = "IMAJEV_REQUEST_TIMEOUT")]
+        request_timeout: u64,
+        /// Most questions per request.
+        #[arg(long, default_value_t = 64, env = "IMAJEV_MAX_QUESTIONS")]
+        max_questions: usize,
+        /// Largest request body in MiB (after decompression too).
+        #[arg(long, default_value_t = 128, env = "IMAJEV_MAX_BODY_MB")]
+        max_body_mb: usize,
+        /// HTTP worker threads.
+        #[arg(long, env = "IMAJEV_HTTP_WORKERS")]
+        http_workers: Option<usize>,
+    },
+    /// Answer requests offline: one JSON request (or JSONL, one per line) → the response(s).
+    Decide {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// A request body (.json) or one per line (.jsonl).
+        #[arg(long)]
+        request: PathBuf,
+        /// Where to write the response(s) (stdout if absent).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Run every request this many times (timings in usage reflect each run; the last is written).
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
+        /// Also write every pass's full token ids (one `<|image_pad|>` per image) and readout
+        /// logits here, as JSONL.
+        #[arg(long)]
+        emit_passes: Option<PathBuf>,
+        /// Write each run's timings (ms per stage) here, as JSONL (one line per request and run).
+        #[arg(long)]
+        timings: Option<PathBuf>,
+    },
     /// Read UTF-8 text on stdin, print its token ids as one JSON array (special-token strings are
     /// parsed as special tokens). With --jsonl, each stdin line is a JSON string and each output
     /// line the array for it.
@@ -55,6 +157,7 @@ pub enum Command {
         /// Where to write `{"input_ids", "hidden_last", "readout_logits"?}` (stdout if absent).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// cpu (the f32 reference) or cuda.
         #[arg(long, value_enum, default_value_t = Device::Cpu)]
         device: Device,
     },
@@ -84,6 +187,12 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Serve { model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers } => {
+            serve_cmd(&model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers)
+        }
+        Command::Decide { model, request, out, repeat, emit_passes, timings } => {
+            decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
+        }
         Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(&model, jsonl),
         Command::Forward { model, adapter, input, out, device } => forward(&model, adapter.as_deref(), &input, out.as_deref(), device),
         Command::Synth { config, out, dtype, seed, adapter_out, lora_rank, lora_alpha, readout_rows } => {
@@ -141,10 +250,142 @@ fn resolve_image(path: &Path, input_file: &Path) -> PathBuf {
     }
 }
 
-fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&Path>, device: Device) -> Result<()> {
-    if device == Device::Cuda {
-        bail!("--device cuda: the CUDA backend is not part of this build yet; use --device cpu");
+#[allow(clippy::too_many_arguments)]
+fn serve_cmd(
+    model: &ModelArgs,
+    host: String,
+    port: u16,
+    api_key_file: Option<PathBuf>,
+    queue_depth: usize,
+    request_timeout: u64,
+    max_questions: usize,
+    max_body_mb: usize,
+    http_workers: Option<usize>,
+) -> Result<()> {
+    let api_keys = match &api_key_file {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading --api-key-file {}", p.display()))?;
+            let keys: Vec<String> =
+                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
+            if keys.is_empty() {
+                bail!("--api-key-file {} holds no keys (one per line)", p.display());
+            }
+            keys
+        }
+        None => Vec::new(),
+    };
+    let service = crate::serve::start(&model.options(queue_depth))?;
+    let mut cfg = crate::api::ServerConfig {
+        host,
+        port,
+        max_body_bytes: max_body_mb << 20,
+        max_questions,
+        api_keys,
+        request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
+        adapter_label: service.info.adapter.clone(),
+        ..Default::default()
+    };
+    if let Some(w) = http_workers {
+        cfg.workers = w.max(1);
     }
+    if service.info.demo {
+        cfg.model_description = "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
+    }
+    tracing::info!(
+        model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
+        contract = ?service.info.contract, readout_codes = service.info.readout_codes,
+        "serving on http://{}:{} (the model loads in the background)", cfg.host, cfg.port
+    );
+    let crate::serve::Service { decider, worker, engine_thread, image_config, registry, .. } = service;
+    let app = crate::api::build_app_state(&cfg, worker, registry, image_config)?;
+    app.set_decider(decider);
+    let result = crate::api::run_blocking(cfg, app);
+    // Every worker handle is gone once the server returns: the engine thread drains and stops.
+    let _ = engine_thread.join();
+    result
+}
+
+fn decide_cmd(
+    model: &ModelArgs,
+    request: &Path,
+    out: Option<&Path>,
+    repeat: usize,
+    emit: Option<&Path>,
+    timings_out: Option<&Path>,
+) -> Result<()> {
+    use crate::api::parse::{parse_request_json, ParseContext};
+    use crate::decision::Timings;
+    let prepared = crate::serve::prepare(&model.options(1))?;
+    let engine = crate::serve::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
+    let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
+    let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
+    let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
+    let bodies: Vec<&str> = if request.extension().is_some_and(|e| e == "jsonl") {
+        text.lines().filter(|l| !l.trim().is_empty()).collect()
+    } else {
+        vec![text.as_str()]
+    };
+    let mut responses = Vec::new();
+    let mut passes_out = Vec::new();
+    let mut timing_lines = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        let mut last = None;
+        for run_index in 0..repeat.max(1) {
+            let started = std::time::Instant::now();
+            let req = parse_request_json(body.as_bytes(), &ctx)
+                .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
+            let plan = decider.plan(&req).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
+            let images: Vec<&crate::image::PatchedImage> = req.images.iter().map(|im| &im.patched).collect();
+            let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences };
+            let run = engine.run(&plan, &images, limits, &|| Ok(())).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
+            let t = Timings {
+                vision_ms: run.vision_ms,
+                prefill_ms: run.prefill_ms,
+                questions_ms: run.questions_ms,
+                total_ms: started.elapsed().as_secs_f64() * 1e3,
+            };
+            if emit.is_some() && last.is_none() {
+                for (f, fp) in plan.fields.iter().enumerate() {
+                    for (p, pass) in fp.passes.iter().enumerate() {
+                        let mut ids = plan.prefix.clone();
+                        ids.extend(&fp.common);
+                        ids.extend(&pass.suffix);
+                        passes_out.push(serde_json::json!({"request": i, "field": f, "pass": p, "offset": pass.offset,
+                            "input_ids": ids, "logits": run.logits[f][p]}));
+                    }
+                }
+            }
+            timing_lines.push(serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
+                "vision_ms": t.vision_ms, "prefill_ms": t.prefill_ms, "questions_ms": t.questions_ms,
+                "input_tokens": plan.max_pass_tokens, "processed_tokens": plan.processed_tokens,
+                "passes": plan.pass_count(), "images": req.images.len()}).to_string());
+            last = Some(decider.respond(&req, &plan, &run.logits, t));
+        }
+        responses.push(last.expect("at least one run"));
+    }
+    let text = responses.iter().map(|r| serde_json::to_string(r)).collect::<Result<Vec<_>, _>>()?.join("\n") + "\n";
+    match out {
+        Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,
+        None => print!("{text}"),
+    }
+    if let Some(p) = timings_out {
+        std::fs::write(p, timing_lines.join("\n") + "\n").with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = emit {
+        let lines: Vec<String> = passes_out.iter().map(|v| v.to_string()).collect();
+        std::fs::write(p, lines.join("\n") + "\n").with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
+
+fn run_forward<B: Backend>(model: Qwen35<B>, ids: &[u32], images: &[&crate::image::PatchedImage]) -> Result<ForwardOutput> {
+    let (_state, hidden, layout) = model.prefill(ids, images)?;
+    let hidden_last = model.backend.download(&hidden)?;
+    let readout_logits = if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
+    Ok(ForwardOutput { input_ids: layout.ids, hidden_last, readout_logits })
+}
+
+fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&Path>, device: Device) -> Result<()> {
     let text = std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
     let req: ForwardInput = serde_json::from_str(&text)
         .with_context(|| format!("{} must be {{\"prompt\": STRING, \"images\": [PATH, ...]}}", input.display()))?;
@@ -160,12 +401,11 @@ fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&
             .with_context(|| format!("image {}", path.display()))?;
         patched.push(img);
     }
-    let model = Qwen35::load(CpuBackend::default(), model_dir, adapter)?;
     let refs: Vec<&_> = patched.iter().collect();
-    let (_state, hidden, layout) = model.prefill(&ids, &refs)?;
-    let hidden_last = model.backend.download(&hidden)?;
-    let readout_logits = if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
-    let result = ForwardOutput { input_ids: layout.ids, hidden_last, readout_logits };
+    let result = match device {
+        Device::Cuda => run_forward(Qwen35::load(crate::serve::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
+        _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs)?,
+    };
     let json = serde_json::to_string(&result)?;
     match out {
         Some(p) => std::fs::write(p, json + "\n").with_context(|| format!("writing {}", p.display()))?,

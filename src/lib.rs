@@ -2,6 +2,7 @@
 //!
 //! The data flow is the folder layout (see ARCHITECTURE in the README):
 //! api → decision → worker → engine → backend.
+pub mod api;
 pub mod backend;
 pub mod engine;
 pub mod image;

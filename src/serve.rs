@@ -3,6 +3,7 @@
 //! the weights in the background so the HTTP side can answer `503 loading` meanwhile.
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use crate::engine::adapter::{readout_path, ReadoutFile};
 use crate::engine::synth::{self, SynthDtype};
@@ -36,6 +37,7 @@ pub struct ServeOptions {
     pub rotations: usize,
     pub max_input_tokens: usize,
     pub device: Device,
+    pub quantize: Quantize,
     pub model_name: Option<String>,
     pub contract: ContractMode,
     pub queue_depth: usize,
@@ -57,6 +59,21 @@ pub struct ModelInfo {
     pub demo: bool,
 }
 
+/// The decision layer of a model + adapter, ready before any weight is loaded.
+pub struct Prepared {
+    pub decider: Arc<Decider>,
+    pub image_config: ImageProcessorConfig,
+    pub info: ModelInfo,
+    pub model_dir: PathBuf,
+    pub adapter_dir: PathBuf,
+    pub device: Device,
+    pub quantize: Quantize,
+    pub queue_depth: usize,
+    pub batch: BatchLimits,
+    /// Keeps the demo checkpoint's temporary folder alive.
+    pub demo: Option<tempfile::TempDir>,
+}
+
 pub struct Service {
     pub decider: Arc<Decider>,
     pub worker: WorkerHandle,
@@ -65,7 +82,7 @@ pub struct Service {
     pub info: ModelInfo,
     pub registry: prometheus::Registry,
     /// Keeps the demo checkpoint's temporary folder alive.
-    _demo: Option<tempfile::TempDir>,
+    pub demo: Option<tempfile::TempDir>,
 }
 
 /// The demo bundle: the tiny synthetic Qwen3.5 (real tokenizer, random weights) and an
@@ -90,6 +107,27 @@ const DEMO_NOTICE: &str = "\n\
 
 /// Builds the decision layer and starts the engine thread.
 pub fn start(opts: &ServeOptions) -> Result<Service> {
+    let p = prepare(opts)?;
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(EngineMetrics::new(&registry)?);
+    metrics.weight_bytes.set(dir_bytes(&p.model_dir) as i64);
+    let (device, quantize, m, a) = (p.device, p.quantize, p.model_dir.clone(), p.adapter_dir.clone());
+    let (worker, engine_thread) =
+        worker::spawn(move || load_engine(device, quantize, &m, &a), p.queue_depth, p.batch, metrics);
+    Ok(Service {
+        decider: p.decider,
+        worker,
+        engine_thread,
+        image_config: p.image_config,
+        info: p.info,
+        registry,
+        demo: p.demo,
+    })
+}
+
+/// Resolves the model and adapter (building the demo when no model is given) and builds the
+/// decision layer from the adapter's files and the tokenizer — no weights are loaded.
+pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
     let (demo, model_dir, adapter_dir) = match (&opts.model, &opts.adapter) {
         (Some(m), a) => (None, m.clone(), a.clone()),
         (None, Some(_)) => bail!("--adapter needs --model (the base checkpoint it adapts)"),
@@ -137,25 +175,48 @@ pub fn start(opts: &ServeOptions) -> Result<Service> {
         demo: demo.is_some(),
     };
     let image_config = ImageProcessorConfig::from_model_dir(&model_dir)?;
-    let registry = prometheus::Registry::new();
-    let metrics = Arc::new(EngineMetrics::new(&registry)?);
-    metrics.weight_bytes.set(dir_bytes(&model_dir) as i64);
-    let device = opts.device;
-    let (m, a) = (model_dir.clone(), adapter_dir.clone());
-    let (worker, engine_thread) = worker::spawn(
-        move || load_engine(device, &m, &a),
-        opts.queue_depth,
-        opts.batch,
-        metrics,
-    );
-    Ok(Service { decider, worker, engine_thread, image_config, info, registry, _demo: demo })
+    Ok(Prepared {
+        decider,
+        image_config,
+        info,
+        model_dir,
+        adapter_dir,
+        device: opts.device,
+        quantize: opts.quantize,
+        queue_depth: opts.queue_depth,
+        batch: opts.batch,
+        demo,
+    })
 }
 
-/// Loads the model on the requested device.
-pub fn load_engine(device: Device, model: &Path, adapter: &Path) -> Result<Box<dyn DecisionEngine>> {
+/// How projection weights are stored on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantize {
+    /// As the checkpoint stores them (block-FP8 checkpoints stay FP8; BF16 stays BF16).
+    #[default]
+    None,
+    /// Quantise BF16/F32 projections to block FP8 (E4M3, 128×128 scales) at load.
+    Fp8,
+}
+
+/// The CUDA backend on GPU 0, or why there is none.
+pub fn cuda_backend(quantize: Quantize) -> Result<CudaBackend> {
+    CudaBackend::new(0, CudaOptions { quantize_fp8: quantize == Quantize::Fp8, ..Default::default() })
+}
+
+/// Loads the model on the requested device (`auto`: CUDA when usable, else CPU).
+pub fn load_engine(device: Device, quantize: Quantize, model: &Path, adapter: &Path) -> Result<Box<dyn DecisionEngine>> {
     match device {
-        Device::Cuda => bail!("--device cuda: the CUDA backend is not available in this build; use --device cpu"),
-        Device::Auto | Device::Cpu => Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?)),
+        Device::Cuda => Ok(Box::new(Qwen35::load(cuda_backend(quantize)?, model, Some(adapter))?)),
+        Device::Cpu => Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?)),
+        Device::Auto => match cuda_backend(quantize) {
+            Ok(b) => Ok(Box::new(Qwen35::load(b, model, Some(adapter))?)),
+            Err(e) => {
+                tracing::info!("no usable GPU ({e:#}); using the CPU backend");
+                Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?))
+            }
+        },
     }
 }
 

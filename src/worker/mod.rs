@@ -124,7 +124,14 @@ where
         status: Arc::new(Mutex::new(EngineStatus::Loading)),
         metrics,
     };
-    let h = handle.clone();
+    // The thread keeps everything but the sender: once the last WorkerHandle is dropped, the
+    // channel closes and the loop ends after draining the queue.
+    let h = Shared {
+        depth: handle.depth.clone(),
+        avg_job_ms: handle.avg_job_ms.clone(),
+        status: handle.status.clone(),
+        metrics: handle.metrics.clone(),
+    };
     let join = std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || {
@@ -150,7 +157,21 @@ where
     (handle, join)
 }
 
-fn serve(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &WorkerHandle, limits: BatchLimits) {
+/// The engine thread's view of the shared counters (no sender, so it cannot keep the queue open).
+struct Shared {
+    depth: Arc<AtomicUsize>,
+    avg_job_ms: Arc<AtomicU64>,
+    status: Arc<Mutex<EngineStatus>>,
+    metrics: Arc<EngineMetrics>,
+}
+
+impl Shared {
+    fn status(&self) -> EngineStatus {
+        self.status.lock().map(|s| s.clone()).unwrap_or(EngineStatus::Failed("status lock poisoned".into()))
+    }
+}
+
+fn serve(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
     // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
     while let Ok(job) = rx.recv() {
         let depth = h.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);

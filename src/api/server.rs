@@ -1,0 +1,563 @@
+//! The HTTP server: routes, auth, request ids, metrics, readiness and graceful shutdown.
+//!
+//! `POST /v1/systemone` never blocks an async thread: body decoding, JSON parsing, image
+//! decoding and planning run on the blocking pool; the plan goes to the engine thread's bounded
+//! queue and the handler awaits the reply. A full queue is 529 at once; a caller that goes away
+//! drops its reply channel, and the engine skips its job.
+
+use super::body::{self, BodyKind};
+use super::error::{ApiError, Loc};
+use super::metrics::{token_bucket, HttpMetrics};
+use super::parse::{check_request, decode_images, parse_json, ParseContext, DEFAULT_MAX_QUESTIONS};
+use super::schema;
+use crate::decision::{Decider, DecisionRequest, Plan, PlanError, Timings};
+use crate::image::{ImageProcessorConfig, PatchedImage};
+use crate::worker::{EngineStatus, Job, JobError, SubmitError, WorkerHandle};
+use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
+use actix_web::http::header::{self, HeaderName, HeaderValue};
+use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
+use anyhow::Context;
+use prometheus::{Encoder, Registry, TextEncoder};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+use subtle::ConstantTimeEq;
+use tracing::Instrument;
+
+/// HTTP settings. What changes answers (contract mode, model name, rotations, calibration)
+/// lives in [`crate::decision::DecisionSettings`]; the queue depth is the worker's
+/// ([`crate::worker::spawn`]).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// HTTP worker threads (each runs its own async runtime; heavy work goes to blocking pools).
+    pub workers: usize,
+    /// Largest request body, before and after `Content-Encoding` decoding (128 MiB).
+    pub max_body_bytes: usize,
+    /// Most questions per request (64).
+    pub max_questions: usize,
+    /// Accepted `Authorization: Bearer` keys; empty = no auth (any Authorization header is accepted).
+    pub api_keys: Vec<String>,
+    /// A request's deadline, from arrival; past it the engine drops the job and the caller gets 504.
+    pub request_timeout: Duration,
+    /// `GET /v1/models` → `models[].description`.
+    pub model_description: String,
+    /// `GET /v1/models` → `models[].release_date` (YYYY-MM-DD).
+    pub release_date: String,
+    /// `GET /v1/models` → `adapter` (e.g. the adapter folder).
+    pub adapter_label: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8765,
+            workers: std::thread::available_parallelism().map(|n| n.get().min(4)).unwrap_or(2),
+            max_body_bytes: 128 << 20,
+            max_questions: DEFAULT_MAX_QUESTIONS,
+            api_keys: Vec::new(),
+            request_timeout: Duration::from_secs(60),
+            model_description: "imajev-4b typed decisions (noul, choice, score, multi) on Qwen3.5-4B with the imajev LoRA and readout".into(),
+            release_date: "2026-09-26".into(),
+            adapter_label: None,
+        }
+    }
+}
+
+struct Inner {
+    cfg: ServerConfig,
+    decider: RwLock<Option<Arc<Decider>>>,
+    worker: WorkerHandle,
+    image_config: ImageProcessorConfig,
+    registry: Registry,
+    http: HttpMetrics,
+    /// SHA-256 of each API key (compared in constant time, without leaking lengths).
+    keys: Vec<[u8; 32]>,
+    openapi: Vec<u8>,
+}
+
+/// Everything the handlers share. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+/// The shared state of the server: `worker` runs the engine (its metrics must be registered in
+/// `registry`, where the HTTP metrics are added); the decider is set with
+/// [`AppState::set_decider`] (until then, and until the worker reports the model loaded, the
+/// API answers 503).
+pub fn build_app_state(
+    cfg: &ServerConfig,
+    worker: WorkerHandle,
+    registry: Registry,
+    image_config: ImageProcessorConfig,
+) -> anyhow::Result<AppState> {
+    let http = HttpMetrics::new(&registry).context("registering the HTTP metrics")?;
+    let keys = cfg.api_keys.iter().map(|k| Sha256::digest(k.as_bytes()).into()).collect();
+    let openapi = serde_json::to_vec_pretty(&schema::openapi())?;
+    Ok(AppState {
+        inner: Arc::new(Inner {
+            cfg: cfg.clone(),
+            decider: RwLock::new(None),
+            worker,
+            image_config,
+            registry,
+            http,
+            keys,
+            openapi,
+        }),
+    })
+}
+
+/// Why the API cannot answer yet.
+enum NotReady {
+    Loading,
+    Failed(String),
+}
+
+impl AppState {
+    /// Makes the decision layer available (answers start once the worker has loaded the model).
+    pub fn set_decider(&self, decider: Arc<Decider>) {
+        *self.inner.decider.write().unwrap_or_else(|e| e.into_inner()) = Some(decider);
+    }
+
+    pub fn decider(&self) -> Option<Arc<Decider>> {
+        self.inner.decider.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    pub fn worker(&self) -> &WorkerHandle {
+        &self.inner.worker
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.inner.cfg
+    }
+
+    fn ready(&self) -> Result<(Arc<Decider>, String, f64), NotReady> {
+        match self.inner.worker.status() {
+            EngineStatus::Failed(e) => Err(NotReady::Failed(e)),
+            EngineStatus::Loading => Err(NotReady::Loading),
+            EngineStatus::Ready { backend, load_seconds } => match self.decider() {
+                Some(d) => Ok((d, backend, load_seconds)),
+                None => Err(NotReady::Loading),
+            },
+        }
+    }
+
+    fn ready_or_503(&self) -> Result<(Arc<Decider>, String, f64), ApiError> {
+        self.ready().map_err(|n| match n {
+            NotReady::Loading => ApiError::message(503, "loading", "the model is still loading; retry shortly")
+                .with_retry_after(Duration::from_secs(5)),
+            NotReady::Failed(e) => ApiError::message(503, "unavailable", format!("the model failed to load: {e}")),
+        })
+    }
+
+    fn authorize(&self, req: &HttpRequest) -> Result<(), ApiError> {
+        if self.inner.keys.is_empty() {
+            return Ok(());
+        }
+        let fail = |m: &str| ApiError::message(401, "authentication_error", m);
+        let Some(h) = req.headers().get(header::AUTHORIZATION) else {
+            return Err(fail("missing API key: send Authorization: Bearer <key>"));
+        };
+        let token = h.to_str().ok().and_then(|s| {
+            let (scheme, rest) = s.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+        });
+        let Some(token) = token else {
+            return Err(fail("the Authorization header must be 'Bearer <key>'"));
+        };
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let mut ok = subtle::Choice::from(0u8);
+        for k in &self.inner.keys {
+            ok |= k.ct_eq(&digest);
+        }
+        if bool::from(ok) {
+            Ok(())
+        } else {
+            Err(fail("invalid API key"))
+        }
+    }
+}
+
+/// The request id of the current request (set by the middleware).
+#[derive(Clone)]
+struct RequestId(String);
+
+/// The connection's socket, recorded when the connection opens (see [`serve`]), so a handler
+/// can notice that its caller went away: actix-web keeps running an HTTP/1 handler after the
+/// client disconnects, and a queued job must be skipped when nobody waits for it.
+#[derive(Clone, Copy)]
+struct PeerSocket(std::os::fd::RawFd);
+
+impl PeerSocket {
+    /// True once the peer closed or reset the connection (a non-consuming peek reads EOF or an
+    /// error). Pipelined bytes or silence mean the caller is still there.
+    fn gone(self) -> bool {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the fd belongs to the connection that is running this handler; actix closes
+        // it only after the handler's future is dropped, so it is open (and the same socket)
+        // for every call made from the handler. ManuallyDrop keeps us from closing it.
+        let sock = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(self.0) });
+        let mut b = [0u8; 1];
+        match sock.peek(&mut b) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted),
+        }
+    }
+}
+
+/// Resolves when the peer has gone (checked every 50 ms); never, without a recorded socket.
+async fn peer_gone(peer: Option<PeerSocket>) {
+    let Some(peer) = peer else { return std::future::pending().await };
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if peer.gone() {
+            return;
+        }
+    }
+}
+
+fn sane_request_id(v: &HeaderValue) -> Option<String> {
+    let s = v.to_str().ok()?;
+    let ok = !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    ok.then(|| s.to_string())
+}
+
+fn new_request_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+    let seed = SEED.get_or_init(std::collections::hash_map::RandomState::new);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let mut a = seed.build_hasher();
+    a.write_u64(n);
+    a.write_u128(t);
+    let mut b = seed.build_hasher();
+    b.write_u64(!n);
+    b.write_u64(a.finish());
+    format!("{:016x}{:016x}", a.finish(), b.finish())
+}
+
+/// Runs `f` on the blocking pool, inside the current tracing span.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    let span = tracing::Span::current();
+    web::block(move || {
+        let _g = span.enter();
+        f()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))?
+}
+
+/// How a planning refusal is answered: over the processed-token limit → 413
+/// `request_too_large` (as `tools/reference_decide.py` does); too many options for the readout
+/// → 422 `invalid_request`; anything else is our bug → 500.
+pub fn plan_error(e: PlanError) -> ApiError {
+    match e {
+        // Following tools/reference_decide.py: well-formed but too large to process.
+        e @ PlanError::TooManyTokens { .. } => ApiError::too_large(e.to_string()),
+        PlanError::Invalid(m) => ApiError::invalid(Loc::body().at("questions"), m, "value_error"),
+        PlanError::Internal(e) => ApiError::internal(format!("planning failed: {e:#}")),
+    }
+}
+
+fn json_response(status: u16, v: &serde_json::Value) -> HttpResponse {
+    HttpResponse::build(actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::OK))
+        .content_type("application/json")
+        .body(serde_json::to_vec(v).unwrap_or_default())
+}
+
+fn header_str(req: &HttpRequest, name: HeaderName) -> Result<Option<String>, ApiError> {
+    match req.headers().get(&name) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .map(|s| Some(s.to_string()))
+            .map_err(|_| ApiError::bad_request(Loc::body(), format!("the {name} header is not valid ASCII"), "header_invalid")),
+    }
+}
+
+/// `POST /v1/systemone`.
+async fn systemone(req: HttpRequest, payload: web::Payload, st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let started = Instant::now();
+    let id = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
+    st.authorize(&req)?;
+    let (decider, _, _) = st.ready_or_503()?;
+    let cfg = &st.inner.cfg;
+    let kind = body::body_kind(header_str(&req, header::CONTENT_TYPE)?.as_deref())?;
+    let codings = body::codings(header_str(&req, header::CONTENT_ENCODING)?.as_deref())?;
+    let cap = cfg.max_body_bytes;
+    if let Some(len) = header_str(&req, header::CONTENT_LENGTH)?.and_then(|s| s.trim().parse::<u64>().ok()) {
+        if len > cap as u64 {
+            return Err(ApiError::too_large(format!("the request body is {len} bytes; the limit is {cap} bytes")));
+        }
+    }
+    let raw = body::read_payload(payload, cap).await?;
+    let decoded = if codings.is_empty() { raw } else { blocking(move || body::decode(raw, &codings, cap)).await? };
+    let (json_bytes, files) = match kind {
+        BodyKind::Json => (decoded, None),
+        BodyKind::Multipart => {
+            let (r, f) = body::read_multipart(req.headers(), decoded).await?;
+            (r, Some(f))
+        }
+    };
+    let json_loc = if files.is_some() { Loc::body().at("request") } else { Loc::body() };
+    let ctx = ParseContext::for_decider(&decider, cfg.max_questions, st.inner.image_config.clone());
+    let planner = decider.clone();
+    let (mut dreq, plan): (DecisionRequest, Plan) = blocking(move || {
+        let value = parse_json(&json_bytes, json_loc)?;
+        drop(json_bytes);
+        let checked = check_request(value, files, &ctx)?;
+        let images = decode_images(&checked.images, &ctx)?;
+        let dreq = DecisionRequest { state: checked.state, questions: checked.questions, images };
+        let plan = planner.plan(&dreq).map_err(plan_error)?;
+        Ok((dreq, plan))
+    })
+    .await?;
+    tracing::debug!(questions = dreq.questions.len(), images = dreq.images.len(), passes = plan.pass_count(), tokens = plan.processed_tokens, "planned");
+
+    // The engine takes the pixels; the request keeps what the response needs.
+    let images: Vec<PatchedImage> = dreq
+        .images
+        .iter_mut()
+        .map(|i| PatchedImage {
+            pixel_values: std::mem::take(&mut i.patched.pixel_values),
+            grid_thw: i.patched.grid_thw,
+            resized_hw: i.patched.resized_hw,
+            patch_dim: i.patched.patch_dim,
+            merge_size: i.patched.merge_size,
+        })
+        .collect();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let now = Instant::now();
+    let timeout = cfg.request_timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+    let job = Job { id: id.clone(), plan: plan.clone(), images, deadline: now + timeout, timeout: cfg.request_timeout, enqueued: now, reply: tx };
+    match st.inner.worker.submit(job) {
+        Ok(()) => {}
+        Err(SubmitError::Full { capacity, retry_after_s }) => {
+            return Err(ApiError::message(
+                529,
+                "overloaded",
+                format!("the server is busy ({capacity} requests are waiting); retry after {retry_after_s} s"),
+            )
+            .with_retry_after(Duration::from_secs(retry_after_s)));
+        }
+        Err(SubmitError::Stopped) => return Err(ApiError::message(503, "unavailable", "the engine has stopped")),
+    }
+    let peer = req.conn_data::<PeerSocket>().copied();
+    let reply = tokio::select! {
+        r = tokio::time::timeout(timeout + Duration::from_secs(2), rx) => r,
+        _ = peer_gone(peer) => {
+            // Dropping the reply channel (with this future) tells the engine to skip the job.
+            tracing::info!("the caller disconnected while waiting for the engine");
+            return Err(ApiError::message(499, "client_closed_request", "the client closed the connection"));
+        }
+    };
+    let out = match reply {
+        Err(_) => return Err(timeout_error(cfg.request_timeout)),
+        Ok(Err(_)) => return Err(ApiError::internal("the engine stopped without answering")),
+        Ok(Ok(Err(e))) => {
+            return Err(match e {
+                JobError::Deadline(_) => timeout_error(cfg.request_timeout),
+                JobError::NotLoaded(m) => ApiError::message(503, "unavailable", format!("the model is not loaded: {m}")),
+                JobError::Engine(e) => ApiError::internal(format!("the engine failed: {e:#}")),
+                JobError::Cancelled => ApiError::internal("the request was cancelled"),
+            })
+        }
+        Ok(Ok(Ok(out))) => out,
+    };
+    let timings = Timings {
+        vision_ms: out.vision_ms,
+        prefill_ms: out.prefill_ms,
+        questions_ms: out.questions_ms,
+        total_ms: started.elapsed().as_secs_f64() * 1e3,
+    };
+    let body = decider.respond(&dreq, &plan, &out.logits, timings);
+    st.inner
+        .http
+        .decision_seconds
+        .with_label_values(&[token_bucket(plan.processed_tokens)])
+        .observe(started.elapsed().as_secs_f64());
+    Ok(json_response(200, &body))
+}
+
+fn timeout_error(t: Duration) -> ApiError {
+    ApiError::message(504, "timeout", format!("the request did not finish within {:.1} s; retry later or send less", t.as_secs_f64()))
+}
+
+/// `GET /v1/models`.
+async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let (d, backend, load_seconds) = st.ready_or_503()?;
+    let cfg = &st.inner.cfg;
+    let name = d.settings.model_name.clone();
+    let body = json!({
+        "models": [{"name": name, "description": cfg.model_description, "release_date": cfg.release_date}],
+        "model": name,
+        "adapter": cfg.adapter_label,
+        "backend": backend,
+        "loaded": true,
+        "load_seconds": (load_seconds * 1000.0).round() / 1000.0,
+        "readout_codes": d.codebook.len(),
+        "prompt_layout": "standard",
+        "max_options": d.max_options(),
+    });
+    Ok(json_response(200, &body))
+}
+
+/// `GET /healthz`.
+async fn healthz(st: web::Data<AppState>) -> HttpResponse {
+    let w = &st.inner.worker;
+    let (depth, capacity) = (w.queue_depth(), w.capacity());
+    match st.ready() {
+        Ok((d, backend, _)) => json_response(
+            200,
+            &json!({"status": "ok", "model": d.settings.model_name, "backend": backend, "queue_depth": depth, "queue_capacity": capacity}),
+        ),
+        Err(NotReady::Loading) => json_response(503, &json!({"status": "loading", "queue_depth": depth, "queue_capacity": capacity})),
+        Err(NotReady::Failed(e)) => {
+            json_response(503, &json!({"status": "failed", "error": e, "queue_depth": depth, "queue_capacity": capacity}))
+        }
+    }
+}
+
+/// `GET /metrics`.
+async fn metrics(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    st.inner.http.refresh();
+    let mut out = Vec::new();
+    let enc = TextEncoder::new();
+    enc.encode(&st.inner.registry.gather(), &mut out).map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
+    Ok(HttpResponse::Ok().content_type(enc.format_type()).body(out))
+}
+
+/// `GET /openapi.json`.
+async fn openapi(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().content_type("application/json").body(st.inner.openapi.clone())
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::not_found(format!(
+        "no route {} {}: the API is POST /v1/systemone, GET /v1/models, /healthz, /metrics, /openapi.json",
+        req.method(),
+        req.path()
+    )))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
+    let allow = if req.path() == "/v1/systemone" { "POST" } else { "GET" };
+    let e = ApiError::message(405, "method_not_allowed", format!("{} {} is not allowed; use {allow}", req.method(), req.path()));
+    let mut r = actix_web::ResponseError::error_response(&e);
+    r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
+    r
+}
+
+/// Per-request bookkeeping of the middleware: request id in and out (`x-request-id`,
+/// `x-typesafe-request-id`), request metrics, a tracing span, one log line at the end.
+struct Observed {
+    id: String,
+    route: String,
+    span: tracing::Span,
+    started: Instant,
+    http_requests: prometheus::IntCounterVec,
+    _in_flight: InFlight,
+}
+
+struct InFlight(prometheus::IntGauge);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl Observed {
+    fn start(req: &ServiceRequest, st: &AppState) -> Self {
+        let id = req.headers().get("x-request-id").and_then(sane_request_id).unwrap_or_else(new_request_id);
+        req.extensions_mut().insert(RequestId(id.clone()));
+        let route = req.match_pattern().unwrap_or_else(|| "unmatched".into());
+        let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
+        let http = &st.inner.http;
+        http.in_flight.inc();
+        Observed {
+            id,
+            route,
+            span,
+            started: Instant::now(),
+            http_requests: http.requests.clone(),
+            _in_flight: InFlight(http.in_flight.clone()),
+        }
+    }
+
+    fn finish<B>(self, mut res: ServiceResponse<B>) -> ServiceResponse<B> {
+        let status = res.status().as_u16();
+        let value = HeaderValue::from_str(&self.id).unwrap_or_else(|_| HeaderValue::from_static("invalid"));
+        res.headers_mut().insert(HeaderName::from_static("x-request-id"), value.clone());
+        res.headers_mut().insert(HeaderName::from_static("x-typesafe-request-id"), value);
+        self.http_requests.with_label_values(&[self.route.as_str(), &status.to_string()]).inc();
+        let ms = self.started.elapsed().as_secs_f64() * 1e3;
+        self.span.in_scope(|| {
+            if status >= 500 {
+                tracing::warn!(status, ms, "request failed");
+            } else {
+                tracing::info!(status, ms, "request");
+            }
+        });
+        res
+    }
+}
+
+/// Serves on `listener` until `shutdown` resolves, then stops accepting, lets accepted
+/// requests finish (up to the request timeout plus a margin) and returns.
+pub async fn serve(
+    listener: std::net::TcpListener,
+    cfg: ServerConfig,
+    app: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let grace = cfg.request_timeout.as_secs() + 5;
+    let state = app.clone();
+    let addr = listener.local_addr()?;
+    let server = HttpServer::new(move || {
+        let st = state.clone();
+        App::new()
+            .app_data(web::Data::new(state.clone()))
+            .wrap_fn(move |req, srv| {
+                let obs = Observed::start(&req, &st);
+                let fut = srv.call(req).instrument(obs.span.clone());
+                async move { Ok(obs.finish(fut.await?)) }
+            })
+            .service(web::resource("/v1/systemone").route(web::post().to(systemone)).default_service(web::to(method_not_allowed)))
+            .service(web::resource("/v1/models").route(web::get().to(models)).default_service(web::to(method_not_allowed)))
+            .service(web::resource("/healthz").route(web::get().to(healthz)).default_service(web::to(method_not_allowed)))
+            .service(web::resource("/metrics").route(web::get().to(metrics)).default_service(web::to(method_not_allowed)))
+            .service(web::resource("/openapi.json").route(web::get().to(openapi)).default_service(web::to(method_not_allowed)))
+            .default_service(web::to(not_found))
+    })
+    .on_connect(|conn, ext| {
+        use std::os::fd::AsRawFd;
+        if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+            ext.insert(PeerSocket(tcp.as_raw_fd()));
+        }
+    })
+    .workers(cfg.workers.max(1))
+    .shutdown_timeout(grace)
+    .shutdown_signal(shutdown)
+    .listen(listener)
+    .with_context(|| format!("listening on {addr}"))?;
+    tracing::info!(%addr, "serving POST /v1/systemone");
+    drop(app);
+    server.run().await.context("the HTTP server failed")?;
+    tracing::info!("HTTP server stopped; accepted requests finished");
+    Ok(())
+}
