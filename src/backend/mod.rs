@@ -122,6 +122,11 @@ pub trait Backend: Send + Sync + 'static {
     /// A one-line description for logs and `/v1/models`.
     fn describe(&self) -> String;
 
+    /// Waits until queued device work has finished (for stage timings; a no-op on the CPU).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// A parameter tensor (norm weights, conv taps, embeddings, ...), kept in the backend's
     /// parameter precision.
     fn param(&self, t: &TensorRef) -> Result<Self::Tensor>;

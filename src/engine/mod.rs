@@ -6,6 +6,7 @@ pub mod adapter;
 pub mod config;
 pub mod model;
 pub mod positions;
+pub mod profile;
 pub mod progress;
 pub mod synth;
 pub mod weights;

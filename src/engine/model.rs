@@ -491,6 +491,7 @@ impl<B: Backend> Qwen35<B> {
             ranges.push(start..ids.len());
         }
         let n = ids.len();
+        let mut prof = super::profile::StageTimer::start(b);
         let mut x = b.embed(&self.embed, &ids)?;
         for (s, range) in segs.iter().zip(&ranges) {
             for (img, rows) in &s.layout.images {
@@ -506,8 +507,10 @@ impl<B: Backend> Qwen35<B> {
         let sin = b.upload(&sin, &[n, self.rope.rotary_dim])?;
         let last_rows: Vec<usize> = ranges.iter().map(|r| r.end - 1).collect();
         let t = &self.config.text_config;
+        prof.mark(b, "embed");
         for (li, layer) in self.layers.iter().enumerate() {
             let h = b.rms_norm(&x, &layer.input_norm, self.eps, 1.0)?;
+            prof.mark(b, "norms+residual");
             let o = match &layer.mixer {
                 Mixer::Attention { qkv, o, q_norm, k_norm } => {
                     let kvw = t.num_key_value_heads * t.head_dim;
@@ -529,8 +532,12 @@ impl<B: Backend> Qwen35<B> {
                         cos: &cos,
                         sin: &sin,
                     };
+                    prof.mark(b, "attn.proj_in");
                     let core = b.gated_attention(&inputs, &self.attn_dims, &ranges, &mut caches)?;
-                    b.matmul(&core, o)?
+                    prof.mark(b, "attn.core");
+                    let y = b.matmul(&core, o)?;
+                    prof.mark(b, "attn.proj_out");
+                    y
                 }
                 Mixer::DeltaNet { in_proj, conv, a_log, dt_bias, norm, out } => {
                     let d = &self.delta_dims;
@@ -553,8 +560,12 @@ impl<B: Backend> Qwen35<B> {
                         dt_bias,
                         norm_weight: norm,
                     };
+                    prof.mark(b, "gdn.proj_in");
                     let core = b.gated_delta_net(&inputs, d, &ranges, &mut sts)?;
-                    b.matmul(&core, out)?
+                    prof.mark(b, "gdn.core");
+                    let y = b.matmul(&core, out)?;
+                    prof.mark(b, "gdn.proj_out");
+                    y
                 }
             };
             b.add_assign(&mut x, &o)?;
@@ -567,8 +578,11 @@ impl<B: Backend> Qwen35<B> {
             let m = b.swiglu(&gu)?;
             let o = b.matmul(&m, &layer.down)?;
             b.add_assign(&mut x, &o)?;
+            prof.mark(b, "mlp");
         }
         let out = b.rms_norm(&x, &self.norm, self.eps, 1.0)?;
+        prof.mark(b, "final");
+        prof.report(&format!("forward of {} sequence(s)", segs.len()), n);
         for (s, st) in segs.iter().zip(states.iter_mut()) {
             st.tokens += s.layout.ids.len();
             st.next_pos = s.layout.next_pos;

@@ -104,12 +104,16 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         let passes: Vec<(usize, usize)> =
             plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
         out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
+        let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
         for chunk in batches(&passes, |&(f, p)| plan.fields[f].passes[p].suffix.len(), limits) {
             let mut states: Vec<State<B>> =
                 chunk.iter().map(|&(f, _)| field_states[f].as_ref().unwrap_or(&prefix).fork()).collect();
+            prof.mark(&self.backend, "fork");
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&(f, p)| plan.fields[f].passes[p].suffix.as_slice()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;
+            prof.mark(&self.backend, "extend");
             let logits = self.readout(&hidden)?;
+            prof.mark(&self.backend, "readout");
             out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
             for (&(f, p), l) in chunk.iter().zip(logits) {
                 out.logits[f][p] = l;
@@ -118,6 +122,7 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             keep_going().map_err(RunError::Stopped)?;
         }
         out.questions_ms = ms(t);
+        prof.report("question passes", out.passes);
         Ok(out)
     }
 

@@ -967,6 +967,11 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
     type DeltaState = CudaDeltaState;
 
+    fn synchronize(&self) -> Result<()> {
+        self.inner.stream.synchronize()?;
+        Ok(())
+    }
+
     fn describe(&self) -> String {
         let i = &self.inner.info;
         format!(
