@@ -10,8 +10,8 @@ import json
 import sys
 
 # imajev-mode answers keep imajev's unprefixed fields, imajev accepts a missing state as {}
-# and requires instructions on every question.
-IMAJEV_DELIBERATE = {"response.extensions", "errors.reject-invalid", "noul.no-instructions"}
+# requires instructions on every question and uses its own confidence (concentration × (1 − unknown)).
+IMAJEV_DELIBERATE = {"response.extensions", "errors.reject-invalid", "noul.no-instructions", "confidence.formula"}
 
 
 def main() -> int:

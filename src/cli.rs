@@ -77,7 +77,7 @@ impl ModelArgs {
             model_name: self.model_name.clone(),
             contract: self.contract,
             queue_depth,
-            batch: BatchLimits { max_tokens: self.batch_tokens, max_sequences: self.batch_sequences },
+            batch: BatchLimits { max_tokens: self.batch_tokens, max_sequences: self.batch_sequences, ..Default::default() },
         }
     }
 }
@@ -336,7 +336,7 @@ fn decide_cmd(
                 .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
             let plan = decider.plan(&req).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
             let images: Vec<&crate::image::PatchedImage> = req.images.iter().map(|im| &im.patched).collect();
-            let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences };
+            let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
             let run = engine.run(&plan, &images, limits, &|| Ok(())).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
             let t = Timings {
                 vision_ms: run.vision_ms,

@@ -223,7 +223,7 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
         let plan = d.plan(&req).unwrap();
         let images: Vec<&PatchedImage> = req.images.iter().map(|i| &i.patched).collect();
         // Tiny batches, too, so batching itself is exercised differently from the default.
-        let shared = engine.run(&plan, &images, BatchLimits { max_tokens: 64, max_sequences: 3 }, &|| Ok(())).unwrap();
+        let shared = engine.run(&plan, &images, BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 }, &|| Ok(())).unwrap();
         for (f, fp) in plan.fields.iter().enumerate() {
             for (p, pass) in fp.passes.iter().enumerate() {
                 let mut ids = plan.prefix.clone();

@@ -15,11 +15,15 @@ pub struct BatchLimits {
     pub max_tokens: usize,
     /// Most sequences (forks) in one packed forward.
     pub max_sequences: usize,
+    /// Prefill each question's shared tokens once only when that saves at least this many
+    /// tokens overall; below it the extra forward (a fixed cost of launches on a GPU) costs more
+    /// than recomputing those tokens in every pass.
+    pub min_shared_tokens: usize,
 }
 
 impl Default for BatchLimits {
     fn default() -> Self {
-        BatchLimits { max_tokens: 8192, max_sequences: 64 }
+        BatchLimits { max_tokens: 8192, max_sequences: 64, min_shared_tokens: 1024 }
     }
 }
 
@@ -86,9 +90,24 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         keep_going().map_err(RunError::Stopped)?;
 
         let t = Instant::now();
-        // Per field: the prefix state extended with the tokens all its passes share.
+        // Per field: the prefix state extended with the tokens all its passes share — when that
+        // saves enough work; otherwise those tokens stay at the front of every pass's suffix.
+        let saved: usize = plan.fields.iter().map(|f| f.common.len() * f.passes.len().saturating_sub(1)).sum();
+        let share_commons = saved >= limits.min_shared_tokens;
+        let suffix_of = |f: usize, p: usize| -> std::borrow::Cow<'_, [u32]> {
+            let fp = &plan.fields[f];
+            if share_commons || fp.common.is_empty() {
+                std::borrow::Cow::Borrowed(fp.passes[p].suffix.as_slice())
+            } else {
+                std::borrow::Cow::Owned([fp.common.as_slice(), fp.passes[p].suffix.as_slice()].concat())
+            }
+        };
         let mut field_states: Vec<Option<State<B>>> = (0..plan.fields.len()).map(|_| None).collect();
-        let with_common: Vec<usize> = (0..plan.fields.len()).filter(|&i| !plan.fields[i].common.is_empty()).collect();
+        let with_common: Vec<usize> = if share_commons {
+            (0..plan.fields.len()).filter(|&i| !plan.fields[i].common.is_empty()).collect()
+        } else {
+            Vec::new()
+        };
         for chunk in batches(&with_common, |&i| plan.fields[i].common.len(), limits) {
             let mut states: Vec<State<B>> = chunk.iter().map(|_| prefix.fork()).collect();
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| plan.fields[i].common.as_slice()).collect();
@@ -105,11 +124,12 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
         out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
         let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
-        for chunk in batches(&passes, |&(f, p)| plan.fields[f].passes[p].suffix.len(), limits) {
+        for chunk in batches(&passes, |&(f, p)| suffix_of(f, p).len(), limits) {
             let mut states: Vec<State<B>> =
                 chunk.iter().map(|&(f, _)| field_states[f].as_ref().unwrap_or(&prefix).fork()).collect();
             prof.mark(&self.backend, "fork");
-            let suffixes: Vec<&[u32]> = chunk.iter().map(|&(f, p)| plan.fields[f].passes[p].suffix.as_slice()).collect();
+            let owned: Vec<std::borrow::Cow<'_, [u32]>> = chunk.iter().map(|&(f, p)| suffix_of(f, p)).collect();
+            let suffixes: Vec<&[u32]> = owned.iter().map(|s| s.as_ref()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;
             prof.mark(&self.backend, "extend");
             let logits = self.readout(&hidden)?;
@@ -163,7 +183,7 @@ mod tests {
     #[test]
     fn batches_respect_limits() {
         let items: Vec<usize> = vec![3, 3, 3, 10, 1, 1];
-        let b = batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2 });
+        let b = batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2, min_shared_tokens: 0 });
         assert_eq!(b, vec![vec![3, 3], vec![3], vec![10], vec![1, 1]]);
     }
 }
