@@ -15,7 +15,6 @@ mod common;
 use imajev_serve::api::parse::{parse_request_json, ParseContext};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings, PlanError, Timings};
-use imajev_serve::engine::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;
@@ -32,41 +31,17 @@ fn fixtures() -> PathBuf {
 }
 
 struct Model {
-    _dir: tempfile::TempDir,
-    model: PathBuf,
-    adapter: PathBuf,
-    rows: usize,
+    bundle: common::TinyModel,
     tokenizer: Arc<QwenTokenizer>,
     codebook: Codebook,
 }
 
 fn synthesize(spec: &Value) -> Model {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = synth::preset("tiny").unwrap();
-    let dtype = match spec["dtype"].as_str().unwrap() {
-        "bf16" => SynthDtype::Bf16,
-        "f32" => SynthDtype::F32,
-        "fp8" => SynthDtype::Fp8,
-        d => panic!("dtype {d}"),
-    };
-    let seed = spec["seed"].as_u64().unwrap();
+    let m = common::from_spec(spec, &fixtures());
     let rows = spec["readout_rows"].as_u64().unwrap() as usize;
-    let model = dir.path().join("m");
-    let adapter = dir.path().join("a");
-    synth::write_model(&cfg, dtype, seed, &model).unwrap();
-    synth::write_adapter(
-        &cfg,
-        spec["lora_rank"].as_u64().unwrap() as usize,
-        spec["lora_alpha"].as_f64().unwrap(),
-        rows,
-        seed,
-        &adapter,
-    )
-    .unwrap();
-    Codebook::derive(&QwenTokenizer::builtin().unwrap(), rows).unwrap().write(&adapter.join("decision_readout.json")).unwrap();
-    let tokenizer = Arc::new(QwenTokenizer::from_model_dir(&model).unwrap());
-    let codebook = Codebook::for_adapter(&adapter, &tokenizer, rows).unwrap();
-    Model { _dir: dir, model, adapter, rows, tokenizer, codebook }
+    let tokenizer = Arc::new(QwenTokenizer::from_model_dir(&m.model).unwrap());
+    let codebook = Codebook::for_adapter(&m.adapter, &tokenizer, rows).unwrap();
+    Model { bundle: m, tokenizer, codebook }
 }
 
 fn decider(m: &Model, server: &Value) -> Decider {
@@ -142,7 +117,7 @@ fn answers_match_the_python_reference() {
         let seed = case["model"]["seed"].as_u64().unwrap();
         let (m, engine) = models.entry(seed).or_insert_with(|| {
             let m = synthesize(&case["model"]);
-            let e = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+            let e = Qwen35::load(CpuBackend::default(), &m.bundle.model, Some(&m.bundle.adapter)).unwrap();
             (m, e)
         });
         let d = decider(m, &case["server"]);
@@ -151,7 +126,7 @@ fn answers_match_the_python_reference() {
             max_questions: 64,
             max_options: d.max_options(),
             image_limits: ImageLimits::default(),
-            image_config: ImageProcessorConfig::from_model_dir(&m.model).unwrap(),
+            image_config: ImageProcessorConfig::from_model_dir(&m.bundle.model).unwrap(),
         };
         let body = serde_json::to_vec(&case["request"]).unwrap();
         let expected = &case["expected"];
@@ -207,7 +182,7 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
         .filter(|c| c.get("expected").and_then(|e| e.get("answers")).is_some())
         .collect();
     let m = synthesize(&cases[0]["model"]);
-    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let engine = Qwen35::load(CpuBackend::default(), &m.bundle.model, Some(&m.bundle.adapter)).unwrap();
     let mut checked = 0;
     let mut worst = 0f64;
     for case in cases.iter().filter(|c| c["model"]["seed"] == cases[0]["model"]["seed"]).take(12) {

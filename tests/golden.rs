@@ -7,9 +7,10 @@
 //! the same checkpoints with the library's synth, runs the CPU engine on the same prompts and
 //! images, and requires max |Δ| / max |reference| ≤ 1e-4.
 
+mod common;
+
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::Backend;
-use imajev_serve::engine::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig};
 use imajev_serve::tokenizer::QwenTokenizer;
@@ -33,51 +34,14 @@ fn floats(v: &Value) -> Vec<f64> {
     v.as_array().expect("array").iter().map(|x| x.as_f64().expect("number")).collect()
 }
 
-struct Synthesized {
-    _dir: tempfile::TempDir,
-    model: PathBuf,
-    adapter: PathBuf,
-}
-
-fn synthesize(spec: &Value) -> Synthesized {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg_name = spec["config"].as_str().unwrap();
-    let cfg = if cfg_name.ends_with(".json") {
-        synth::preset(fixtures().join(cfg_name).to_str().unwrap()).unwrap()
-    } else {
-        synth::preset(cfg_name).unwrap()
-    };
-    let dtype = match spec["dtype"].as_str().unwrap() {
-        "f32" => SynthDtype::F32,
-        "bf16" => SynthDtype::Bf16,
-        "fp8" => SynthDtype::Fp8,
-        other => panic!("dtype {other}"),
-    };
-    let seed = spec["seed"].as_u64().unwrap();
-    let model = dir.path().join("model");
-    let adapter = dir.path().join("adapter");
-    synth::write_model(&cfg, dtype, seed, &model).unwrap();
-    let a = &spec["adapter"];
-    synth::write_adapter(
-        &cfg,
-        a["rank"].as_u64().unwrap() as usize,
-        a["alpha"].as_f64().unwrap(),
-        a["readout_rows"].as_u64().unwrap() as usize,
-        seed,
-        &adapter,
-    )
-    .unwrap();
-    Synthesized { _dir: dir, model, adapter }
-}
-
 #[test]
 fn engine_matches_transformers_fp32() {
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap()).unwrap();
-    let models: HashMap<String, Synthesized> = doc["models"]
+    let models: HashMap<String, common::TinyModel> = doc["models"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| (m["name"].as_str().unwrap().to_string(), synthesize(m)))
+        .map(|m| (m["name"].as_str().unwrap().to_string(), common::from_spec(m, &fixtures())))
         .collect();
     let cases = doc["cases"].as_array().unwrap();
     assert!(cases.len() >= 10, "the golden set shrank");
