@@ -198,11 +198,15 @@ pub enum Quantize {
     None,
     /// Quantise BF16/F32 projections to block FP8 (E4M3, 128×128 scales) at load.
     Fp8,
+    /// Dequantise a block-FP8 checkpoint's projections to BF16 at load: BF16 GEMMs without FP8
+    /// activation rounding, for the closest answers to a BF16 model from FP8 weights (twice the
+    /// weight memory, slower at long inputs).
+    Bf16,
 }
 
 /// The CUDA backend on GPU 0, or why there is none.
 pub fn cuda_backend(quantize: Quantize) -> Result<CudaBackend> {
-    CudaBackend::new(0, CudaOptions { quantize_fp8: quantize == Quantize::Fp8, ..Default::default() })
+    CudaBackend::new(0, CudaOptions { quantize_fp8: quantize == Quantize::Fp8, dequantize_fp8: quantize == Quantize::Bf16, ..Default::default() })
 }
 
 /// Loads the model on the requested device (`auto`: CUDA when usable, else CPU).

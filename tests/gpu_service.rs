@@ -17,7 +17,6 @@ use imajev_serve::serve::{cuda_backend, Quantize};
 use imajev_serve::tokenizer::QwenTokenizer;
 use imajev_serve::worker::{BatchLimits, DecisionEngine};
 use serde_json::Value;
-use std::path::Path;
 use std::sync::Arc;
 
 /// Largest allowed |Δp| between the CPU (f32) and GPU (bf16) answers.
@@ -42,7 +41,7 @@ fn gpu_answers_agree_with_the_cpu() {
             return;
         }
     };
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/decisions");
+    let dir = common::fixtures().join("decisions");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
     let cases: Vec<&Value> = doc["cases"]
         .as_array()

@@ -127,6 +127,12 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Per-kernel device timings since the previous call, when the backend records them
+    /// (`IMAJEV_PROFILE=kernels` on CUDA).
+    fn kernel_report(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
+
     /// A parameter tensor (norm weights, conv taps, embeddings, ...), kept in the backend's
     /// parameter precision.
     fn param(&self, t: &TensorRef) -> Result<Self::Tensor>;

@@ -583,6 +583,7 @@ impl<B: Backend> Qwen35<B> {
         let out = b.rms_norm(&x, &self.norm, self.eps, 1.0)?;
         prof.mark(b, "final");
         prof.report(&format!("forward of {} sequence(s)", segs.len()), n);
+        super::profile::kernel_report(b, &format!("forward of {} sequence(s) ({n} tokens)", segs.len()));
         for (s, st) in segs.iter().zip(states.iter_mut()) {
             st.tokens += s.layout.ids.len();
             st.next_pos = s.layout.next_pos;

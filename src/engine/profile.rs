@@ -6,9 +6,22 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+/// Stage timings: `IMAJEV_PROFILE` set to anything but empty, `0` or `kernels` (which asks the
+/// backend for per-kernel device timings instead, without synchronising between stages).
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("IMAJEV_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
+    *ON.get_or_init(|| {
+        std::env::var("IMAJEV_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("kernels"))
+    })
+}
+
+/// Logs the backend's per-kernel report for `what`, if it keeps one.
+pub fn kernel_report<B: Backend>(backend: &B, what: &str) {
+    match backend.kernel_report() {
+        Ok(Some(r)) => tracing::info!("kernels of {what}: {r}"),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("kernel profile of {what} failed: {e:#}"),
+    }
 }
 
 pub struct StageTimer {

@@ -88,9 +88,11 @@ pub struct PartInfo {
 /// FP8 checkpoint weights with 128×128 scales stay FP8; with `quantize`, other weights whose dims
 /// are multiples of 128 are quantised at load; everything else (ragged dims such as in_proj_a/b
 /// or small test models, FP8 tensors with other block sizes) is BF16.
-pub fn part_format(p: &PartInfo, quantize: bool) -> PartFormat {
+/// With `dequantize`, everything is BF16 (FP8 checkpoints dequantised at load).
+pub fn part_format(p: &PartInfo, quantize: bool, dequantize: bool) -> PartFormat {
     let aligned = p.out % FP8_BLOCK == 0 && p.inp % FP8_BLOCK == 0 && p.out > 0 && p.inp > 0;
     match p.dtype {
+        _ if dequantize => PartFormat::Bf16,
         StoredDtype::F8E4M3 if aligned && p.scales_are_128x128 => PartFormat::Fp8,
         _ if aligned && quantize => PartFormat::Fp8,
         _ => PartFormat::Bf16,
@@ -297,30 +299,31 @@ mod tests {
         };
         use StoredDtype::*;
         assert_eq!(
-            part_format(&p(F8E4M3, 8192, 2560, true), false),
+            part_format(&p(F8E4M3, 8192, 2560, true), false, false),
             PartFormat::Fp8
         );
         assert_eq!(
-            part_format(&p(F8E4M3, 8192, 2560, false), false),
+            part_format(&p(F8E4M3, 8192, 2560, false), false, false),
             PartFormat::Bf16
         );
         assert_eq!(
-            part_format(&p(F8E4M3, 32, 2560, true), false),
+            part_format(&p(F8E4M3, 32, 2560, true), false, false),
             PartFormat::Bf16
         );
         assert_eq!(
-            part_format(&p(BF16, 8192, 2560, false), false),
+            part_format(&p(BF16, 8192, 2560, false), false, false),
             PartFormat::Bf16
         );
         assert_eq!(
-            part_format(&p(BF16, 8192, 2560, false), true),
+            part_format(&p(BF16, 8192, 2560, false), true, false),
             PartFormat::Fp8
         );
         assert_eq!(
-            part_format(&p(F32, 32, 2560, false), true),
+            part_format(&p(F32, 32, 2560, false), true, false),
             PartFormat::Bf16
         );
-        assert_eq!(part_format(&p(BF16, 64, 64, false), true), PartFormat::Bf16);
+        assert_eq!(part_format(&p(BF16, 64, 64, false), true, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, true), false, true), PartFormat::Bf16);
     }
 
     #[test]

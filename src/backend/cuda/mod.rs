@@ -18,6 +18,7 @@
 pub mod compile;
 pub mod gemm;
 pub mod host;
+pub mod kprof;
 
 use super::{
     AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
@@ -42,6 +43,9 @@ pub struct CudaOptions {
     /// Quantise BF16/F32 projections whose dims are multiples of 128 to block FP8 at load (the
     /// RTN 128×128 recipe of `synth::quantize_fp8_blocks`). FP8 checkpoint weights are FP8 anyway.
     pub quantize_fp8: bool,
+    /// Dequantise block-FP8 checkpoint projections to BF16 at load (BF16 GEMMs, no FP8 rounding
+    /// of activations; twice the weight memory). Wins over `quantize_fp8`.
+    pub dequantize_fp8: bool,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -78,6 +82,7 @@ struct Inner {
     ctx: Arc<CudaContext>,
     options: CudaOptions,
     info: DeviceInfo,
+    kprof: Option<kprof::KernelProfiler>,
 }
 
 /// Pinned staging ring for host→device copies of small tables (token ids, row lists, segment
@@ -534,6 +539,7 @@ impl CudaBackend {
             kernel_seconds,
         };
         tracing::info!(?info, "CUDA backend ready");
+        let kprof = kprof::KernelProfiler::from_env(&stream);
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 blas,
@@ -543,6 +549,7 @@ impl CudaBackend {
                 ctx,
                 options,
                 info,
+                kprof,
             }),
         })
     }
@@ -604,8 +611,31 @@ impl CudaBackend {
         // SAFETY: every kernel's parameter list matches the argument list its caller builds
         // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and the buffers
         // behind the pointers outlive the launch in stream order.
-        unsafe { b.launch(cfg) }.map_err(|e| anyhow!("launching {name}: {e:?}"))?;
-        Ok(())
+        let mut go = move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));
+        match &self.inner.kprof {
+            Some(p) => p.time(name, go),
+            None => go(),
+        }
+    }
+
+    /// One cuBLASLt GEMM (timed under its kind and shape when kernel profiling is on).
+    fn gemm(&self, g: &Gemm) -> Result<()> {
+        match &self.inner.kprof {
+            Some(p) => p.time(format!("gemm.{:?} N={} K={}", g.kind, g.n, g.k), || self.inner.blas.run(g)),
+            None => self.inner.blas.run(g),
+        }
+    }
+
+    fn gemm_named(&self, g: &Gemm, name: &str) -> Result<()> {
+        match &self.inner.kprof {
+            Some(p) => p.time(name, || self.inner.blas.run(g)),
+            None => self.inner.blas.run(g),
+        }
+    }
+
+    /// The per-kernel report since the last one (`IMAJEV_PROFILE=kernels`), else None.
+    pub fn kernel_report(&self) -> Result<Option<String>> {
+        self.inner.kprof.as_ref().map(|p| p.report()).transpose()
     }
 
     fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -967,6 +997,10 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
     type DeltaState = CudaDeltaState;
 
+    fn kernel_report(&self) -> Result<Option<String>> {
+        CudaBackend::kernel_report(self)
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.inner.stream.synchronize()?;
         Ok(())
@@ -1020,7 +1054,7 @@ impl Backend for CudaBackend {
                 inp: i,
                 scales_are_128x128: scales_are_128(&p.weight),
             };
-            formats.push((host::part_format(&info, self.inner.options.quantize_fp8), o));
+            formats.push((host::part_format(&info, self.inner.options.quantize_fp8, self.inner.options.dequantize_fp8), o));
         }
         let out_dim: usize = formats.iter().map(|f| f.1).sum();
         let mut groups = Vec::new();
@@ -1335,7 +1369,6 @@ impl Backend for CudaBackend {
         let rows_alloc = fp8.as_ref().map(|f| f.2).unwrap_or(m);
         let y = self.alloc_bf16(rows_alloc * n)?;
         let yp = self.p(&y);
-        let blas = &self.inner.blas;
         for g in &w.groups {
             let yg = yp + 2 * g.cols.start as u64;
             let gemm = match &g.weight {
@@ -1375,7 +1408,7 @@ impl Backend for CudaBackend {
                     x_scale: 0,
                 },
             };
-            blas.run(&gemm)
+            self.gemm(&gemm)
                 .with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
         }
         if let Some(b) = &w.bias {
@@ -1409,7 +1442,7 @@ impl Backend for CudaBackend {
                 w_scale: 0,
                 x_scale: 0,
             };
-            blas.run(&g1).context("LoRA A GEMM")?;
+            self.gemm_named(&g1, "gemm.lora_a").context("LoRA A GEMM")?;
             let g2 = Gemm {
                 kind: GemmKind::Bf16,
                 n: l.cols.len(),
@@ -1426,7 +1459,7 @@ impl Backend for CudaBackend {
                 w_scale: 0,
                 x_scale: 0,
             };
-            blas.run(&g2).context("LoRA B GEMM")?;
+            self.gemm_named(&g2, "gemm.lora_b").context("LoRA B GEMM")?;
         }
         Ok(self.bf16_tensor(y, &[m, n]))
     }
