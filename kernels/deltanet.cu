@@ -2,16 +2,18 @@
 // CPU twin: CpuBackend::gated_delta_net with kernels::{causal_conv_silu, l2_normalize_rows,
 // delta_rule_chunked, rms_norm_gated} (src/backend/cpu).
 //
-// Conv segment table, 3 x i64 per sequence: [row_start, len, hist_ptr]; hist is the sequence's
-// conv history [kernel-1, C] f32 (oldest first). Scan segment table, 3 x i64 per sequence:
-// [first_chunk, n_chunks, state_ptr]; state is [vh, dk, dv] f32. Chunk table, 2 x int per chunk
-// of 64 rows: [row_start, len] (chunks never straddle sequences).
+// Conv segment table, 4 x i64 per sequence: [row_start, len, hist_in, hist_out]; a history is the
+// sequence's conv history [kernel-1, C] f32 (oldest first), read from hist_in and the updated one
+// written to hist_out (the same buffer, or a fresh one when a fork shares its parent's). Scan
+// segment table, 4 x i64 per sequence: [first_chunk, n_chunks, state_in, state_out]; a state is
+// [vh, dk, dv] f32, likewise read from state_in and written to state_out. Chunk table, 2 x int per
+// chunk of 64 rows: [row_start, len] (chunks never straddle sequences).
 
 #define CHUNK 64
 
-__device__ __forceinline__ int find_seg3(const i64* segs, int nseg, i64 t) {
+__device__ __forceinline__ int find_seg4(const i64* segs, int nseg, i64 t) {
   for (int s = 0; s < nseg; s++)
-    if (t >= segs[3 * s] && t < segs[3 * s] + segs[3 * s + 1]) return s;
+    if (t >= segs[4 * s] && t < segs[4 * s] + segs[4 * s + 1]) return s;
   return -1;
 }
 
@@ -27,285 +29,454 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Causal depthwise conv + SiLU of channel c at sequence position i (history for i + j - (kw-1) < 0).
-__device__ __forceinline__ float conv_silu(const bf16* qkv, i64 row0, int i, int C, const float* hist,
-                                           const bf16* w, int kw, int c) {
-  float acc = 0.f;
-  for (int j = 0; j < kw; j++) {
-    int l = i + j - (kw - 1);
-    float x = l >= 0 ? bf(qkv[(row0 + l) * C + c]) : hist[(i64)(kw - 1 + l) * C + c];
-    acc += bf(w[(i64)c * kw + j]) * x;
+// gdn_conv: rows of the packed batch per block (each thread runs them in order), and conv taps
+// kept in registers (taps past it are read from global memory).
+#define CONV_ROWS 8
+#define CONV_REG_TAPS 4
+
+// Four consecutive bf16 -> f32 (exact: a bf16 is the top half of an f32). vec: one 8-byte load
+// (p must be 8-byte aligned), else four 2-byte loads.
+__device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
+  if (vec) {
+    const uint2 u = *(const uint2*)p;
+    o[0] = __uint_as_float(u.x << 16);
+    o[1] = __uint_as_float(u.x & 0xffff0000u);
+    o[2] = __uint_as_float(u.y << 16);
+    o[3] = __uint_as_float(u.y & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; e++) o[e] = bf(p[e]);
   }
-  return silu_f(acc);
 }
 
-// One block (8 warps) per token: conv + SiLU, split [q | k | v], q and k L2-normalised per key
+// Causal depthwise conv (f32, taps j = 0..kw-1, tap kw-1 on the current row; rows before the
+// sequence start come from its history) + SiLU, split [q | k | v], q and k L2-normalised per key
 // head (x * rsqrt(sum x^2 + 1e-6)), q * dk^-1/2; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
-extern "C" __global__ void gdn_conv(const bf16* qkv, const bf16* convw, int kw, const i64* segs, int nseg,
-                                    const bf16* b, const bf16* a, const float* alog, const float* dtb,
-                                    float* qo, float* ko, float* vo, float* beta, float* gout,
+// Inputs are blocks of the fused projection with row stride ld (elements): channel c of row t is
+// x[t*ld + c] (c < C = 2*kh*dk + vh*dv), b and a of value head h are b[t*ld + h], a[t*ld + h].
+// A thread owns 4 consecutive channels and CONV_ROWS consecutive rows; the dk/4 lanes (4..32,
+// aligned within the warp) of a key head reduce its sum of squares with shuffles.
+// Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32.
+// vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
+extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs,
+                                    int nseg, i64 n, const bf16* b, const bf16* a, const float* alog,
+                                    const float* dtb, float* qo, float* ko, float* vo, float* beta, float* gout,
                                     int kh, int vh, int dk, int dv) {
-  const i64 t = blockIdx.x;
-  const int s = find_seg3(segs, nseg, t);
-  if (s < 0) return;
-  const i64 row0 = segs[3 * s];
-  const int i = (int)(t - row0);
-  const float* hist = (const float*)segs[3 * s + 2];
-  const int C = 2 * kh * dk + vh * dv;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  for (int u = warp; u < 2 * kh + vh; u += nw) {
-    if (u < 2 * kh) {
-      float vals[8], ss = 0.f;
+  const int C = 2 * kh * dk + vh * dv, kd = kh * dk;
+  const int grp = blockIdx.y * blockDim.x + threadIdx.x;
+  const int c0 = 4 * grp;
+  const bool active = c0 < C;  // C % 4 == 0: a group is all in or all out
+  const int G = dk / 4;        // lanes per key head
+  float wr[4][CONV_REG_TAPS];
 #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        int d = lane + 32 * j;
-        float v = d < dk ? conv_silu(qkv, row0, i, C, hist, convw, kw, u * dk + d) : 0.f;
-        vals[j] = v;
-        ss += v * v;
-      }
-      float r = rsqrtf(warp_sum(ss) + 1e-6f);
-      if (u < kh) r *= rsqrtf((float)dk);
-      float* dst = u < kh ? qo + (t * kh + u) * dk : ko + (t * kh + (u - kh)) * dk;
+  for (int e = 0; e < 4; e++)
 #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        int d = lane + 32 * j;
-        if (d < dk) dst[d] = vals[j] * r;
+    for (int j = 0; j < CONV_REG_TAPS; j++) wr[e][j] = active && j < kw ? bf(convw[(i64)(c0 + e) * kw + j]) : 0.f;
+  const i64 t0 = (i64)blockIdx.x * CONV_ROWS;
+  i64 row0 = 0, row1 = 0;  // the current sequence's rows [row0, row1)
+  const float* hist = nullptr;
+  // Row-level control flow is uniform over the block (depends on blockIdx and r only), so every
+  // lane of a warp reaches the shuffles.
+  for (int r = 0; r < CONV_ROWS; r++) {
+    const i64 t = t0 + r;
+    if (t >= n) break;
+    if (t < row0 || t >= row1) {
+      const int s = find_seg4(segs, nseg, t);
+      if (s < 0) continue;
+      row0 = segs[4 * s];
+      row1 = row0 + segs[4 * s + 1];
+      hist = (const float*)segs[4 * s + 2];
+    }
+    const int i = (int)(t - row0);
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (active) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f}, xv[4];
+#pragma unroll
+      for (int j = 0; j < CONV_REG_TAPS; j++) {
+        if (j < kw) {
+          const int l = i + j - (kw - 1);
+          if (l >= 0) {
+            load4_bf16(x + (row0 + l) * ld + c0, vec != 0, xv);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) xv[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
+          }
+#pragma unroll
+          for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * xv[e];
+        }
       }
-    } else {
-      int hv = u - 2 * kh;
-      for (int d = lane; d < dv; d += 32)
-        vo[(t * vh + hv) * dv + d] = conv_silu(qkv, row0, i, C, hist, convw, kw, 2 * kh * dk + hv * dv + d);
+      for (int j = CONV_REG_TAPS; j < kw; j++) {
+        const int l = i + j - (kw - 1);
+        if (l >= 0) {
+          load4_bf16(x + (row0 + l) * ld + c0, vec != 0, xv);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; e++) xv[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[e] += bf(convw[(i64)(c0 + e) * kw + j]) * xv[e];
+      }
+#pragma unroll
+      for (int e = 0; e < 4; e++) v[e] = silu_f(acc[e]);
+    }
+    float ss = v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+    for (int o = G >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (active) {
+      float sc = 1.f;
+      float* dst;
+      if (c0 < 2 * kd) {
+        sc = rsqrtf(ss + 1e-6f);
+        if (c0 < kd) {
+          sc *= rsqrtf((float)dk);
+          dst = qo + t * kd + c0;
+        } else {
+          dst = ko + t * kd + (c0 - kd);
+        }
+        *(float4*)dst = make_float4(v[0] * sc, v[1] * sc, v[2] * sc, v[3] * sc);
+      } else {
+        dst = vo + t * (i64)(vh * dv) + (c0 - 2 * kd);
+        *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
+      }
     }
   }
-  for (int h = threadIdx.x; h < vh; h += blockDim.x) {
-    beta[t * vh + h] = sigmoid_f(bf(b[t * vh + h]));
-    gout[t * vh + h] = -expf(alog[h]) * softplus_f(bf(a[t * vh + h]) + dtb[h]);
+  const int nthreads = gridDim.y * blockDim.x;
+  for (int h = grp; h < vh; h += nthreads) {
+    const float ea = -expf(alog[h]), db = dtb[h];
+    for (int r = 0; r < CONV_ROWS; r++) {
+      const i64 t = t0 + r;
+      if (t >= n) break;
+      beta[t * vh + h] = sigmoid_f(bf(b[t * ld + h]));
+      gout[t * vh + h] = ea * softplus_f(bf(a[t * ld + h]) + db);
+    }
   }
 }
 
-// After gdn_conv: the history becomes the last kw-1 inputs of [history; new rows]. One thread per
-// (channel, sequence); rows are shifted in ascending order, which is safe in place.
-extern "C" __global__ void gdn_conv_hist(const bf16* qkv, const i64* segs, int C, int kw) {
+// After gdn_conv: the history becomes the last kw-1 inputs of [history; new rows] (x as in
+// gdn_conv: channel c of row t at x[t*ld + c]). One thread per (channel, sequence); rows are
+// shifted in ascending order, which is safe in place (in == out).
+extern "C" __global__ void gdn_conv_hist(const bf16* x, i64 ld, const i64* segs, int C, int kw) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
   if (c >= C) return;
-  const i64 row0 = segs[3 * s];
-  const int len = (int)segs[3 * s + 1];
-  float* hist = (float*)segs[3 * s + 2];
+  const i64 row0 = segs[4 * s];
+  const int len = (int)segs[4 * s + 1];
+  const float* hin = (const float*)segs[4 * s + 2];
+  float* hout = (float*)segs[4 * s + 3];
   const int h = kw - 1;
   for (int r = 0; r < h; r++) {
     int src = len - h + r;
-    float v = src >= 0 ? bf(qkv[(row0 + src) * C + c]) : hist[(i64)(h + src) * C + c];
-    hist[(i64)r * C + c] = v;
+    float v = src >= 0 ? bf(x[(row0 + src) * ld + c]) : hin[(i64)(h + src) * C + c];
+    hout[(i64)r * C + c] = v;
   }
 }
 
-// Per (chunk, value head), independent of the state: gamma = cumsum(g) inside the chunk,
-//   A[i][j] = beta_i e^{gamma_i - gamma_j} k_i.k_j  (j < i),   P[i][j] = e^{gamma_i - gamma_j} q_i.k_j  (j <= i),
-//   T = (I + A)^-1 (unit lower triangular, forward substitution row by row).
-// Writes T and P to tp[(chunk*vh + hv)*2 + {0,1}][64][64]. Block of 256 threads; rows past the
-// chunk's length are zero (beta = g = 0), so they add nothing.
-extern "C" __global__ void gdn_chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
-                                          const int* chunks, int kh, int vh, int dk, float* tp) {
+// Chunk matrices, all f32, per chunk of <= 64 rows (rows past the chunk's length have beta = g = 0 and
+// zero q, k, v, so they add nothing). gamma = cumsum(g) inside the chunk (per value head);
+//   P[i][j] = e^{gamma_i - gamma_j} q_i.k_j              (j <= i, else 0)
+//   A[i][j] = beta_i e^{gamma_i - gamma_j} k_i.k_j       (j < i, else 0)
+//   T = (I + A)^-1                                       (unit lower triangular)
+// Both are stored TRANSPOSED, tp[(chunk*vh + hv)*2 + {0: T, 1: P}][j][i], so that the scan reads the
+// entries of 4 consecutive rows i of one column j with one 16-byte load.
+//
+// gdn_chunk_prep_<DK>: one block of 256 threads per (chunk, key head). q.k and k.k depend on the key
+// head only and are computed once for its vh/kh value heads: thread (ti, tj) = (tid/16, tid%16) holds
+// the 4x4 tile rows 4ti.., cols 4tj.. of both (tiles above the diagonal are zero) from q and k staged
+// transposed in shared memory ([DK][64]: 16-byte loads of 4 rows). Then, two value heads at a time,
+// P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
+// one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
+// column in registers (no barriers inside the solve).
+template <int DK>
+__device__ void chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
+                           const int* chunks, int kh, int vh, float* tp) {
   extern __shared__ __align__(16) float smem_prep[];
-  float* sm = smem_prep;
-  const int ld = dk + 1;
-  float* Kc = sm;
-  float* Qc = Kc + CHUNK * ld;
-  float* A = Qc + CHUNK * ld;
-  float* T = A + CHUNK * (CHUNK + 1);
-  float* gam = T + CHUNK * (CHUNK + 1);
-  float* bet = gam + CHUNK;
-  const int ck = blockIdx.x, hv = blockIdx.y, hk = hv / (vh / kh);
+  constexpr int LDA = CHUNK + 1;
+  constexpr int STAGE = (2 * DK * CHUNK > 2 * CHUNK * LDA) ? 2 * DK * CHUNK : 2 * CHUNK * LDA;
+  float* Kt = smem_prep;             // [DK][64]   (staging)
+  float* Qt = Kt + DK * CHUNK;       // [DK][64]   (staging)
+  float* As = smem_prep;             // [2][64][65] (after the dot products)
+  float* gam = smem_prep + STAGE;    // [2][64]
+  float* bet = gam + 2 * CHUNK;      // [2][64]
+  const int ck = blockIdx.x, hk = blockIdx.y, r = vh / kh, tid = threadIdx.x;
   const i64 row0 = chunks[2 * ck];
   const int len = chunks[2 * ck + 1];
-  for (int idx = threadIdx.x; idx < CHUNK * dk; idx += blockDim.x) {
-    int i = idx / dk, d = idx % dk;
-    bool ok = i < len;
-    i64 src = ok ? ((row0 + i) * kh + hk) * dk + d : 0;
-    cp_async4(Kc + i * ld + d, kn + src, ok);
-    cp_async4(Qc + i * ld + d, qn + src, ok);
-  }
-  for (int i = threadIdx.x; i < CHUNK; i += blockDim.x) {
-    bet[i] = i < len ? beta[(row0 + i) * vh + hv] : 0.f;
-    gam[i] = i < len ? g[(row0 + i) * vh + hv] : 0.f;
-  }
-  cp_async_wait_all();
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int i = 1; i < CHUNK; i++) gam[i] += gam[i - 1];
-  __syncthreads();
-  float* P = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + CHUNK * CHUNK;
-  for (int idx = threadIdx.x; idx < CHUNK * CHUNK; idx += blockDim.x) {
-    int i = idx / CHUNK, j = idx % CHUNK;
-    float kk = 0.f, qk = 0.f;
-    if (j <= i)
-      for (int d = 0; d < dk; d++) { kk += Kc[i * ld + d] * Kc[j * ld + d]; qk += Qc[i * ld + d] * Kc[j * ld + d]; }
-    float e = j <= i ? expf(gam[i] - gam[j]) : 0.f;
-    A[i * (CHUNK + 1) + j] = j < i ? bet[i] * kk * e : 0.f;
-    P[idx] = j <= i ? qk * e : 0.f;
+  for (int idx = tid; idx < CHUNK * DK; idx += blockDim.x) {
+    const int i = idx % CHUNK, d = idx / CHUNK;
+    const bool ok = i < len;
+    const i64 src = ((row0 + (ok ? i : 0)) * kh + hk) * DK + d;
+    Kt[d * CHUNK + i] = ok ? kn[src] : 0.f;
+    Qt[d * CHUNK + i] = ok ? qn[src] : 0.f;
   }
   __syncthreads();
-  // T_i = e_i - sum_{j<i} A_ij T_j; 64 columns x 4 partial sums (256 threads).
-  const int col = threadIdx.x >> 2, part = threadIdx.x & 3;
-  for (int i = 0; i < CHUNK; i++) {
-    float s = 0.f;
-    for (int j = part; j < i; j += 4) s += A[i * (CHUNK + 1) + j] * T[j * (CHUNK + 1) + col];
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    if (part == 0) T[i * (CHUNK + 1) + col] = (i == col ? 1.f : 0.f) - s;
+  const int ti = tid >> 4, tj = tid & 15;
+  float kk[4][4], qk[4][4];
+#pragma unroll
+  for (int a = 0; a < 4; a++)
+#pragma unroll
+    for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.f;
+  if (tj <= ti && 4 * tj < len) {
+#pragma unroll 4
+    for (int d = 0; d < DK; d++) {
+      const float4 ki = *(const float4*)(Kt + d * CHUNK + 4 * ti);
+      const float4 kj = *(const float4*)(Kt + d * CHUNK + 4 * tj);
+      const float4 qi = *(const float4*)(Qt + d * CHUNK + 4 * ti);
+      const float xi[4] = {ki.x, ki.y, ki.z, ki.w}, yi[4] = {qi.x, qi.y, qi.z, qi.w}, xj[4] = {kj.x, kj.y, kj.z, kj.w};
+#pragma unroll
+      for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+          kk[a][b] += xi[a] * xj[b];
+          qk[a][b] += yi[a] * xj[b];
+        }
+    }
+  }
+  for (int base = 0; base < r; base += 2) {
+    const int nh = min(2, r - base);
+    __syncthreads();  // staging reads done (first pair) / previous pair's solve done
+    if (tid < 2 * CHUNK) {
+      // gamma: inclusive scan of g over the chunk, 64 values per head = two warps.
+      const int h = tid >> 6, i = tid & 63, hv = hk * r + base + h;
+      const bool ok = h < nh && i < len;
+      float v = ok ? g[(row0 + i) * vh + hv] : 0.f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const float u = __shfl_up_sync(0xffffffffu, v, o);
+        if ((tid & 31) >= o) v += u;
+      }
+      gam[tid] = v;
+      bet[tid] = ok ? beta[(row0 + i) * vh + hv] : 0.f;
+    }
     __syncthreads();
+    if (tid < 2 * CHUNK && (tid & 63) >= 32) gam[tid] += gam[(tid & ~63) + 31];
+    __syncthreads();
+    for (int h = 0; h < nh; h++) {
+      const int hv = hk * r + base + h;
+      float* Ah = As + h * CHUNK * LDA;
+      float* Pg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + CHUNK * CHUNK;
+      const float* gh = gam + h * CHUNK;
+#pragma unroll
+      for (int b = 0; b < 4; b++) {
+        const int j = 4 * tj + b;
+        float pv[4];
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+          const int i = 4 * ti + a;
+          const float e = j <= i ? expf(gh[i] - gh[j]) : 0.f;
+          Ah[i * LDA + j] = j < i ? bet[h * CHUNK + i] * kk[a][b] * e : 0.f;
+          pv[a] = j <= i ? qk[a][b] * e : 0.f;
+        }
+        *(float4*)(Pg + j * CHUNK + 4 * ti) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+      }
+    }
+    __syncthreads();
+    if (tid < nh * CHUNK) {
+      const int h = tid >> 6, c = tid & 63, hv = hk * r + base + h;
+      const float* Ah = As + h * CHUNK * LDA;
+      float x[CHUNK];
+#pragma unroll
+      for (int i = 0; i < CHUNK; i++) {
+        float s0 = i == c ? 1.f : 0.f, s1 = 0.f;
+#pragma unroll
+        for (int j = 0; j + 1 < i; j += 2) {
+          s0 -= Ah[i * LDA + j] * x[j];
+          s1 -= Ah[i * LDA + j + 1] * x[j + 1];
+        }
+        if (i & 1) s0 -= Ah[i * LDA + i - 1] * x[i - 1];
+        x[i] = s0 + s1;
+      }
+      float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + c * CHUNK;
+#pragma unroll
+      for (int i = 0; i < CHUNK; i += 4) *(float4*)(Tg + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+    }
   }
-  float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
-  for (int idx = threadIdx.x; idx < CHUNK * CHUNK; idx += blockDim.x)
-    Tg[idx] = T[(idx / CHUNK) * (CHUNK + 1) + idx % CHUNK];
 }
 
-// The sequential part, per (sequence, value head, 32 value columns): for each chunk in order,
+#define PREP_ENTRY(DK)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep_##DK(                                      \
+      const float* qn, const float* kn, const float* beta, const float* g, const int* chunks, int kh, int vh, \
+      float* tp) {                                                                                            \
+    chunk_prep<DK>(qn, kn, beta, g, chunks, kh, vh, tp);                                                      \
+  }
+PREP_ENTRY(16)
+PREP_ENTRY(32)
+PREP_ENTRY(64)
+PREP_ENTRY(128)
+
+// The sequential part, per (sequence, value head, 32 value columns c0..): for each chunk in order,
 //   R_i  = beta_i (v_i - e^{gamma_i} k_i S)          (S: the state before the chunk, [dk, 32])
 //   Vn   = T R                                        (= U - W S of the WY form)
 //   O_i  = e^{gamma_i} q_i S + sum_{j<=i} P_ij Vn_j
 //   S   <- e^{gamma_last} S + sum_i e^{gamma_last - gamma_i} k_i^T Vn_i
-// O is written in f32 to out [n, vh, dv]. Block of 256 threads = 8 warps; a thread owns value
-// column c = lane and 8 rows of the chunk (i0 = 8*warp) or DK/8 rows of the state (d0 = warp*DK/8).
-// Chunk inputs are staged with cp.async (16-byte, zero-filled past the chunk / the columns);
-// dk and dv are multiples of 4 (checked by the host).
-
+// O is written in f32 to out [n, vh, dv]. Block of 256 threads. Row x column work (kS, qS, Vn, O) is
+// tiled 4 rows x 2 columns per thread (rows 4*(tid/16).., columns 2*(tid%16)..), the state update
+// 4 state rows x 4 columns per thread; q and k are staged transposed ([DK][64], k padded to 68) so 4 rows are one
+// 16-byte load; the q staging is reused for T and P (also transposed) once q S is done. Warps whose
+// rows are all past the chunk's length skip the row work; the state update sums over real rows only.
 template <int DK>
 __device__ void chunk_scan(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                            const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
   extern __shared__ __align__(16) float smem_scan[];
-  float* S = smem_scan;            // [DK][32]
-  float* Kc = S + DK * 32;         // [64][DK]
-  float* Qc = Kc + CHUNK * DK;     // [64][DK]
-  float* Tm = Qc + CHUNK * DK;     // [64][64]
-  float* Pm = Tm + CHUNK * CHUNK;  // [64][64]
-  float* R = Pm + CHUNK * CHUNK;   // [64][32]
+  constexpr int QREG = (DK * CHUNK > 2 * CHUNK * CHUNK) ? DK * CHUNK : 2 * CHUNK * CHUNK;
+  constexpr int LDK = CHUNK + 4;   // k's row stride: the state update's 4 rows per load hit 4 banks
+  float* Kt = smem_scan;           // [DK][LDK]
+  float* Qt = Kt + DK * LDK;       // [DK][64], then Tt [64][64] and Pt [64][64]
+  float* Tt = Qt;
+  float* Pt = Qt + CHUNK * CHUNK;
+  float* S = Qt + QREG;            // [DK][32]
+  float* R = S + DK * 32;          // [64][32]
   float* Vn = R + CHUNK * 32;      // [64][32]
   float* gam = Vn + CHUNK * 32;
   float* bet = gam + CHUNK;
   float* fac = bet + CHUNK;
-  constexpr int PD = DK / 8;       // state rows per thread
-  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh);
-  const int first = (int)segs[3 * s], nch = (int)segs[3 * s + 1];
-  float* state = (float*)segs[3 * s + 2] + (i64)hv * DK * dv;
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh), tid = threadIdx.x;
+  const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
+  const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
+  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
   const int ncols = min(32, dv - c0);
-  const int c = threadIdx.x & 31, w = threadIdx.x >> 5, i0 = w * 8, d0 = w * PD;
-  for (int idx = threadIdx.x; idx < DK * 32; idx += blockDim.x) {
-    int d = idx / 32, cc = idx % 32;
-    S[idx] = cc < ncols ? state[(i64)d * dv + c0 + cc] : 0.f;
+  const int rg = tid >> 4, cg = tid & 15, i0 = 4 * rg, cc = 2 * cg;
+  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
+    const int d = idx / 32, c = idx % 32;
+    S[idx] = c < ncols ? state_in[(i64)d * dv + c0 + c] : 0.f;
   }
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < CHUNK * DK / 4; idx += blockDim.x) {
-      int i = idx / (DK / 4), d = (idx % (DK / 4)) * 4;
-      bool ok = i < len;
-      i64 src = ok ? ((row0 + i) * kh + hk) * DK + d : 0;
-      cp_async16(Kc + i * DK + d, kn + src, ok);
-      cp_async16(Qc + i * DK + d, qn + src, ok);
+    for (int idx = tid; idx < CHUNK * DK; idx += blockDim.x) {
+      const int i = idx % CHUNK, d = idx / CHUNK;
+      const bool ok = i < len;
+      const i64 src = ((row0 + (ok ? i : 0)) * kh + hk) * DK + d;
+      Kt[d * LDK + i] = ok ? kn[src] : 0.f;
+      Qt[d * CHUNK + i] = ok ? qn[src] : 0.f;
     }
-    const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
-    for (int idx = threadIdx.x; idx < CHUNK * CHUNK / 4; idx += blockDim.x) {
-      cp_async16(Tm + 4 * idx, Tg + 4 * idx, true);
-      cp_async16(Pm + 4 * idx, Tg + CHUNK * CHUNK + 4 * idx, true);
+    for (int idx = tid; idx < CHUNK * 8; idx += blockDim.x) {
+      const int i = idx / 8, c = (idx % 8) * 4;
+      const bool ok = i < len && c < ncols;
+      cp_async16(R + i * 32 + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
     }
-    for (int idx = threadIdx.x; idx < CHUNK * 8; idx += blockDim.x) {
-      int i = idx / 8, cc = (idx % 8) * 4;
-      bool ok = i < len && cc < ncols;
-      cp_async16(R + i * 32 + cc, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + cc : 0), ok);
-    }
-    for (int i = threadIdx.x; i < CHUNK; i += blockDim.x) {
-      bet[i] = i < len ? beta[(row0 + i) * vh + hv] : 0.f;
-      gam[i] = i < len ? g[(row0 + i) * vh + hv] : 0.f;
+    if (tid < CHUNK) {
+      const bool ok = tid < len;
+      float x = ok ? g[(row0 + tid) * vh + hv] : 0.f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const float u = __shfl_up_sync(0xffffffffu, x, o);
+        if ((tid & 31) >= o) x += u;
+      }
+      gam[tid] = x;
+      bet[tid] = ok ? beta[(row0 + tid) * vh + hv] : 0.f;
     }
     cp_async_wait_all();
     __syncthreads();
-    if (threadIdx.x == 0)
-      for (int i = 1; i < CHUNK; i++) gam[i] += gam[i - 1];
+    if (tid >= 32 && tid < CHUNK) gam[tid] += gam[31];
     __syncthreads();
-    if (threadIdx.x < CHUNK) fac[threadIdx.x] = expf(gam[CHUNK - 1] - gam[threadIdx.x]);
-    // k S and q S for rows i0..i0+7, column c.
-    float ks[8], qs[8];
+    // k S and q S for rows i0..i0+3, columns cc, cc+1.
+    float ks[4][2], qs[4][2];
 #pragma unroll
-    for (int r = 0; r < 8; r++) ks[r] = qs[r] = 0.f;
+    for (int a = 0; a < 4; a++) ks[a][0] = ks[a][1] = qs[a][0] = qs[a][1] = 0.f;
+    if (i0 < len) {
 #pragma unroll 4
-    for (int d = 0; d < DK; d += 4) {
-      const float s0 = S[d * 32 + c], s1 = S[(d + 1) * 32 + c], s2 = S[(d + 2) * 32 + c], s3 = S[(d + 3) * 32 + c];
+      for (int d = 0; d < DK; d++) {
+        const float4 k4 = *(const float4*)(Kt + d * LDK + i0);
+        const float4 q4 = *(const float4*)(Qt + d * CHUNK + i0);
+        const float2 s2 = *(const float2*)(S + d * 32 + cc);
+        const float kr[4] = {k4.x, k4.y, k4.z, k4.w}, qr[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-      for (int r = 0; r < 8; r++) {
-        const float4 kv = *(const float4*)(Kc + (i0 + r) * DK + d);
-        const float4 qv = *(const float4*)(Qc + (i0 + r) * DK + d);
-        ks[r] += kv.x * s0 + kv.y * s1 + kv.z * s2 + kv.w * s3;
-        qs[r] += qv.x * s0 + qv.y * s1 + qv.z * s2 + qv.w * s3;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-      int i = i0 + r;
-      R[i * 32 + c] = bet[i] * (R[i * 32 + c] - expf(gam[i]) * ks[r]);
-    }
-    __syncthreads();
-    // Vn = T R (T is unit lower triangular with exact zeros above the diagonal).
-    float acc[8];
-#pragma unroll
-    for (int r = 0; r < 8; r++) acc[r] = 0.f;
-    for (int j = 0; j < i0 + 8; j += 4) {
-      const float r0 = R[j * 32 + c], r1 = R[(j + 1) * 32 + c], r2 = R[(j + 2) * 32 + c], r3 = R[(j + 3) * 32 + c];
-#pragma unroll
-      for (int r = 0; r < 8; r++) {
-        const float4 t = *(const float4*)(Tm + (i0 + r) * CHUNK + j);
-        acc[r] += t.x * r0 + t.y * r1 + t.z * r2 + t.w * r3;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 8; r++) Vn[(i0 + r) * 32 + c] = acc[r];
-    __syncthreads();
-    // O = e^gamma (q S) + P Vn (P is zero above the diagonal).
-#pragma unroll
-    for (int r = 0; r < 8; r++) acc[r] = expf(gam[i0 + r]) * qs[r];
-    for (int j = 0; j < i0 + 8; j += 4) {
-      const float v0 = Vn[j * 32 + c], v1 = Vn[(j + 1) * 32 + c], v2 = Vn[(j + 2) * 32 + c], v3 = Vn[(j + 3) * 32 + c];
-#pragma unroll
-      for (int r = 0; r < 8; r++) {
-        const float4 p = *(const float4*)(Pm + (i0 + r) * CHUNK + j);
-        acc[r] += p.x * v0 + p.y * v1 + p.z * v2 + p.w * v3;
-      }
-    }
-    if (c < ncols) {
-#pragma unroll
-      for (int r = 0; r < 8; r++)
-        if (i0 + r < len) out[((row0 + i0 + r) * vh + hv) * dv + c0 + c] = acc[r];
-    }
-    // S <- e^{gamma_last} S + sum_i fac_i k_i^T Vn_i, rows d0..d0+PD of column c.
-    const float el = expf(gam[CHUNK - 1]);
-    float sacc[PD];
-#pragma unroll
-    for (int r = 0; r < PD; r++) sacc[r] = el * S[(d0 + r) * 32 + c];
-    for (int i = 0; i < CHUNK; i++) {
-      const float f = fac[i] * Vn[i * 32 + c];
-      const float* kr = Kc + i * DK + d0;
-      if constexpr (PD % 4 == 0) {
-#pragma unroll
-        for (int r = 0; r < PD; r += 4) {
-          const float4 k4 = *(const float4*)(kr + r);
-          sacc[r] += k4.x * f;
-          sacc[r + 1] += k4.y * f;
-          sacc[r + 2] += k4.z * f;
-          sacc[r + 3] += k4.w * f;
+        for (int a = 0; a < 4; a++) {
+          ks[a][0] += kr[a] * s2.x;
+          ks[a][1] += kr[a] * s2.y;
+          qs[a][0] += qr[a] * s2.x;
+          qs[a][1] += qr[a] * s2.y;
         }
-      } else {
+      }
+    }
+    __syncthreads();  // q is no longer needed: its staging now takes T and P
+    const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
+    for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += blockDim.x) cp_async16(Tt + 4 * idx, Tg + 4 * idx, true);
 #pragma unroll
-        for (int r = 0; r < PD; r++) sacc[r] += kr[r] * f;
+    for (int a = 0; a < 4; a++) {
+      const int i = i0 + a;
+      const float e = expf(gam[i]);
+      R[i * 32 + cc] = bet[i] * (R[i * 32 + cc] - e * ks[a][0]);
+      R[i * 32 + cc + 1] = bet[i] * (R[i * 32 + cc + 1] - e * ks[a][1]);
+    }
+    if (tid < CHUNK) fac[tid] = expf(gam[CHUNK - 1] - gam[tid]);
+    cp_async_wait_all();
+    __syncthreads();
+    // Vn = T R over j <= min(i0 + 3, len - 1) (T is lower triangular; rows past len are never read).
+    const int jmax = min(i0 + 3, len - 1);
+    float acc[4][2];
+#pragma unroll
+    for (int a = 0; a < 4; a++) acc[a][0] = acc[a][1] = 0.f;
+    for (int j = 0; i0 < len && j <= jmax; j++) {
+      const float4 t4 = *(const float4*)(Tt + j * CHUNK + i0);
+      const float2 r2 = *(const float2*)(R + j * 32 + cc);
+      const float tr[4] = {t4.x, t4.y, t4.z, t4.w};
+#pragma unroll
+      for (int a = 0; a < 4; a++) {
+        acc[a][0] += tr[a] * r2.x;
+        acc[a][1] += tr[a] * r2.y;
       }
     }
 #pragma unroll
-    for (int r = 0; r < PD; r++) S[(d0 + r) * 32 + c] = sacc[r];
+    for (int a = 0; a < 4; a++) *(float2*)(Vn + (i0 + a) * 32 + cc) = make_float2(acc[a][0], acc[a][1]);
+    __syncthreads();
+    // O = e^gamma (q S) + P Vn.
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+      const float e = expf(gam[i0 + a]);
+      acc[a][0] = e * qs[a][0];
+      acc[a][1] = e * qs[a][1];
+    }
+    for (int j = 0; i0 < len && j <= jmax; j++) {
+      const float4 p4 = *(const float4*)(Pt + j * CHUNK + i0);
+      const float2 v2 = *(const float2*)(Vn + j * 32 + cc);
+      const float pr[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+      for (int a = 0; a < 4; a++) {
+        acc[a][0] += pr[a] * v2.x;
+        acc[a][1] += pr[a] * v2.y;
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+      const int i = i0 + a;
+      if (i < len) {
+        float* o = out + ((row0 + i) * vh + hv) * dv + c0;
+        if (cc < ncols) o[cc] = acc[a][0];
+        if (cc + 1 < ncols) o[cc + 1] = acc[a][1];
+      }
+    }
+    // S <- e^{gamma_last} S + sum_{i < len} fac_i k_i^T Vn_i: per thread state rows d0 + 4a (a < 4),
+    // columns c4..c4+3; a warp's four d0 are consecutive, so with k's stride of 68 they hit 4 banks.
+    const float el = expf(gam[CHUNK - 1]);
+    for (int t = tid; t < DK / 4 * 8; t += blockDim.x) {
+      const int d0 = 16 * (t >> 5) + ((t >> 3) & 3), c4 = 4 * (t & 7);
+      float sa[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; a++) {
+        const float4 s4 = *(const float4*)(S + (d0 + 4 * a) * 32 + c4);
+        sa[a][0] = el * s4.x;
+        sa[a][1] = el * s4.y;
+        sa[a][2] = el * s4.z;
+        sa[a][3] = el * s4.w;
+      }
+      for (int i = 0; i < len; i++) {
+        const float f = fac[i];
+        const float4 v4 = *(const float4*)(Vn + i * 32 + c4);
+        const float vr[4] = {f * v4.x, f * v4.y, f * v4.z, f * v4.w};
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+          const float k = Kt[(d0 + 4 * a) * LDK + i];
+#pragma unroll
+          for (int b = 0; b < 4; b++) sa[a][b] += k * vr[b];
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < 4; a++) *(float4*)(S + (d0 + 4 * a) * 32 + c4) = make_float4(sa[a][0], sa[a][1], sa[a][2], sa[a][3]);
+    }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < DK * 32; idx += blockDim.x) {
-    int d = idx / 32, cc = idx % 32;
-    if (cc < ncols) state[(i64)d * dv + c0 + cc] = S[idx];
+  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
+    const int d = idx / 32, c = idx % 32;
+    if (c < ncols) state[(i64)d * dv + c0 + c] = S[idx];
   }
 }
 

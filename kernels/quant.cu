@@ -20,3 +20,33 @@ extern "C" __global__ void quant_act_1x128(const bf16* x, unsigned char* q, floa
   for (int j = 0; j < 4; j++) q[(i64)m * K + kb * 128 + lane * 4 + j] = __nv_fp8_e4m3(v[j] / sc).__x;
   if (lane == 0) s[(i64)kb * Mpad + m] = sc;
 }
+
+// SwiGLU fused with quant_act_1x128 (the MLP's down projection input). gu is [M, 2K] ([gate | up]
+// per row). Writes y[m, c] = bf16(silu(gate) * up) exactly as the swiglu kernel, and q / s exactly
+// as quant_act_1x128 would from that y (same warp layout and reductions; rows m >= M are zero with
+// scale 1). CPU twin: CpuBackend::swiglu then host::quantize_act_1x128.
+// One warp per (row, 128-block) of [Mpad, K], 4 values per lane; grid-stride over warps.
+extern "C" __global__ void swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M,
+                                              int Mpad, int K) {
+  int lane = threadIdx.x & 31, KB = K / 128;
+  i64 nwarps = (i64)Mpad * KB, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; warp < nwarps; warp += stride) {
+    int m = (int)(warp / KB), kb = (int)(warp % KB);
+    int c0 = kb * 128 + lane * 4;
+    float v[4], amax = 0.f;
+    for (int j = 0; j < 4; j++) {
+      v[j] = 0.f;
+      if (m < M) {
+        const bf16* row = gu + (i64)m * 2 * K;
+        bf16 h = to_bf(silu_f(bf(row[c0 + j])) * bf(row[K + c0 + j]));
+        y[(i64)m * K + c0 + j] = h;
+        v[j] = bf(h);
+      }
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = warp_max(amax);
+    float sc = amax > 0.f ? amax / 448.f : 1.f;
+    for (int j = 0; j < 4; j++) q[(i64)m * K + c0 + j] = __nv_fp8_e4m3(v[j] / sc).__x;
+    if (lane == 0) s[(i64)kb * Mpad + m] = sc;
+  }
+}

@@ -277,6 +277,20 @@ fn tiling(lens: &[usize]) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// Row-major `[n, w_i]` blocks concatenated along columns into `[n, Σ w_i]` (the layout of a
+/// fused projection). Returns the data and the total width.
+fn cat_cols(n: usize, parts: &[&[f32]]) -> (Vec<f32>, usize) {
+    let widths: Vec<usize> = parts.iter().map(|p| p.len().checked_div(n).unwrap_or(0)).collect();
+    let w: usize = widths.iter().sum();
+    let mut out = Vec::with_capacity(n * w);
+    for r in 0..n {
+        for (p, &pw) in parts.iter().zip(&widths) {
+            out.extend_from_slice(&p[r * pw..(r + 1) * pw]);
+        }
+    }
+    (out, w)
+}
+
 // ---------------------------------------------------------------------------------------------
 // (a) ops
 
@@ -391,6 +405,44 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             rel(&g.download(&ag)?, &ac.data),
             1e-2,
         );
+        // Residual add fused with the next RMSNorm: vs the CPU add + norm, and bitwise vs the
+        // GPU's own add_assign + rms_norm (same rounding, same reduction order).
+        for (rows, d, off) in [(300usize, 2560usize, 1.0f32), (37, 1000, 0.0)] {
+            let x = randn(rng, rows * d, 2.0);
+            let y = randn(rng, rows * d, 1.0);
+            let w = Owned::f32("norm", &[d], &randn(rng, d, 0.2));
+            let (wg, wc) = (g.param(&w.r())?, c.param(&w.r())?);
+            let (yg, yc) = (g.upload(&y, &[rows, d])?, c.upload(&y, &[rows, d])?);
+            let (mut fg, mut ug, mut xc) = (
+                g.upload(&x, &[rows, d])?,
+                g.upload(&x, &[rows, d])?,
+                c.upload(&x, &[rows, d])?,
+            );
+            let hg = g.download(&g.add_rms_norm(&mut fg, &yg, &wg, 1e-6, off)?)?;
+            c.add_assign(&mut xc, &yc)?;
+            let hc = c.rms_norm(&xc, &wc, 1e-6, off)?.data;
+            g.add_assign(&mut ug, &yg)?;
+            let hu = g.download(&g.rms_norm(&ug, &wg, 1e-6, off)?)?;
+            let xf = g.download(&fg)?;
+            rep.check(
+                p,
+                format!("add_rms_norm [{rows}, {d}] offset {off}: norm vs CPU"),
+                rel(&hg, &hc),
+                1e-2,
+            );
+            rep.check(
+                p,
+                format!("add_rms_norm [{rows}, {d}]: updated x vs CPU"),
+                rel(&xf, &xc.data),
+                1e-2,
+            );
+            rep.check(
+                p,
+                format!("add_rms_norm [{rows}, {d}]: norm, x vs GPU add_assign + rms_norm (bitwise)"),
+                rel(&hg, &hu).max(rel(&xf, &g.download(&ug)?)),
+                0.0,
+            );
+        }
         let gu = randn(rng, 64 * 2 * 9216, 2.0);
         let e = rel(
             &g.download(&g.swiglu(&g.upload(&gu, &[64, 2 * 9216])?)?)?,
@@ -417,6 +469,61 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
     });
 
     run("matmul", rep, &mut |rep, rng| gemm_checks(g, c, rep, rng));
+
+    run("swiglu_matmul", rep, &mut |rep, rng| {
+        // SwiGLU fused with the FP8 activation quantisation, 4B down_proj shape: bitwise equal to
+        // the GPU's unfused swiglu + matmul (plain and with a LoRA that reads the BF16 rows).
+        let (n, k) = (2560, 9216);
+        let w8 = Owned::fp8("down.weight", &[n, k], &randn(rng, n * k, 0.02));
+        let la = Owned::bf16("down.A", &[8, k], &randn(rng, 8 * k, 0.05));
+        let lb = Owned::bf16("down.B", &[n, 8], &randn(rng, n * 8, 0.05));
+        let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
+        let lora = [LinearPart {
+            weight: w8.r(),
+            bias: None,
+            lora: Some(LoraPair {
+                a: la.r(),
+                b: lb.r(),
+                scale: 2.0,
+            }),
+        }];
+        let lgl = g.linear(&lora)?;
+        ensure!(
+            lg.summary() == "fp8[0..2560]",
+            "FP8 checkpoint weight placed as {}",
+            lg.summary()
+        );
+        for m in [1usize, 37, 130] {
+            let gu = randn(rng, m * 2 * k, 2.0);
+            let gug = g.upload(&gu, &[m, 2 * k])?;
+            let fused = g.download(&g.swiglu_matmul(&gug, &lg)?)?;
+            let plain = g.download(&g.matmul(&g.swiglu(&gug)?, &lg)?)?;
+            rep.check(
+                p,
+                format!("swiglu_matmul fp8 N={n} K={k} M={m} vs GPU swiglu + matmul (bitwise)"),
+                rel(&fused, &plain),
+                0.0,
+            );
+            if m == 37 {
+                let want = c.swiglu_matmul(&c.upload(&gu, &[m, 2 * k])?, &lc)?.data;
+                rep.check(
+                    p,
+                    format!("swiglu_matmul fp8 N={n} K={k} M={m} vs CPU f32 (quantisation error)"),
+                    rel(&fused, &want),
+                    8e-2,
+                );
+                let fused = g.download(&g.swiglu_matmul(&gug, &lgl)?)?;
+                let plain = g.download(&g.matmul(&g.swiglu(&gug)?, &lgl)?)?;
+                rep.check(
+                    p,
+                    format!("swiglu_matmul [{}] M={m} vs GPU swiglu + matmul (bitwise)", lgl.summary()),
+                    rel(&fused, &plain),
+                    0.0,
+                );
+            }
+        }
+        Ok(())
+    });
 
     run("attention", rep, &mut |rep, rng| {
         let d4b = AttentionDims {
@@ -827,26 +934,25 @@ fn attention_case(
             pos0[s] += l as i64;
         }
         let (cos, sin) = positions::text_rope_tables(&pos, 1e7, rot, section(rot / 2));
+        // The fused projection [query/gate | key | value].
+        let (qkv, qkv_w) = cat_cols(n, &[&qg, &k, &v]);
+        assert_eq!(qkv_w, dims.qkv_width());
         macro_rules! run {
             ($b:expr, $caches:expr) => {{
                 let b = $b;
                 let t = (
-                    b.upload(&qg, &[n, heads * 2 * hd])?,
-                    b.upload(&k, &[n, kvh * hd])?,
-                    b.upload(&v, &[n, kvh * hd])?,
+                    b.upload(&qkv, &[n, qkv_w])?,
                     b.param(&qn.r())?,
                     b.param(&kn.r())?,
                     b.upload(&cos, &[n, rot])?,
                     b.upload(&sin, &[n, rot])?,
                 );
                 let inputs = AttentionInputs {
-                    query_gate: &t.0,
-                    key: &t.1,
-                    value: &t.2,
-                    q_norm: &t.3,
-                    k_norm: &t.4,
-                    cos: &t.5,
-                    sin: &t.6,
+                    qkv: &t.0,
+                    q_norm: &t.1,
+                    k_norm: &t.2,
+                    cos: &t.3,
+                    sin: &t.4,
                 };
                 let mut refs: Vec<_> = $caches.iter_mut().collect();
                 let o = b.gated_attention(&inputs, &dims, &segs, &mut refs)?;
@@ -969,28 +1075,25 @@ fn delta_case(
         let z = randn(rng, n * vh * dv, 1.0);
         let b = randn(rng, n * vh, 1.0);
         let a = randn(rng, n * vh, 1.0);
+        // The fused projection [q | k | v | z | b | a].
+        let (proj, pw) = cat_cols(n, &[&qkv, &z, &b, &a]);
+        assert_eq!(pw, dims.proj_width());
         macro_rules! run {
             ($be:expr, $states:expr) => {{
                 let be = $be;
                 let t = (
-                    be.upload(&qkv, &[n, ch])?,
-                    be.upload(&z, &[n, vh * dv])?,
-                    be.upload(&b, &[n, vh])?,
-                    be.upload(&a, &[n, vh])?,
+                    be.upload(&proj, &[n, pw])?,
                     be.param(&conv.r())?,
                     be.param(&alog.r())?,
                     be.param(&dtb.r())?,
                     be.param(&nw.r())?,
                 );
                 let inputs = DeltaNetInputs {
-                    qkv: &t.0,
-                    z: &t.1,
-                    b: &t.2,
-                    a: &t.3,
-                    conv_weight: &t.4,
-                    a_log: &t.5,
-                    dt_bias: &t.6,
-                    norm_weight: &t.7,
+                    proj: &t.0,
+                    conv_weight: &t.1,
+                    a_log: &t.2,
+                    dt_bias: &t.3,
+                    norm_weight: &t.4,
                 };
                 let mut refs: Vec<_> = $states.iter_mut().collect();
                 let o = be.gated_delta_net(&inputs, &dims, &segs, &mut refs)?;
@@ -1019,26 +1122,20 @@ fn delta_case(
     // A fork (clone) is a deep copy: changing the original leaves it alone.
     let before = gs[0].recurrent()?;
     let fork = gs[0].clone();
-    let x = randn(rng, ch, 1.0);
+    let x = randn(rng, dims.proj_width(), 1.0);
     let t = (
-        g.upload(&x, &[1, ch])?,
-        g.upload(&randn(rng, vh * dv, 1.0), &[1, vh * dv])?,
-        g.upload(&randn(rng, vh, 1.0), &[1, vh])?,
-        g.upload(&randn(rng, vh, 1.0), &[1, vh])?,
+        g.upload(&x, &[1, dims.proj_width()])?,
         g.param(&conv.r())?,
         g.param(&alog.r())?,
         g.param(&dtb.r())?,
         g.param(&nw.r())?,
     );
     let inputs = DeltaNetInputs {
-        qkv: &t.0,
-        z: &t.1,
-        b: &t.2,
-        a: &t.3,
-        conv_weight: &t.4,
-        a_log: &t.5,
-        dt_bias: &t.6,
-        norm_weight: &t.7,
+        proj: &t.0,
+        conv_weight: &t.1,
+        a_log: &t.2,
+        dt_bias: &t.3,
+        norm_weight: &t.4,
     };
     g.gated_delta_net(&inputs, &dims, &tiling(&[1]), &mut [&mut gs[0]])?;
     let same = fork.recurrent()? == before && gs[0].recurrent()? != before;
@@ -1334,18 +1431,16 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
         let t = g.upload(&v, shape)?;
         g.gather_rows(&t, &(0..shape[0]).collect::<Vec<_>>())
     };
-    let qg = bf(randn(&mut rng, m * 16 * 512, 1.0), &[m, 16 * 512])?;
-    let kk = bf(randn(&mut rng, m * 1024, 1.0), &[m, 1024])?;
-    let vv = bf(randn(&mut rng, m * 1024, 1.0), &[m, 1024])?;
+    // The fused projection [query/gate | key | value], BF16 as in the model.
+    let qkv_w = dims.qkv_width();
+    let qkv = bf(randn(&mut rng, m * qkv_w, 1.0), &[m, qkv_w])?;
     let nw = g.upload(&randn(&mut rng, 256, 0.1), &[256])?;
     let pos: Vec<i64> = (0..m as i64).collect();
     let (cos, sin) =
         positions::text_rope_tables(&[pos.clone(), pos.clone(), pos], 1e7, 64, [11, 11, 10]);
     let (cos, sin) = (g.upload(&cos, &[m, 64])?, g.upload(&sin, &[m, 64])?);
     let inputs = AttentionInputs {
-        query_gate: &qg,
-        key: &kk,
-        value: &vv,
+        qkv: &qkv,
         q_norm: &nw,
         k_norm: &nw,
         cos: &cos,
@@ -1368,26 +1463,21 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
         conv_kernel: 4,
         norm_eps: 1e-6,
     };
-    let ch = dd.conv_channels();
+    let (ch, pw) = (dd.conv_channels(), dd.proj_width());
     let t = (
-        bf(randn(&mut rng, m * ch, 1.0), &[m, ch])?,
-        bf(randn(&mut rng, m * 4096, 1.0), &[m, 4096])?,
-        bf(randn(&mut rng, m * 32, 1.0), &[m, 32])?,
-        bf(randn(&mut rng, m * 32, 1.0), &[m, 32])?,
+        // The fused projection [q | k | v | z | b | a], BF16 as in the model.
+        bf(randn(&mut rng, m * pw, 1.0), &[m, pw])?,
         bf(randn(&mut rng, ch * 4, 0.5), &[ch, 4])?,
         g.upload(&[1.0; 32], &[32])?,
         g.upload(&[0.0; 32], &[32])?,
         g.upload(&[1.0; 128], &[128])?,
     );
     let inputs = DeltaNetInputs {
-        qkv: &t.0,
-        z: &t.1,
-        b: &t.2,
-        a: &t.3,
-        conv_weight: &t.4,
-        a_log: &t.5,
-        dt_bias: &t.6,
-        norm_weight: &t.7,
+        proj: &t.0,
+        conv_weight: &t.1,
+        a_log: &t.2,
+        dt_bias: &t.3,
+        norm_weight: &t.4,
     };
     let ms = time_ms(g, 5, &mut || {
         let mut s = g.new_delta_state(&dd)?;

@@ -57,6 +57,13 @@ pub struct AttentionDims {
     pub norm_eps: f32,
 }
 
+impl AttentionDims {
+    /// Width of the fused input projection `[query/gate | key | value]` ([`AttentionInputs::qkv`]).
+    pub fn qkv_width(&self) -> usize {
+        self.heads * 2 * self.head_dim + 2 * self.kv_heads * self.head_dim
+    }
+}
+
 /// Shapes of a Gated DeltaNet layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeltaNetDims {
@@ -73,15 +80,19 @@ impl DeltaNetDims {
     pub fn conv_channels(&self) -> usize {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
     }
+    /// Width of the fused input projection `[q | k | v | z | b | a]` ([`DeltaNetInputs::proj`]).
+    pub fn proj_width(&self) -> usize {
+        self.conv_channels() + self.value_heads * self.value_dim + 2 * self.value_heads
+    }
 }
 
 /// Everything a gated-attention mixer needs besides its cache.
 pub struct AttentionInputs<'t, T> {
-    /// `[n, heads·2·head_dim]`, per head `[query | gate]`.
-    pub query_gate: &'t T,
-    /// `[n, kv_heads·head_dim]`.
-    pub key: &'t T,
-    pub value: &'t T,
+    /// The fused input projection, `[n, heads·2·head_dim + 2·kv_heads·head_dim]`, laid out
+    /// `[query/gate | key | value]`: first per head `[query | gate]` (`heads·2·head_dim` columns),
+    /// then the keys and the values (`kv_heads·head_dim` columns each). Backends read the blocks
+    /// in place (no split copies).
+    pub qkv: &'t T,
     /// `[head_dim]` zero-centred norm weights.
     pub q_norm: &'t T,
     pub k_norm: &'t T,
@@ -92,13 +103,12 @@ pub struct AttentionInputs<'t, T> {
 
 /// Everything a Gated DeltaNet mixer needs besides its state.
 pub struct DeltaNetInputs<'t, T> {
-    /// `[n, conv_channels]`, before the causal convolution: `[q | k | v]`.
-    pub qkv: &'t T,
-    /// `[n, value_heads·value_dim]` output-gate input.
-    pub z: &'t T,
-    /// `[n, value_heads]` β logits and decay inputs.
-    pub b: &'t T,
-    pub a: &'t T,
+    /// The fused input projection, `[n, conv_channels + value_heads·value_dim + 2·value_heads]`,
+    /// laid out `[q | k | v | z | b | a]`: the conv inputs `q | k | v` (`conv_channels` columns,
+    /// before the causal convolution), the output-gate input `z` (`value_heads·value_dim`), then
+    /// the β logits `b` and the decay inputs `a` (`value_heads` each). Backends read the blocks in
+    /// place (no split copies).
+    pub proj: &'t T,
     /// `[conv_channels, conv_kernel]` depthwise taps, tap `kernel−1` on the current token.
     pub conv_weight: &'t T,
     /// `[value_heads]`.
@@ -167,8 +177,27 @@ pub trait Backend: Send + Sync + 'static {
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32, offset: f32) -> Result<Self::Tensor>;
     fn layer_norm(&self, x: &Self::Tensor, w: &Self::Tensor, b: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// The residual add and the next RMSNorm: `x += y` (exactly `add_assign`), then returns
+    /// `rms_norm(x, w, eps, offset)` of the updated `x`. Backends may fuse the two (CUDA: one
+    /// kernel that normalises the BF16-rounded sum it stores).
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+        offset: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, w, eps, offset)
+    }
     /// `[n, 2m]` → `silu(x[:, :m]) · x[:, m:]`.
     fn swiglu(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `matmul(swiglu(gate_up), w)` (the MLP's down projection). Backends may fuse the SwiGLU
+    /// with the activation quantisation of an FP8 projection.
+    fn swiglu_matmul(&self, gate_up: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor> {
+        self.matmul(&self.swiglu(gate_up)?, w)
+    }
     fn gelu(&self, x: &mut Self::Tensor, kind: Gelu) -> Result<()>;
     /// `h · Wᵀ` in f32 for an f32 `[rows, d]` weight; returns `[n, rows]` on the host.
     fn readout(&self, h: &Self::Tensor, w: &Self::Tensor) -> Result<Vec<f32>>;

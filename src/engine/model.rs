@@ -506,16 +506,15 @@ impl<B: Backend> Qwen35<B> {
         let cos = b.upload(&cos, &[n, self.rope.rotary_dim])?;
         let sin = b.upload(&sin, &[n, self.rope.rotary_dim])?;
         let last_rows: Vec<usize> = ranges.iter().map(|r| r.end - 1).collect();
-        let t = &self.config.text_config;
         prof.mark(b, "embed");
+        // Each later layer's input norm (and the final norm) is fused with the residual add of
+        // the MLP before it, at the end of the loop body.
+        let mut h = b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = b.rms_norm(&x, &layer.input_norm, self.eps, 1.0)?;
             prof.mark(b, "norms+residual");
             let o = match &layer.mixer {
                 Mixer::Attention { qkv, o, q_norm, k_norm } => {
-                    let kvw = t.num_key_value_heads * t.head_dim;
                     let p = b.matmul(&h, qkv)?;
-                    let parts = b.split_cols(&p, &[t.num_attention_heads * t.head_dim * 2, kvw, kvw])?;
                     let mut caches = states
                         .iter_mut()
                         .map(|s| match &mut s.layers[li] {
@@ -524,9 +523,7 @@ impl<B: Backend> Qwen35<B> {
                         })
                         .collect::<Result<Vec<_>>>()?;
                     let inputs = AttentionInputs {
-                        query_gate: &parts[0],
-                        key: &parts[1],
-                        value: &parts[2],
+                        qkv: &p,
                         q_norm,
                         k_norm,
                         cos: &cos,
@@ -542,7 +539,6 @@ impl<B: Backend> Qwen35<B> {
                 Mixer::DeltaNet { in_proj, conv, a_log, dt_bias, norm, out } => {
                     let d = &self.delta_dims;
                     let p = b.matmul(&h, in_proj)?;
-                    let parts = b.split_cols(&p, &[d.conv_channels(), d.value_heads * d.value_dim, d.value_heads, d.value_heads])?;
                     let mut sts = states
                         .iter_mut()
                         .map(|s| match &mut s.layers[li] {
@@ -551,10 +547,7 @@ impl<B: Backend> Qwen35<B> {
                         })
                         .collect::<Result<Vec<_>>>()?;
                     let inputs = DeltaNetInputs {
-                        qkv: &parts[0],
-                        z: &parts[1],
-                        b: &parts[2],
-                        a: &parts[3],
+                        proj: &p,
                         conv_weight: conv,
                         a_log,
                         dt_bias,
@@ -568,19 +561,23 @@ impl<B: Backend> Qwen35<B> {
                     y
                 }
             };
-            b.add_assign(&mut x, &o)?;
-            if li + 1 == self.layers.len() {
-                // Only the last token of each sequence is read out: the last MLP runs on those rows.
+            let hm = if li + 1 == self.layers.len() {
+                // Only the last token of each sequence is read out: the last MLP runs on those rows
+                // (gathered after the residual add, before the norm).
+                b.add_assign(&mut x, &o)?;
                 x = b.gather_rows(&x, &last_rows)?;
-            }
-            let h = b.rms_norm(&x, &layer.post_norm, self.eps, 1.0)?;
-            let gu = b.matmul(&h, &layer.gate_up)?;
-            let m = b.swiglu(&gu)?;
-            let o = b.matmul(&m, &layer.down)?;
-            b.add_assign(&mut x, &o)?;
+                b.rms_norm(&x, &layer.post_norm, self.eps, 1.0)?
+            } else {
+                b.add_rms_norm(&mut x, &o, &layer.post_norm, self.eps, 1.0)?
+            };
+            let gu = b.matmul(&hm, &layer.gate_up)?;
+            let o = b.swiglu_matmul(&gu, &layer.down)?;
+            // The residual add, fused with the next layer's input norm (the final norm after the last).
+            let next_norm = self.layers.get(li + 1).map_or(&self.norm, |l| &l.input_norm);
+            h = b.add_rms_norm(&mut x, &o, next_norm, self.eps, 1.0)?;
             prof.mark(b, "mlp");
         }
-        let out = b.rms_norm(&x, &self.norm, self.eps, 1.0)?;
+        let out = h;
         prof.mark(b, "final");
         prof.report(&format!("forward of {} sequence(s)", segs.len()), n);
         super::profile::kernel_report(b, &format!("forward of {} sequence(s) ({n} tokens)", segs.len()));

@@ -345,22 +345,24 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let AttentionDims { heads, kv_heads, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
-        let (n, qgw) = x.query_gate.rows_cols();
-        ensure!(qgw == heads * 2 * hd, "query/gate width {qgw} != {}", heads * 2 * hd);
-        ensure!(x.key.rows_cols() == (n, kv_heads * hd) && x.value.rows_cols() == (n, kv_heads * hd), "k/v shapes");
+        let (n, width) = x.qkv.rows_cols();
+        ensure!(width == dims.qkv_width(), "attention input width {width} != {}", dims.qkv_width());
+        let qgw = heads * 2 * hd;
+        let parts = self.split_cols(x.qkv, &[qgw, kv_heads * hd, kv_heads * hd])?;
+        let (query_gate, key, value) = (&parts[0], &parts[1], &parts[2]);
         ensure!(x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot), "rotary table shapes");
         // Split query and gate (per head: [query | gate]).
         let mut q = vec![0f32; n * heads * hd];
         let mut gate = vec![0f32; n * heads * hd];
         for t in 0..n {
             for h in 0..heads {
-                let src = &x.query_gate.data[t * qgw + h * 2 * hd..t * qgw + (h + 1) * 2 * hd];
+                let src = &query_gate.data[t * qgw + h * 2 * hd..t * qgw + (h + 1) * 2 * hd];
                 q[(t * heads + h) * hd..(t * heads + h + 1) * hd].copy_from_slice(&src[..hd]);
                 gate[(t * heads + h) * hd..(t * heads + h + 1) * hd].copy_from_slice(&src[hd..]);
             }
         }
         let mut q = kernels::rms_norm(&q, &x.q_norm.data, norm_eps, 1.0);
-        let mut k = kernels::rms_norm(&x.key.data, &x.k_norm.data, norm_eps, 1.0);
+        let mut k = kernels::rms_norm(&key.data, &x.k_norm.data, norm_eps, 1.0);
         for t in 0..n {
             let cos = &x.cos.data[t * rot..(t + 1) * rot];
             let sin = &x.sin.data[t * rot..(t + 1) * rot];
@@ -375,7 +377,7 @@ impl Backend for CpuBackend {
         for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
             let w = kv_heads * hd;
             cache.k.extend_from_slice(&k[seg.start * w..seg.end * w]);
-            cache.v.extend_from_slice(&x.value.data[seg.start * w..seg.end * w]);
+            cache.v.extend_from_slice(&value.data[seg.start * w..seg.end * w]);
             cache.len += seg.len();
             let qs = &q[seg.start * heads * hd..seg.end * heads * hd];
             let (sk, sv) = (&cache.shared.0[..], &cache.shared.1[..]);
@@ -403,9 +405,10 @@ impl Backend for CpuBackend {
         let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel, norm_eps } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
-        let (n, w) = x.qkv.rows_cols();
-        ensure!(w == c, "qkv width {w} != conv channels {c}");
-        ensure!(x.z.rows_cols() == (n, vh * dv) && x.b.rows_cols() == (n, vh) && x.a.rows_cols() == (n, vh), "z/b/a shapes");
+        let (n, w) = x.proj.rows_cols();
+        ensure!(w == dims.proj_width(), "DeltaNet input width {w} != {}", dims.proj_width());
+        let parts = self.split_cols(x.proj, &[c, vh * dv, vh, vh])?;
+        let (qkv, z, b, a) = (&parts[0], &parts[1], &parts[2], &parts[3]);
         ensure!(x.conv_weight.data.len() == c * conv_kernel, "conv weight shape");
         let rep = vh / kh;
         let a_log = &x.a_log.data;
@@ -417,7 +420,7 @@ impl Backend for CpuBackend {
                 continue;
             }
             let mixed = kernels::causal_conv_silu(
-                &x.qkv.data[seg.start * c..seg.end * c],
+                &qkv.data[seg.start * c..seg.end * c],
                 len,
                 c,
                 &mut st.conv,
@@ -454,8 +457,8 @@ impl Backend for CpuBackend {
             for t in 0..len {
                 for j in 0..vh {
                     let r = (seg.start + t) * vh + j;
-                    beta[t * vh + j] = kernels::sigmoid(x.b.data[r]);
-                    g[t * vh + j] = -a_log[j].exp() * kernels::softplus(x.a.data[r] + dt_bias[j]);
+                    beta[t * vh + j] = kernels::sigmoid(b.data[r]);
+                    g[t * vh + j] = -a_log[j].exp() * kernels::softplus(a.data[r] + dt_bias[j]);
                 }
             }
             let inputs = DeltaRuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, n: len, heads: vh, dk, dv };
@@ -465,7 +468,7 @@ impl Backend for CpuBackend {
             };
             core[seg.start * vh * dv..seg.end * vh * dv].copy_from_slice(&o);
         }
-        let y = kernels::rms_norm_gated(&core, &x.z.data, &x.norm_weight.data, norm_eps);
+        let y = kernels::rms_norm_gated(&core, &z.data, &x.norm_weight.data, norm_eps);
         CpuTensor::new(y, &[n, vh * dv])
     }
 

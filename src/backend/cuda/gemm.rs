@@ -86,6 +86,8 @@ struct Plan {
     pref: lts::cublasLtMatmulPreference_t,
     algo: lts::cublasLtMatmulAlgo_t,
     per_m: HashMap<usize, lts::cublasLtMatmulAlgo_t>,
+    /// Matrix layouts per M (creating three per call costs host time on every GEMM).
+    layouts: HashMap<usize, Layouts>,
     info: PlanInfo,
 }
 
@@ -280,6 +282,7 @@ impl Blas {
             pref,
             algo: unsafe { std::mem::zeroed() },
             per_m: HashMap::new(),
+            layouts: HashMap::new(),
             info: PlanInfo {
                 kind: g.kind,
                 n: g.n,
@@ -384,7 +387,15 @@ impl Blas {
                 &g.x_scale,
             )?;
         }
-        let l = layouts(g, g.m)?;
+        if !plan.layouts.contains_key(&g.m) {
+            if plan.layouts.len() >= 512 {
+                // M varies per request: keep the cache bounded in a long-running server.
+                plan.layouts.clear();
+            }
+            let l = layouts(g, g.m)?;
+            plan.layouts.insert(g.m, l);
+        }
+        let l = &plan.layouts[&g.m];
         let (ws, _guard) = self.workspace.device_ptr(&self.stream);
         let (handle, desc) = (self.handle, plan.desc);
         let call = |algo: &lts::cublasLtMatmulAlgo_t| unsafe {

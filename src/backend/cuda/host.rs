@@ -194,11 +194,14 @@ pub fn attention_smem_bytes(hdp: usize) -> usize {
     3 * 64 * (hdp + 8) * 2
 }
 
-/// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_scan` for key dim `dk`.
+/// Dynamic shared memory of `gdn_chunk_prep_<dk>` and `gdn_chunk_scan_<dk>` (kernels/deltanet.cu).
 pub fn delta_smem_bytes(dk: usize) -> (usize, usize) {
     let c = DELTA_CHUNK;
-    let prep = (2 * c * (dk + 1) + 2 * c * (c + 1) + 2 * c) * 4;
-    let scan = (dk * 32 + 2 * c * dk + 2 * c * c + 2 * c * 32 + 3 * c) * 4;
+    // prep: max(q and k staged [dk][64], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
+    let prep = ((2 * dk * c).max(2 * c * (c + 1)) + 4 * c) * 4;
+    // scan: k [dk][68], q [dk][64] reused for T and P [2][64][64], S [dk][32], R and Vn [64][32],
+    // gamma, beta, decay factors [64].
+    let scan = (dk * (c + 4) + (dk * c).max(2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4;
     (prep, scan)
 }
 

@@ -160,9 +160,14 @@ struct LinearGroup {
     weight: GroupWeight,
 }
 
+/// The LoRA pairs of a projection's parts, fused into one pair: `a` stacks every part's A
+/// (`[Σr, in]`), `b` is block-diagonal over the output columns `cols` (`[cols, Σr]`, part i's B
+/// in its own rows and rank columns, exact zeros elsewhere), so two GEMMs serve all parts. Zeros
+/// add nothing to the f32 sums, so each column's result is the unfused one.
 struct CudaLora {
     cols: Range<usize>,
     rank: usize,
+    parts: usize,
     a: CudaSlice<bf16>,
     b: CudaSlice<bf16>,
     scale: f32,
@@ -193,7 +198,7 @@ impl CudaLinear {
             })
             .collect();
         if !self.loras.is_empty() {
-            s.push(format!("lora×{}", self.loras.len()));
+            s.push(format!("lora×{}", self.loras.iter().map(|l| l.parts).sum::<usize>()));
         }
         s.join(" ")
     }
@@ -267,35 +272,44 @@ impl Clone for CudaKvCache {
 }
 
 /// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
-/// one DeltaNet layer of one sequence, f32. `clone()` deep-copies on the GPU.
+/// one DeltaNet layer of one sequence, f32, copy-on-write: `clone()` (a fork) shares the buffers,
+/// and the next `gated_delta_net` on a state whose buffers are shared reads them and writes its
+/// result to fresh buffers (one allocation for all such states of a call) instead of copying
+/// first. A state that owns its buffers alone is updated in place.
+#[derive(Clone)]
 pub struct CudaDeltaState {
-    conv: CudaSlice<f32>,
-    recurrent: CudaSlice<f32>,
+    cur: Arc<DeltaBufs>,
 }
 
-impl Clone for CudaDeltaState {
-    fn clone(&self) -> Self {
-        CudaDeltaState {
-            conv: self
-                .conv
-                .try_clone()
-                .expect("copying a DeltaNet conv history on the GPU"),
-            recurrent: self
-                .recurrent
-                .try_clone()
-                .expect("copying a DeltaNet state on the GPU"),
-        }
+/// Where a state's two arrays live: offsets (in f32 elements) into a device allocation that may
+/// hold other states' arrays too.
+struct DeltaBufs {
+    buf: Arc<CudaSlice<f32>>,
+    conv: usize,
+    recurrent: usize,
+    conv_len: usize,
+    recurrent_len: usize,
+}
+
+impl DeltaBufs {
+    fn ptrs(&self, stream: &CudaStream) -> (u64, u64) {
+        let base = self.buf.device_ptr(stream).0;
+        (base + 4 * self.conv as u64, base + 4 * self.recurrent as u64)
+    }
+    fn read(&self, off: usize, len: usize) -> Result<Vec<f32>> {
+        let stream = self.buf.stream();
+        Ok(stream.clone_dtoh(&self.buf.slice(off..off + len))?)
     }
 }
 
 impl CudaDeltaState {
     /// The recurrent state `[value_heads, key_dim, value_dim]` (for tests).
     pub fn recurrent(&self) -> Result<Vec<f32>> {
-        Ok(self.recurrent.stream().clone_dtoh(&self.recurrent)?)
+        self.cur.read(self.cur.recurrent, self.cur.recurrent_len)
     }
     /// The conv history `[kernel−1, channels]` (for tests).
     pub fn conv_history(&self) -> Result<Vec<f32>> {
-        Ok(self.conv.stream().clone_dtoh(&self.conv)?)
+        self.cur.read(self.cur.conv, self.cur.conv_len)
     }
 }
 
@@ -443,8 +457,8 @@ const KERNELS: &[(&str, &[&str])] = &[
             "readout_f32",
         ],
     ),
-    ("norm", &["rms_norm", "layer_norm", "rms_norm_gated"]),
-    ("quant", &["quant_act_1x128"]),
+    ("norm", &["rms_norm", "add_rms_norm", "layer_norm", "rms_norm_gated"]),
+    ("quant", &["quant_act_1x128", "swiglu_quant_1x128"]),
     (
         "attention",
         &[
@@ -461,7 +475,10 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "gdn_conv",
             "gdn_conv_hist",
-            "gdn_chunk_prep",
+            "gdn_chunk_prep_16",
+            "gdn_chunk_prep_32",
+            "gdn_chunk_prep_64",
+            "gdn_chunk_prep_128",
             "gdn_chunk_scan_16",
             "gdn_chunk_scan_32",
             "gdn_chunk_scan_64",
@@ -780,6 +797,116 @@ impl CudaBackend {
         Ok((q, s, mpad))
     }
 
+    /// The GEMMs of `matmul` (FP8 and BF16 groups, bias, LoRA) on the BF16 input `xs` `[m, k]`
+    /// and, when the projection has FP8 groups, its quantisation `(q, scales, mpad)` (what
+    /// `quantize` makes from `xs`).
+    fn matmul_quantised(
+        &self,
+        xs: &CudaSlice<bf16>,
+        fp8: Option<(&CudaSlice<u8>, &CudaSlice<f32>, usize)>,
+        m: usize,
+        k: usize,
+        w: &CudaLinear,
+    ) -> Result<CudaTensor> {
+        let n = w.out_dim;
+        let rows_alloc = fp8.map(|f| f.2).unwrap_or(m);
+        let y = self.alloc_bf16(rows_alloc * n)?;
+        let yp = self.p(&y);
+        for g in &w.groups {
+            let yg = yp + 2 * g.cols.start as u64;
+            let gemm = match &g.weight {
+                GroupWeight::Fp8 { w: wq, scales } => {
+                    let (q, s, mpad) = fp8.expect("quantised by the caller");
+                    Gemm {
+                        kind: GemmKind::Fp8Block,
+                        n: g.cols.len(),
+                        m: mpad,
+                        k,
+                        w: self.p(wq),
+                        ldw: k,
+                        x: self.p(q),
+                        ldx: k,
+                        y: yg,
+                        ldy: n,
+                        alpha: 1.0,
+                        beta: 0.0,
+                        w_scale: self.p(scales),
+                        x_scale: self.p(s),
+                    }
+                }
+                GroupWeight::Bf16(wb) => Gemm {
+                    kind: GemmKind::Bf16,
+                    n: g.cols.len(),
+                    m,
+                    k,
+                    w: self.p(wb),
+                    ldw: k,
+                    x: self.p(xs),
+                    ldx: k,
+                    y: yg,
+                    ldy: n,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    w_scale: 0,
+                    x_scale: 0,
+                },
+            };
+            self.gemm(&gemm)
+                .with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+        }
+        if let Some(b) = &w.bias {
+            if m > 0 {
+                self.launch(
+                    "add_bias",
+                    cfg((grid1(m * n, 256), 1, 1), 256, 0),
+                    &[A::P(yp), A::P(self.p(b)), A::L(m as i64), A::I(n as i32)],
+                )?;
+            }
+        }
+        for l in &w.loras {
+            if m == 0 {
+                break;
+            }
+            // y[:, cols] += scale · (x·Aᵀ)·Bᵀ, two BF16 GEMMs; the second accumulates (β = 1).
+            let t = self.alloc_bf16(m * l.rank)?;
+            let g1 = Gemm {
+                kind: GemmKind::Bf16,
+                n: l.rank,
+                m,
+                k,
+                w: self.p(&l.a),
+                ldw: k,
+                x: self.p(xs),
+                ldx: k,
+                y: self.p(&t),
+                ldy: l.rank,
+                alpha: 1.0,
+                beta: 0.0,
+                w_scale: 0,
+                x_scale: 0,
+            };
+            self.gemm_named(&g1, "gemm.lora_a").context("LoRA A GEMM")?;
+            let g2 = Gemm {
+                kind: GemmKind::Bf16,
+                n: l.cols.len(),
+                m,
+                k: l.rank,
+                w: self.p(&l.b),
+                ldw: l.rank,
+                x: self.p(&t),
+                ldx: l.rank,
+                y: yp + 2 * l.cols.start as u64,
+                ldy: n,
+                alpha: l.scale,
+                beta: 1.0,
+                w_scale: 0,
+                x_scale: 0,
+            };
+            self.gemm_named(&g2, "gemm.lora_b").context("LoRA B GEMM")?;
+        }
+        Ok(self.bf16_tensor(y, &[m, n]))
+    }
+
     fn reserve_kv(&self, c: &mut CudaKvCache, needed: usize) -> Result<()> {
         if c.k.is_some() && needed <= c.cap {
             return Ok(());
@@ -983,8 +1110,9 @@ fn load_kernels(
         funcs[format!("attn_fwd_{hdp}").as_str()]
             .set_attribute(MAX_SMEM, host::attention_smem_bytes(hdp) as i32)?;
     }
-    funcs["gdn_chunk_prep"].set_attribute(MAX_SMEM, host::delta_smem_bytes(128).0 as i32)?;
     for dk in [16, 32, 64, 128] {
+        funcs[format!("gdn_chunk_prep_{dk}").as_str()]
+            .set_attribute(MAX_SMEM, host::delta_smem_bytes(dk).0 as i32)?;
         funcs[format!("gdn_chunk_scan_{dk}").as_str()]
             .set_attribute(MAX_SMEM, host::delta_smem_bytes(dk).1 as i32)?;
     }
@@ -1102,7 +1230,8 @@ impl Backend for CudaBackend {
             }
             bias = Some(self.htod(&b)?);
         }
-        let mut loras = Vec::new();
+        // (columns, A [r, in], B [out, r], scale) of every adapted part, fused into one pair.
+        let mut found = Vec::new();
         let mut col = 0;
         for p in parts {
             let o = p.weight.shape[0];
@@ -1116,15 +1245,39 @@ impl Backend for CudaBackend {
                     l.b.name,
                     p.weight.name
                 );
-                loras.push(CudaLora {
-                    cols: col..col + o,
-                    rank: r,
-                    a: self.htod(&bf16_values(&l.a)?)?,
-                    b: self.htod(&bf16_values(&l.b)?)?,
-                    scale: l.scale,
-                });
+                found.push((col..col + o, bf16_values(&l.a)?, l.b.to_f32()?, r, l.scale));
             }
             col += o;
+        }
+        let mut loras = Vec::new();
+        if !found.is_empty() {
+            let span = found[0].0.start..found[found.len() - 1].0.end;
+            let rank: usize = found.iter().map(|f| f.3).sum();
+            // One GEMM scale when the parts agree (PEFT: alpha/r per module), else folded into B.
+            let common = found[0].4;
+            let same = found.iter().all(|f| f.4 == common);
+            let mut a = Vec::with_capacity(rank * in_dim);
+            let mut b = vec![bf16::ZERO; span.len() * rank];
+            let mut r0 = 0;
+            for (cols, fa, fb, r, scale) in &found {
+                a.extend_from_slice(fa);
+                let k = if same { 1.0 } else { *scale };
+                for (i, row) in fb.chunks_exact(*r).enumerate() {
+                    let dst = (cols.start - span.start + i) * rank + r0;
+                    for (j, v) in row.iter().enumerate() {
+                        b[dst + j] = bf16::from_f32(v * k);
+                    }
+                }
+                r0 += r;
+            }
+            loras.push(CudaLora {
+                cols: span,
+                rank,
+                parts: found.len(),
+                a: self.htod(&a)?,
+                b: self.htod(&b)?,
+                scale: if same { common } else { 1.0 },
+            });
         }
         Ok(CudaLinear {
             in_dim,
@@ -1359,109 +1512,19 @@ impl Backend for CudaBackend {
             "matmul: input width {k}, projection expects {}",
             w.in_dim
         );
-        let n = w.out_dim;
         let xs = self.bf16_of(x)?;
         let fp8 = if w.has_fp8() && m > 0 {
             Some(self.quantize(xs.s(), m, k)?)
         } else {
             None
         };
-        let rows_alloc = fp8.as_ref().map(|f| f.2).unwrap_or(m);
-        let y = self.alloc_bf16(rows_alloc * n)?;
-        let yp = self.p(&y);
-        for g in &w.groups {
-            let yg = yp + 2 * g.cols.start as u64;
-            let gemm = match &g.weight {
-                GroupWeight::Fp8 { w: wq, scales } => {
-                    let (q, s, mpad) = fp8.as_ref().expect("quantised above");
-                    Gemm {
-                        kind: GemmKind::Fp8Block,
-                        n: g.cols.len(),
-                        m: *mpad,
-                        k,
-                        w: self.p(wq),
-                        ldw: k,
-                        x: self.p(q),
-                        ldx: k,
-                        y: yg,
-                        ldy: n,
-                        alpha: 1.0,
-                        beta: 0.0,
-                        w_scale: self.p(scales),
-                        x_scale: self.p(s),
-                    }
-                }
-                GroupWeight::Bf16(wb) => Gemm {
-                    kind: GemmKind::Bf16,
-                    n: g.cols.len(),
-                    m,
-                    k,
-                    w: self.p(wb),
-                    ldw: k,
-                    x: self.p(xs.s()),
-                    ldx: k,
-                    y: yg,
-                    ldy: n,
-                    alpha: 1.0,
-                    beta: 0.0,
-                    w_scale: 0,
-                    x_scale: 0,
-                },
-            };
-            self.gemm(&gemm)
-                .with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
-        }
-        if let Some(b) = &w.bias {
-            if m > 0 {
-                self.launch(
-                    "add_bias",
-                    cfg((grid1(m * n, 256), 1, 1), 256, 0),
-                    &[A::P(yp), A::P(self.p(b)), A::L(m as i64), A::I(n as i32)],
-                )?;
-            }
-        }
-        for l in &w.loras {
-            if m == 0 {
-                break;
-            }
-            // y[:, cols] += scale · (x·Aᵀ)·Bᵀ, two BF16 GEMMs; the second accumulates (β = 1).
-            let t = self.alloc_bf16(m * l.rank)?;
-            let g1 = Gemm {
-                kind: GemmKind::Bf16,
-                n: l.rank,
-                m,
-                k,
-                w: self.p(&l.a),
-                ldw: k,
-                x: self.p(xs.s()),
-                ldx: k,
-                y: self.p(&t),
-                ldy: l.rank,
-                alpha: 1.0,
-                beta: 0.0,
-                w_scale: 0,
-                x_scale: 0,
-            };
-            self.gemm_named(&g1, "gemm.lora_a").context("LoRA A GEMM")?;
-            let g2 = Gemm {
-                kind: GemmKind::Bf16,
-                n: l.cols.len(),
-                m,
-                k: l.rank,
-                w: self.p(&l.b),
-                ldw: l.rank,
-                x: self.p(&t),
-                ldx: l.rank,
-                y: yp + 2 * l.cols.start as u64,
-                ldy: n,
-                alpha: l.scale,
-                beta: 1.0,
-                w_scale: 0,
-                x_scale: 0,
-            };
-            self.gemm_named(&g2, "gemm.lora_b").context("LoRA B GEMM")?;
-        }
-        Ok(self.bf16_tensor(y, &[m, n]))
+        self.matmul_quantised(
+            xs.s(),
+            fp8.as_ref().map(|(q, s, mpad)| (q, s, *mpad)),
+            m,
+            k,
+            w,
+        )
     }
 
     fn rms_norm(
@@ -1554,6 +1617,53 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        ensure!(
+            x.numel() == y.numel(),
+            "add: shapes {:?} and {:?}",
+            x.shape,
+            y.shape
+        );
+        let d = w.numel();
+        ensure!(
+            d > 0 && x.numel() % d == 0,
+            "rms_norm: {} values do not split into rows of {d}",
+            x.numel()
+        );
+        let rows = x.numel() / d;
+        self.make_bf16(x)?;
+        let (ys, ws) = (self.bf16_of(y)?, self.f32_of(w)?);
+        let out = self.alloc_bf16(rows * d)?;
+        let Buf::Bf16(xb) = &x.buf else {
+            unreachable!()
+        };
+        if rows > 0 {
+            // The block size of `rms_norm`: the same reduction order, so the same bits.
+            let block = d.div_ceil(32).clamp(1, 8) as u32 * 32;
+            self.launch(
+                "add_rms_norm",
+                cfg((rows as u32, 1, 1), block, 0),
+                &[
+                    A::P(self.p(xb)),
+                    A::P(self.p(ys.s())),
+                    A::P(self.p(ws.s())),
+                    A::P(self.p(&out)),
+                    A::I(d as i32),
+                    A::F(eps),
+                    A::F(offset),
+                ],
+            )?;
+        }
+        Ok(self.bf16_tensor(out, &x.shape))
+    }
+
     fn swiglu(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
         let (n, d2) = gate_up.rows_cols();
         ensure!(d2 % 2 == 0, "swiglu needs an even width");
@@ -1573,6 +1683,36 @@ impl Backend for CudaBackend {
             )?;
         }
         Ok(self.bf16_tensor(y, &[n, d]))
+    }
+
+    fn swiglu_matmul(&self, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
+        let (m, d2) = gate_up.rows_cols();
+        let k = d2 / 2;
+        if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || k % host::FP8_BLOCK != 0 {
+            // Nothing to fuse (BF16 projection), or a shape the unfused path reports.
+            return self.matmul(&self.swiglu(gate_up)?, w);
+        }
+        let gs = self.bf16_of(gate_up)?;
+        let mpad = host::fp8_rows(m);
+        let xs = self.alloc_bf16(m * k)?;
+        // SAFETY: the kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
+        let q = unsafe { self.inner.stream.alloc::<u8>(mpad * k) }?;
+        let s = self.alloc_f32(mpad * k / host::FP8_BLOCK)?;
+        let warps = mpad * (k / host::FP8_BLOCK);
+        self.launch(
+            "swiglu_quant_1x128",
+            cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
+            &[
+                A::P(self.p(gs.s())),
+                A::P(self.p(&xs)),
+                A::P(self.p(&q)),
+                A::P(self.p(&s)),
+                A::I(m as i32),
+                A::I(mpad as i32),
+                A::I(k as i32),
+            ],
+        )?;
+        self.matmul_quantised(&xs, Some((&q, &s, mpad)), m, k, w)
     }
 
     fn gelu(&self, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
@@ -1682,15 +1822,11 @@ impl Backend for CudaBackend {
             norm_eps,
         } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
-        let (n, qgw) = x.query_gate.rows_cols();
+        let (n, width) = x.qkv.rows_cols();
         ensure!(
-            qgw == heads * 2 * hd,
-            "query/gate width {qgw} != {}",
-            heads * 2 * hd
-        );
-        ensure!(
-            x.key.rows_cols() == (n, kvh * hd) && x.value.rows_cols() == (n, kvh * hd),
-            "k/v shapes"
+            width == dims.qkv_width(),
+            "attention input width {width} != {}",
+            dims.qkv_width()
         );
         ensure!(
             x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot),
@@ -1719,11 +1855,14 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, heads * hd]));
         }
-        let (qg, k, v) = (
-            self.bf16_of(x.query_gate)?,
-            self.bf16_of(x.key)?,
-            self.bf16_of(x.value)?,
-        );
+        // The blocks of the fused projection [query/gate | key | value], read in place: base
+        // pointers offset by each block's first column (bf16: 2 bytes per element), row stride
+        // `width` elements.
+        let qkv = self.bf16_of(x.qkv)?;
+        let qg_ptr = self.p(qkv.s());
+        let k_ptr = qg_ptr + 2 * (heads * 2 * hd) as u64;
+        let v_ptr = k_ptr + 2 * (kvh * hd) as u64;
+        let row = width as i64;
         let (qw, kw) = (self.f32_of(x.q_norm)?, self.f32_of(x.k_norm)?);
         let (cos, sin) = (self.f32_of(x.cos)?, self.f32_of(x.sin)?);
         let mut meta = Vec::with_capacity(8 * segments.len());
@@ -1754,13 +1893,13 @@ impl Backend for CudaBackend {
             "attn_prep",
             cfg((n as u32, 1, 1), 128, 0),
             &[
-                A::P(self.p(qg.s())),
-                A::L((heads * 2 * hd) as i64),
+                A::P(qg_ptr),
+                A::L(row),
                 A::I((2 * hd) as i32),
-                A::P(self.p(k.s())),
-                A::L((kvh * hd) as i64),
-                A::P(self.p(v.s())),
-                A::L((kvh * hd) as i64),
+                A::P(k_ptr),
+                A::L(row),
+                A::P(v_ptr),
+                A::L(row),
                 A::P(self.p(qw.s())),
                 A::P(self.p(kw.s())),
                 A::I(1),
@@ -1780,16 +1919,23 @@ impl Backend for CudaBackend {
             c.len += seg.len();
         }
         let out = self.alloc_bf16(n * heads * hd)?;
-        // The gate of head h, dim c, row t is query_gate[t, h·2·hd + hd + c].
-        let gate = (self.p(qg.s()) + 2 * hd as u64, heads * 2 * hd, 2 * hd);
+        // The gate of head h, dim c, row t is qkv[t, h·2·hd + hd + c] (offset hd elements).
+        let gate = (qg_ptr + 2 * hd as u64, width, 2 * hd);
         self.attention_core(&q, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
         Ok(self.bf16_tensor(out, &[n, heads * hd]))
     }
 
     fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<CudaDeltaState> {
+        let conv_len = dims.conv_kernel.saturating_sub(1) * dims.conv_channels();
+        let recurrent_len = dims.value_heads * dims.key_dim * dims.value_dim;
         Ok(CudaDeltaState {
-            conv: self.zeros_f32(dims.conv_kernel.saturating_sub(1) * dims.conv_channels())?,
-            recurrent: self.zeros_f32(dims.value_heads * dims.key_dim * dims.value_dim)?,
+            cur: Arc::new(DeltaBufs {
+                buf: Arc::new(self.zeros_f32(conv_len + recurrent_len)?),
+                conv: 0,
+                recurrent: conv_len,
+                conv_len,
+                recurrent_len,
+            }),
         })
     }
 
@@ -1810,13 +1956,11 @@ impl Backend for CudaBackend {
         } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
-        let (n, w) = x.qkv.rows_cols();
-        ensure!(w == c, "qkv width {w} != conv channels {c}");
+        let (n, pw) = x.proj.rows_cols();
         ensure!(
-            x.z.rows_cols() == (n, vh * dv)
-                && x.b.rows_cols() == (n, vh)
-                && x.a.rows_cols() == (n, vh),
-            "z/b/a shapes"
+            pw == dims.proj_width(),
+            "DeltaNet input width {pw} != {}",
+            dims.proj_width()
         );
         ensure!(
             x.conv_weight.numel() == c * kw && kw >= 1,
@@ -1838,26 +1982,55 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(self.bf16_tensor(self.alloc_bf16(0)?, &[0, vh * dv]));
         }
-        let (qkv, z, bb, aa, convw) = (
-            self.bf16_of(x.qkv)?,
-            self.bf16_of(x.z)?,
-            self.bf16_of(x.b)?,
-            self.bf16_of(x.a)?,
-            self.bf16_of(x.conv_weight)?,
-        );
+        // The blocks of the fused projection [q | k | v | z | b | a], read in place: base pointers
+        // offset by each block's first column (bf16: 2 bytes per element), row stride `pw`.
+        let (proj, convw) = (self.bf16_of(x.proj)?, self.bf16_of(x.conv_weight)?);
+        let qkv_ptr = self.p(proj.s());
+        let z_ptr = qkv_ptr + 2 * c as u64;
+        let b_ptr = z_ptr + 2 * (vh * dv) as u64;
+        let a_ptr = b_ptr + 2 * vh as u64;
+        let ld = pw as i64;
         let (alog, dtb, normw) = (
             self.f32_of(x.a_log)?,
             self.f32_of(x.dt_bias)?,
             self.f32_of(x.norm_weight)?,
         );
         let table = host::chunk_table(segments, host::DELTA_CHUNK);
-        let mut conv_meta = Vec::with_capacity(3 * segments.len());
-        let mut scan_meta = Vec::with_capacity(3 * segments.len());
-        for ((seg, st), &(first, count)) in
-            segments.iter().zip(states.iter()).zip(&table.per_segment)
+        // Copy-on-write: states sharing their buffers (forks) get fresh ones, all from one
+        // allocation; the kernels read the old arrays and write the new.
+        let (conv_len, rec_len) = (kw.saturating_sub(1) * c, vh * dk * dv);
+        let shared: Vec<usize> =
+            (0..states.len()).filter(|&i| Arc::get_mut(&mut states[i].cur).is_none()).collect();
+        let fresh = if shared.is_empty() {
+            None
+        } else {
+            Some(Arc::new(self.alloc_f32(shared.len() * (conv_len + rec_len))?))
+        };
+        let stream = &self.inner.stream;
+        let mut conv_meta = Vec::with_capacity(4 * segments.len());
+        let mut scan_meta = Vec::with_capacity(4 * segments.len());
+        let mut next = shared.iter().enumerate().peekable();
+        for (i, ((seg, st), &(first, count))) in
+            segments.iter().zip(states.iter_mut()).zip(&table.per_segment).enumerate()
         {
-            conv_meta.extend([seg.start as i64, seg.len() as i64, self.p(&st.conv) as i64]);
-            scan_meta.extend([first as i64, count as i64, self.p(&st.recurrent) as i64]);
+            let (conv_in, rec_in) = st.cur.ptrs(stream);
+            ensure!(
+                st.cur.conv_len == conv_len && st.cur.recurrent_len == rec_len,
+                "DeltaNet state of another shape"
+            );
+            if let Some((j, _)) = next.next_if(|&(_, &x)| x == i) {
+                let off = j * (conv_len + rec_len);
+                st.cur = Arc::new(DeltaBufs {
+                    buf: fresh.clone().expect("allocated above"),
+                    conv: off,
+                    recurrent: off + conv_len,
+                    conv_len,
+                    recurrent_len: rec_len,
+                });
+            }
+            let (conv_out, rec_out) = st.cur.ptrs(stream);
+            conv_meta.extend([seg.start as i64, seg.len() as i64, conv_in as i64, conv_out as i64]);
+            scan_meta.extend([first as i64, count as i64, rec_in as i64, rec_out as i64]);
         }
         let (conv_meta, scan_meta, chunks) = (
             self.htod(&conv_meta)?,
@@ -1870,17 +2043,34 @@ impl Backend for CudaBackend {
         let beta = self.alloc_f32(n * vh)?;
         let g = self.alloc_f32(n * vh)?;
         let nseg = segments.len();
+        // gdn_conv: a thread owns 4 channels (C % 4 == 0 as dk % 16 == 0 and dv % 4 == 0) and
+        // CONV_ROWS rows; it stores 4 f32 at once (16-byte aligned: fresh buffers, offsets in
+        // multiples of 4 elements), and loads 4 bf16 at once when the projection allows it.
+        const CONV_ROWS: usize = 8; // = CONV_ROWS in kernels/deltanet.cu
+        for o in [&qn, &kn, &vv] {
+            ensure!(self.p(o) % 16 == 0, "gdn_conv output buffers must be 16-byte aligned");
+        }
+        let vec = pw % 4 == 0 && qkv_ptr % 8 == 0;
+        let groups = c / 4;
+        let threads = groups.next_multiple_of(32).min(256);
         self.launch(
             "gdn_conv",
-            cfg((n as u32, 1, 1), 256, 0),
+            cfg(
+                (n.div_ceil(CONV_ROWS) as u32, groups.div_ceil(threads) as u32, 1),
+                threads as u32,
+                0,
+            ),
             &[
-                A::P(self.p(qkv.s())),
+                A::P(qkv_ptr),
+                A::L(ld),
+                A::I(vec as i32),
                 A::P(self.p(convw.s())),
                 A::I(kw as i32),
                 A::P(self.p(&conv_meta)),
                 A::I(nseg as i32),
-                A::P(self.p(bb.s())),
-                A::P(self.p(aa.s())),
+                A::L(n as i64),
+                A::P(b_ptr),
+                A::P(a_ptr),
                 A::P(self.p(alog.s())),
                 A::P(self.p(dtb.s())),
                 A::P(self.p(&qn)),
@@ -1898,7 +2088,8 @@ impl Backend for CudaBackend {
             "gdn_conv_hist",
             cfg((grid1(c, 256), nseg as u32, 1), 256, 0),
             &[
-                A::P(self.p(qkv.s())),
+                A::P(qkv_ptr),
+                A::L(ld),
                 A::P(self.p(&conv_meta)),
                 A::I(c as i32),
                 A::I(kw as i32),
@@ -1910,8 +2101,8 @@ impl Backend for CudaBackend {
             let tp =
                 self.alloc_f32(table.len() * vh * 2 * host::DELTA_CHUNK * host::DELTA_CHUNK)?;
             self.launch(
-                "gdn_chunk_prep",
-                cfg((table.len() as u32, vh as u32, 1), 256, prep_smem),
+                &format!("gdn_chunk_prep_{dk}"),
+                cfg((table.len() as u32, kh as u32, 1), 256, prep_smem),
                 &[
                     A::P(self.p(&qn)),
                     A::P(self.p(&kn)),
@@ -1920,7 +2111,6 @@ impl Backend for CudaBackend {
                     A::P(self.p(&chunks)),
                     A::I(kh as i32),
                     A::I(vh as i32),
-                    A::I(dk as i32),
                     A::P(self.p(&tp)),
                 ],
             )?;
@@ -1954,7 +2144,9 @@ impl Backend for CudaBackend {
             cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
             &[
                 A::P(self.p(&core)),
-                A::P(self.p(z.s())),
+                A::P(z_ptr),
+                A::L(ld),
+                A::I(vh as i32),
                 A::P(self.p(normw.s())),
                 A::P(self.p(&y)),
                 A::L(rows as i64),
