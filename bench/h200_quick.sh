@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One short device call between optimisations: the GPU service test, a per-kernel profile of the
+# 256-token benchmark request (IMAJEV_PROFILE=kernels), and our side of bench/gpu_bench.py (no
+# peer, no fidelity) so speed can be compared with the last committed run. Needs .gpu/ as in
+# bench/h200_run.sh. Writes under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -x .gpu/gpu-service ]; then
+  timeout 300 ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
+  echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"
+fi
+W=/tmp/bench; mkdir -p $W
+PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --bin .gpu/imajev-serve --work $W --out "$OUT" --phase ours \
+  --sizes "${SIZES:-256,1024,4096,16384}" --images "${IMAGES:-0,1,2}" --repeats "${REPEATS:-8}" --fidelity 2 >"$OUT/ours.log" 2>&1
+echo "gpu_bench exit $?"
+python3 - "$OUT/results.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for x in r.get("requests", []):
+    print(f"{x['tokens']:6d} tok {x['images']} img: p50 {x['ours_p50_ms']:7.1f} ms  p95 {x['ours_p95_ms']:7.1f}  prefill {x['ours_prefill_p50_ms']:6.1f}  vision {x['ours_vision_p50_ms']:6.1f}  questions {x['ours_questions_p50_ms']:6.1f}")
+PY
+head -1 $W/bench.jsonl > $W/one256.jsonl
+IMAJEV_PROFILE=kernels NO_COLOR=1 ./.gpu/imajev-serve decide --model $W/model --adapter $W/adapter --device cuda \
+  --rotations 4 --contract imajev --quantize fp8 --request $W/one256.jsonl --repeat 3 2>"$OUT/profile-256.log" >/dev/null
+grep -v "loading weights" "$OUT/profile-256.log" | tail -62
