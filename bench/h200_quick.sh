@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One short device call between optimisations: the GPU service test, a per-kernel profile of the
+# One short device call between optimisations: the GPU service test (and with GPU_TEST=1 the kernel
+# checks of tests/gpu.rs), a per-kernel profile of the
 # 256-token benchmark request (IMAJEV_PROFILE=kernels), and our side of bench/gpu_bench.py (no
 # peer, no fidelity) so speed can be compared with the last committed run. Needs .gpu/ as in
 # bench/h200_run.sh. Writes under $OUT.
@@ -10,6 +11,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ -x .gpu/gpu-service ]; then
   timeout 300 ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
   echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"
+fi
+if [ "${GPU_TEST:-0}" = 1 ]; then
+  timeout 240 ./.gpu/gpu-test --nocapture --test-threads 1 >"$OUT/gpu-test.log" 2>&1
+  echo "gpu-test exit $?" | tee -a "$OUT/gpu-test.log"; grep -E "checks,|FAIL" "$OUT/gpu-test.log" | head -20
 fi
 W=/tmp/bench; mkdir -p $W
 PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --bin .gpu/imajev-serve --work $W --out "$OUT" --phase ours \

@@ -169,6 +169,32 @@ extern "C" __global__ void gdn_conv_hist(const bf16* x, i64 ld, const i64* segs,
   }
 }
 
+// Stages rows row0.. (len of them, zeros up to 64) of key head hk of q and k, transposed: Xt[d][i] at
+// Xt + d*LDQK + i. Global reads are 16-byte and coalesced (a warp reads 4 float4 from each of 8
+// rows); the transposed shared stores of a warp hit 16 banks (2-way) thanks to the 68-float stride.
+constexpr int LDQK = CHUNK + 4;
+template <int DK>
+__device__ __forceinline__ void stage_qk_t(float* Kt, float* Qt, const float* qn, const float* kn, i64 row0, int len,
+                                           int kh, int hk) {
+  for (int t = threadIdx.x; t < CHUNK * DK / 4; t += blockDim.x) {
+    const int i = (t & 7) + 8 * ((t >> 3) / (DK / 4)), d = 4 * ((t >> 3) % (DK / 4));
+    float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
+    if (i < len) {
+      const i64 src = ((row0 + i) * kh + hk) * DK + d;
+      kv = *(const float4*)(kn + src);
+      qv = *(const float4*)(qn + src);
+    }
+    Kt[(d + 0) * LDQK + i] = kv.x;
+    Kt[(d + 1) * LDQK + i] = kv.y;
+    Kt[(d + 2) * LDQK + i] = kv.z;
+    Kt[(d + 3) * LDQK + i] = kv.w;
+    Qt[(d + 0) * LDQK + i] = qv.x;
+    Qt[(d + 1) * LDQK + i] = qv.y;
+    Qt[(d + 2) * LDQK + i] = qv.z;
+    Qt[(d + 3) * LDQK + i] = qv.w;
+  }
+}
+
 // Chunk matrices, all f32, per chunk of <= 64 rows (rows past the chunk's length have beta = g = 0 and
 // zero q, k, v, so they add nothing). gamma = cumsum(g) inside the chunk (per value head);
 //   P[i][j] = e^{gamma_i - gamma_j} q_i.k_j              (j <= i, else 0)
@@ -189,22 +215,16 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
                            const int* chunks, int kh, int vh, float* tp) {
   extern __shared__ __align__(16) float smem_prep[];
   constexpr int LDA = CHUNK + 1;
-  constexpr int STAGE = (2 * DK * CHUNK > 2 * CHUNK * LDA) ? 2 * DK * CHUNK : 2 * CHUNK * LDA;
-  float* Kt = smem_prep;             // [DK][64]   (staging)
-  float* Qt = Kt + DK * CHUNK;       // [DK][64]   (staging)
+  constexpr int STAGE = (2 * DK * LDQK > 2 * CHUNK * LDA) ? 2 * DK * LDQK : 2 * CHUNK * LDA;
+  float* Kt = smem_prep;             // [DK][68]   (staging)
+  float* Qt = Kt + DK * LDQK;        // [DK][68]   (staging)
   float* As = smem_prep;             // [2][64][65] (after the dot products)
   float* gam = smem_prep + STAGE;    // [2][64]
   float* bet = gam + 2 * CHUNK;      // [2][64]
   const int ck = blockIdx.x, hk = blockIdx.y, r = vh / kh, tid = threadIdx.x;
   const i64 row0 = chunks[2 * ck];
   const int len = chunks[2 * ck + 1];
-  for (int idx = tid; idx < CHUNK * DK; idx += blockDim.x) {
-    const int i = idx % CHUNK, d = idx / CHUNK;
-    const bool ok = i < len;
-    const i64 src = ((row0 + (ok ? i : 0)) * kh + hk) * DK + d;
-    Kt[d * CHUNK + i] = ok ? kn[src] : 0.f;
-    Qt[d * CHUNK + i] = ok ? qn[src] : 0.f;
-  }
+  stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
   __syncthreads();
   const int ti = tid >> 4, tj = tid & 15;
   float kk[4][4], qk[4][4];
@@ -215,9 +235,9 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   if (tj <= ti && 4 * tj < len) {
 #pragma unroll 4
     for (int d = 0; d < DK; d++) {
-      const float4 ki = *(const float4*)(Kt + d * CHUNK + 4 * ti);
-      const float4 kj = *(const float4*)(Kt + d * CHUNK + 4 * tj);
-      const float4 qi = *(const float4*)(Qt + d * CHUNK + 4 * ti);
+      const float4 ki = *(const float4*)(Kt + d * LDQK + 4 * ti);
+      const float4 kj = *(const float4*)(Kt + d * LDQK + 4 * tj);
+      const float4 qi = *(const float4*)(Qt + d * LDQK + 4 * ti);
       const float xi[4] = {ki.x, ki.y, ki.z, ki.w}, yi[4] = {qi.x, qi.y, qi.z, qi.w}, xj[4] = {kj.x, kj.y, kj.z, kj.w};
 #pragma unroll
       for (int a = 0; a < 4; a++)
@@ -314,10 +334,10 @@ template <int DK>
 __device__ void chunk_scan(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                            const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
   extern __shared__ __align__(16) float smem_scan[];
-  constexpr int QREG = (DK * CHUNK > 2 * CHUNK * CHUNK) ? DK * CHUNK : 2 * CHUNK * CHUNK;
-  constexpr int LDK = CHUNK + 4;   // k's row stride: the state update's 4 rows per load hit 4 banks
-  float* Kt = smem_scan;           // [DK][LDK]
-  float* Qt = Kt + DK * LDK;       // [DK][64], then Tt [64][64] and Pt [64][64]
+  constexpr int QREG = (DK * LDQK > 2 * CHUNK * CHUNK) ? DK * LDQK : 2 * CHUNK * CHUNK;
+  constexpr int LDK = LDQK;        // the state update's 4 rows per load hit 4 banks with stride 68
+  float* Kt = smem_scan;           // [DK][68]
+  float* Qt = Kt + DK * LDK;       // [DK][68], then Tt [64][64] and Pt [64][64]
   float* Tt = Qt;
   float* Pt = Qt + CHUNK * CHUNK;
   float* S = Qt + QREG;            // [DK][32]
@@ -340,13 +360,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
     __syncthreads();
-    for (int idx = tid; idx < CHUNK * DK; idx += blockDim.x) {
-      const int i = idx % CHUNK, d = idx / CHUNK;
-      const bool ok = i < len;
-      const i64 src = ((row0 + (ok ? i : 0)) * kh + hk) * DK + d;
-      Kt[d * LDK + i] = ok ? kn[src] : 0.f;
-      Qt[d * CHUNK + i] = ok ? qn[src] : 0.f;
-    }
+    stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
     for (int idx = tid; idx < CHUNK * 8; idx += blockDim.x) {
       const int i = idx / 8, c = (idx % 8) * 4;
       const bool ok = i < len && c < ncols;
@@ -375,7 +389,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
 #pragma unroll 4
       for (int d = 0; d < DK; d++) {
         const float4 k4 = *(const float4*)(Kt + d * LDK + i0);
-        const float4 q4 = *(const float4*)(Qt + d * CHUNK + i0);
+        const float4 q4 = *(const float4*)(Qt + d * LDK + i0);
         const float2 s2 = *(const float2*)(S + d * 32 + cc);
         const float kr[4] = {k4.x, k4.y, k4.z, k4.w}, qr[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll

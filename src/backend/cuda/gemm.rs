@@ -10,9 +10,10 @@
 //! Batch invariance. cuBLASLt 13.1 promises nothing about it (a batch-invariance mode only
 //! appears in cuBLAS 13.4), and its heuristic picks tiles and split-K by M, so one row's result
 //! could depend on how many rows share the call. What we do: the preference forbids every
-//! split-K reduction scheme (`REDUCTION_SCHEME_MASK = NONE`), and the algorithm of a shape is
-//! chosen ONCE, at a reference M, then reused for every M; a row's reduction over K is then the
-//! same kernel's fixed order whatever the batch. If cuBLASLt rejects the fixed algorithm for some
+//! split-K reduction scheme (`REDUCTION_SCHEME_MASK = NONE`) except for narrow outputs (N <= 256,
+//! which may split K with a deterministic f32 reduction), and the algorithm of a shape is chosen
+//! ONCE, at a reference M, then reused for every M; a row's reduction over K is then the same
+//! kernel's fixed order (and split) whatever the batch. If cuBLASLt rejects the fixed algorithm for some
 //! M we fall back to that M's heuristic and count it (`fallbacks`); `tests/gpu.rs` checks
 //! bitwise row invariance across M on the device.
 
@@ -26,6 +27,10 @@ use std::sync::{Arc, Mutex};
 
 /// The M the algorithm of every GEMM shape is chosen for (prefill-sized).
 pub const M_REF: usize = 4096;
+/// Outputs at most this wide are "narrow" (see `Blas::plan`).
+pub const NARROW_N: usize = 256;
+/// The M narrow shapes are planned for (a request's suffix batch).
+pub const M_REF_NARROW: usize = 256;
 const WORKSPACE: usize = 32 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -309,11 +314,18 @@ impl Blas {
             P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
             &(WORKSPACE as u64),
         )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-            &(lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32),
-        )?;
+        // Narrow outputs (LoRA A, in_proj b/a: N <= 256) have too few output tiles to fill the GPU
+        // at small M: they may split K, reduced out of place in f32 (deterministic, and the same
+        // split for every M since the algorithm stays fixed), and their algorithm is chosen at a
+        // small M. Everything else keeps one K pass.
+        let narrow = g.n <= NARROW_N;
+        let schemes = if narrow {
+            lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32
+                | lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32
+        } else {
+            lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32
+        };
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes)?;
         set_pref(
             pref,
             P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -334,9 +346,10 @@ impl Blas {
             P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             &ptr_alignment(g.y),
         )?;
+        let m_ref = if narrow { M_REF_NARROW } else { M_REF };
         let m_ref = match g.kind {
-            GemmKind::Fp8Block => super::host::fp8_rows(M_REF),
-            GemmKind::Bf16 => M_REF,
+            GemmKind::Fp8Block => super::host::fp8_rows(m_ref),
+            GemmKind::Bf16 => m_ref,
         };
         plan.algo = self.heuristic(&plan, g, m_ref)?;
         use lts::cublasLtMatmulAlgoConfigAttributes_t as C;

@@ -197,11 +197,11 @@ pub fn attention_smem_bytes(hdp: usize) -> usize {
 /// Dynamic shared memory of `gdn_chunk_prep_<dk>` and `gdn_chunk_scan_<dk>` (kernels/deltanet.cu).
 pub fn delta_smem_bytes(dk: usize) -> (usize, usize) {
     let c = DELTA_CHUNK;
-    // prep: max(q and k staged [dk][64], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
-    let prep = ((2 * dk * c).max(2 * c * (c + 1)) + 4 * c) * 4;
-    // scan: k [dk][68], q [dk][64] reused for T and P [2][64][64], S [dk][32], R and Vn [64][32],
+    // prep: max(q and k staged [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
+    let prep = ((2 * dk * (c + 4)).max(2 * c * (c + 1)) + 4 * c) * 4;
+    // scan: k [dk][68], q [dk][68] reused for T and P [2][64][64], S [dk][32], R and Vn [64][32],
     // gamma, beta, decay factors [64].
-    let scan = (dk * (c + 4) + (dk * c).max(2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4;
+    let scan = (dk * (c + 4) + (dk * (c + 4)).max(2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4;
     (prep, scan)
 }
 
