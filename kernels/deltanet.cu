@@ -504,3 +504,234 @@ SCAN_ENTRY(16)
 SCAN_ENTRY(32)
 SCAN_ENTRY(64)
 SCAN_ENTRY(128)
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_scan_tc_<DK>: the same scan with the four products on tensor cores, each as 3xTF32
+// (x = hi + lo in TF32; a.b ~ hi.hi + hi.lo + lo.hi, f32 accumulation), which keeps f32-level
+// accuracy for the recurrent state at a fraction of the FFMA kernel's instructions. Same grid,
+// tables and outputs as gdn_chunk_scan_<DK>; 8 warps:
+//   k S (warps 0-3, 16 rows each) and q S (warps 4-7), both 64 x 32 over DK;
+//   Vn = T R (warps 0-3), O = e^gamma q S + P Vn (warps 4-7), both over j < 16*(warp%4)+16;
+//   S <- e^{gamma_last} S + (fac k)^T Vn (warp w: state rows 16w.., over the chunk's real rows).
+// m16n8k8 TF32 fragments (gr = lane/4, tg = lane%4): A a0 (gr,tg) a1 (gr+8,tg) a2 (gr,tg+4)
+// a3 (gr+8,tg+4); B b0 (tg,gr) b1 (tg+4,gr); C c0 (gr,2tg) c1 (gr,2tg+1) c2 (gr+8,2tg) c3 (gr+8,2tg+1).
+
+__device__ __forceinline__ unsigned f2tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32_1688(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+struct TfA { unsigned hi[4], lo[4]; };
+struct TfB { unsigned hi[2], lo[2]; };
+__device__ __forceinline__ TfA split_a(float a0, float a1, float a2, float a3) {
+  TfA r;
+  const float a[4] = {a0, a1, a2, a3};
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    r.hi[i] = f2tf32(a[i]);
+    r.lo[i] = f2tf32(a[i] - __uint_as_float(r.hi[i]));
+  }
+  return r;
+}
+__device__ __forceinline__ TfB split_b(float b0, float b1) {
+  TfB r;
+  r.hi[0] = f2tf32(b0);
+  r.lo[0] = f2tf32(b0 - __uint_as_float(r.hi[0]));
+  r.hi[1] = f2tf32(b1);
+  r.lo[1] = f2tf32(b1 - __uint_as_float(r.hi[1]));
+  return r;
+}
+__device__ __forceinline__ void mma3(float* d, const TfA& a, const TfB& b) {
+  mma_tf32_1688(d, a.lo, b.hi);
+  mma_tf32_1688(d, a.hi, b.lo);
+  mma_tf32_1688(d, a.hi, b.hi);
+}
+// A (16 x 8 at rows m0, cols k0) of A[m][k] = X[k*ld + m] (X stored transposed).
+__device__ __forceinline__ TfA frag_at(const float* X, int ld, int m0, int k0, int gr, int tg) {
+  return split_a(X[(k0 + tg) * ld + m0 + gr], X[(k0 + tg) * ld + m0 + gr + 8], X[(k0 + tg + 4) * ld + m0 + gr],
+                 X[(k0 + tg + 4) * ld + m0 + gr + 8]);
+}
+// B (8 x 8 at rows k0, cols n0) of B[k][n] = X[k*ld + n].
+__device__ __forceinline__ TfB frag_b(const float* X, int ld, int k0, int n0, int gr, int tg) {
+  return split_b(X[(k0 + tg) * ld + n0 + gr], X[(k0 + tg + 4) * ld + n0 + gr]);
+}
+
+template <int DK>
+__device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
+                              const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
+  extern __shared__ __align__(16) float smem_tc[];
+  constexpr int LD = LDQK;                     // 68
+  constexpr int LS = 40;                       // S, R, Vn row stride: conflict-free B fragments
+  constexpr int QREG = (DK * LD > 2 * CHUNK * LD) ? DK * LD : 2 * CHUNK * LD;
+  float* Kt = smem_tc;                         // [DK][68]
+  float* Qt = Kt + DK * LD;                    // [DK][68], then Tt [64][68] and Pt [64][68]
+  float* Tt = Qt;
+  float* Pt = Qt + CHUNK * LD;
+  float* S = Qt + QREG;                        // [DK][40]
+  float* R = S + DK * LS;                      // [64][40]
+  float* Vn = R + CHUNK * LS;                  // [64][40]
+  float* gam = Vn + CHUNK * LS;
+  float* bet = gam + CHUNK;
+  float* fac = bet + CHUNK;
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh), tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
+  const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
+  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  const int ncols = min(32, dv - c0);
+  const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
+  const bool kwarp = warp < 4;
+  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
+    const int d = idx / 32, c = idx % 32;
+    S[d * LS + c] = c < ncols ? state_in[(i64)d * dv + c0 + c] : 0.f;
+  }
+  for (int ck = first; ck < first + nch; ck++) {
+    const i64 row0 = chunks[2 * ck];
+    const int len = chunks[2 * ck + 1];
+    __syncthreads();
+    stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
+    for (int idx = tid; idx < CHUNK * 8; idx += blockDim.x) {
+      const int i = idx / 8, c = (idx % 8) * 4;
+      const bool ok = i < len && c < ncols;
+      cp_async16(R + i * LS + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
+    }
+    if (tid < CHUNK) {
+      const bool ok = tid < len;
+      float x = ok ? g[(row0 + tid) * vh + hv] : 0.f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const float u = __shfl_up_sync(0xffffffffu, x, o);
+        if ((tid & 31) >= o) x += u;
+      }
+      gam[tid] = x;
+      bet[tid] = ok ? beta[(row0 + tid) * vh + hv] : 0.f;
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    if (tid >= 32 && tid < CHUNK) gam[tid] += gam[31];
+    __syncthreads();
+    // k S (warps 0-3) or q S (warps 4-7): rows m0..m0+15, 4 column tiles of 8.
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    if (m0 < len) {
+      const float* X = kwarp ? Kt : Qt;
+#pragma unroll 2
+      for (int k0 = 0; k0 < DK; k0 += 8) {
+        const TfA a = frag_at(X, LD, m0, k0, gr, tg);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(S, LS, k0, 8 * nt, gr, tg));
+      }
+    }
+    __syncthreads();  // q is no longer needed: its staging now takes T and P
+    const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
+    for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += blockDim.x) {
+      const int row = idx / 16, q4 = (idx % 16) * 4;  // row 0..127 over [T; P]
+      cp_async16(Tt + row * LD + q4, Tg + 4 * idx, true);
+    }
+    if (kwarp) {
+      // R_i = beta_i (v_i - e^{gamma_i} (k S)_i) on this thread's fragment elements.
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int i = m0 + gr + 8 * (e >> 1), c = 8 * nt + 2 * tg + (e & 1);
+          R[i * LS + c] = bet[i] * (R[i * LS + c] - expf(gam[i]) * acc[nt][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] *= expf(gam[m0 + gr + 8 * (e >> 1)]);
+    }
+    if (tid < CHUNK) fac[tid] = expf(gam[CHUNK - 1] - gam[tid]);
+    cp_async_wait_all();
+    __syncthreads();
+    // Vn = T R (warps 0-3). T is lower triangular: columns j < m0 + 16 suffice. Rows past len
+    // come out 0 (their T row is e_i and R row 0) and are written, since the state update reads them.
+    if (kwarp) {
+      float vacc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
+      if (m0 < len) {
+        for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+          const TfA a = frag_at(Tt, LD, m0, k0, gr, tg);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++) mma3(vacc[nt], a, frag_b(R, LS, k0, 8 * nt, gr, tg));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) {
+        const int c = 8 * nt + 2 * tg;
+        *(float2*)(Vn + (m0 + gr) * LS + c) = make_float2(vacc[nt][0], vacc[nt][1]);
+        *(float2*)(Vn + (m0 + gr + 8) * LS + c) = make_float2(vacc[nt][2], vacc[nt][3]);
+      }
+    }
+    __syncthreads();
+    // O = e^gamma q S + P Vn (warps 4-7), rows below len written out.
+    if (!kwarp && m0 < len) {
+      for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+        const TfA a = frag_at(Pt, LD, m0, k0, gr, tg);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int i = m0 + gr + 8 * (e >> 1), c = 8 * nt + 2 * tg + (e & 1);
+          if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c0 + c] = acc[nt][e];
+        }
+    }
+    // S <- e^{gamma_last} S + (fac k)^T Vn: warp w updates state rows 16w.. over real rows only.
+    if (16 * warp < DK) {
+      const int d0 = 16 * warp;
+      const float el = expf(gam[CHUNK - 1]);
+      float sacc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) {
+        const int c = 8 * nt + 2 * tg;
+        sacc[nt][0] = el * S[(d0 + gr) * LS + c];
+        sacc[nt][1] = el * S[(d0 + gr) * LS + c + 1];
+        sacc[nt][2] = el * S[(d0 + gr + 8) * LS + c];
+        sacc[nt][3] = el * S[(d0 + gr + 8) * LS + c + 1];
+      }
+      const int kmax = (len + 7) & ~7;
+      for (int k0 = 0; k0 < kmax; k0 += 8) {
+        const float f0 = fac[k0 + tg], f1 = fac[k0 + tg + 4];
+        const TfA a = split_a(f0 * Kt[(d0 + gr) * LD + k0 + tg], f0 * Kt[(d0 + gr + 8) * LD + k0 + tg],
+                              f1 * Kt[(d0 + gr) * LD + k0 + tg + 4], f1 * Kt[(d0 + gr + 8) * LD + k0 + tg + 4]);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) mma3(sacc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) {
+        const int c = 8 * nt + 2 * tg;
+        *(float2*)(S + (d0 + gr) * LS + c) = make_float2(sacc[nt][0], sacc[nt][1]);
+        *(float2*)(S + (d0 + gr + 8) * LS + c) = make_float2(sacc[nt][2], sacc[nt][3]);
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
+    const int d = idx / 32, c = idx % 32;
+    if (c < ncols) state[(i64)d * dv + c0 + c] = S[d * LS + c];
+  }
+}
+
+#define SCAN_TC_ENTRY(DK)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc_##DK(                                \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan_tc<DK>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                              \
+  }
+SCAN_TC_ENTRY(16)
+SCAN_TC_ENTRY(32)
+SCAN_TC_ENTRY(64)
+SCAN_TC_ENTRY(128)

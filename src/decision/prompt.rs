@@ -13,6 +13,7 @@ use super::codebook::Codebook;
 use super::pyjson::{self, is_py_space};
 use super::request::{DecisionRequest, QuestionKind};
 use crate::tokenizer::QwenTokenizer;
+use rayon::prelude::*;
 use anyhow::Result;
 
 pub const INSTRUCTION: &str = "Inspect the available evidence and answer the question using the stated criteria. \
@@ -199,18 +200,35 @@ pub fn plan(
     image_tokens: &[usize],
 ) -> Result<Plan> {
     let state_json = pyjson::dumps(&req.state, pyjson::PROMPT_STATE).map_err(|e| anyhow::anyhow!("state number {} is not finite", e.0))?;
-    let prefix = tokenizer.encode(&shared_text(&state_json, req.images.len()))?;
+    // Every text is tokenized independently (the prefix ends on a pre-tokenizer boundary), so the
+    // prefix and all pass texts are tokenized in parallel: this sits on every request's path.
+    let all_fields = fields(req);
+    let texts: Vec<Vec<String>> = all_fields
+        .iter()
+        .map(|field| {
+            let n = field.candidates.len();
+            let labels = codebook.labels(n);
+            cyclic_offsets(n, rotations).iter().map(|&o| pass_text(field, &labels, o)).collect()
+        })
+        .collect();
+    let prefix_text = shared_text(&state_json, req.images.len());
+
+    let (prefix, all_rests) = rayon::join(
+        || tokenizer.encode(&prefix_text),
+        || {
+            texts
+                .par_iter()
+                .map(|ts| ts.par_iter().map(|t| tokenizer.encode(t)).collect::<Result<Vec<Vec<u32>>>>())
+                .collect::<Result<Vec<_>>>()
+        },
+    );
+    let (prefix, all_rests) = (prefix?, all_rests?);
     let expanded_prefix = prefix.len() - req.images.len() + image_tokens.iter().sum::<usize>();
     let mut fields_out = Vec::new();
     let mut max_pass = 0;
     let mut processed = expanded_prefix;
-    for field in fields(req) {
+    for (field, rests) in all_fields.into_iter().zip(all_rests) {
         let n = field.candidates.len();
-        let labels = codebook.labels(n);
-        let rests: Vec<Vec<u32>> = cyclic_offsets(n, rotations)
-            .iter()
-            .map(|&o| tokenizer.encode(&pass_text(&field, &labels, o)))
-            .collect::<Result<_>>()?;
         let offsets = cyclic_offsets(n, rotations);
         let shared = if rests.len() > 1 { common_prefix_len(&rests) } else { 0 };
         let shared = shared.min(rests.iter().map(|r| r.len()).min().unwrap_or(1).saturating_sub(1));

@@ -194,6 +194,13 @@ pub fn attention_smem_bytes(hdp: usize) -> usize {
     3 * 64 * (hdp + 8) * 2
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_tc_<dk>` (kernels/deltanet.cu): k [dk][68], q [dk][68]
+/// reused for T and P [2][64][68], S [dk][40], R and Vn [64][40], gamma, beta, decay factors [64].
+pub fn delta_tc_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (dk * (c + 4) + (dk * (c + 4)).max(2 * c * (c + 4)) + dk * 40 + 2 * c * 40 + 3 * c) * 4
+}
+
 /// Dynamic shared memory of `gdn_chunk_prep_<dk>` and `gdn_chunk_scan_<dk>` (kernels/deltanet.cu).
 pub fn delta_smem_bytes(dk: usize) -> (usize, usize) {
     let c = DELTA_CHUNK;
@@ -396,6 +403,11 @@ mod tests {
         assert_eq!(attention_smem_bytes(256), 101_376);
         let (prep, scan) = delta_smem_bytes(128);
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
+        // Two scan blocks per SM (228 KiB, 1 KiB reserved per block) for either kernel.
+        assert!(2 * (scan + 1024) <= 228 * 1024, "{scan}");
+        let tc = delta_tc_smem_bytes(128);
+        assert_eq!(tc, 111_360);
+        assert!(2 * (tc + 1024) <= 228 * 1024, "{tc}");
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub struct CudaOptions {
     /// Dequantise block-FP8 checkpoint projections to BF16 at load (BF16 GEMMs, no FP8 rounding
     /// of activations; twice the weight memory). Wins over `quantize_fp8`.
     pub dequantize_fp8: bool,
+    /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores (3xTF32).
+    /// Default: `IMAJEV_GDN_FFMA=1` in the environment.
+    pub gdn_ffma: bool,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -483,6 +486,10 @@ const KERNELS: &[(&str, &[&str])] = &[
             "gdn_chunk_scan_32",
             "gdn_chunk_scan_64",
             "gdn_chunk_scan_128",
+            "gdn_chunk_scan_tc_16",
+            "gdn_chunk_scan_tc_32",
+            "gdn_chunk_scan_tc_64",
+            "gdn_chunk_scan_tc_128",
         ],
     ),
 ];
@@ -491,6 +498,10 @@ impl CudaBackend {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels and creates the cuBLASLt handle.
     /// Returns an error, never panics, when the driver, a library or the GPU is missing.
     pub fn new(ordinal: usize, options: CudaOptions) -> Result<Self> {
+        let mut options = options;
+        if std::env::var("IMAJEV_GDN_FFMA").is_ok_and(|v| v == "1") {
+            options.gdn_ffma = true;
+        }
         // cudarc panics on first use of a library it cannot dlopen; look before touching it.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             bail!("no NVIDIA driver found (libcuda.so could not be loaded): install the NVIDIA driver, or use the CPU backend");
@@ -555,7 +566,7 @@ impl CudaBackend {
             kernels_compiled: compiled,
             kernel_seconds,
         };
-        tracing::info!(?info, "CUDA backend ready");
+        tracing::info!(?info, gdn_scan = if options.gdn_ffma { "ffma" } else { "tensor cores (3xTF32)" }, "CUDA backend ready");
         let kprof = kprof::KernelProfiler::from_env(&stream);
         Ok(CudaBackend {
             inner: Arc::new(Inner {
@@ -1113,6 +1124,8 @@ fn load_kernels(
     for dk in [16, 32, 64, 128] {
         funcs[format!("gdn_chunk_prep_{dk}").as_str()]
             .set_attribute(MAX_SMEM, host::delta_smem_bytes(dk).0 as i32)?;
+        funcs[format!("gdn_chunk_scan_tc_{dk}").as_str()]
+            .set_attribute(MAX_SMEM, host::delta_tc_smem_bytes(dk) as i32)?;
         funcs[format!("gdn_chunk_scan_{dk}").as_str()]
             .set_attribute(MAX_SMEM, host::delta_smem_bytes(dk).1 as i32)?;
     }
@@ -2114,8 +2127,13 @@ impl Backend for CudaBackend {
                     A::P(self.p(&tp)),
                 ],
             )?;
+            let (scan_name, scan_smem) = if self.inner.options.gdn_ffma {
+                (format!("gdn_chunk_scan_{dk}"), scan_smem)
+            } else {
+                (format!("gdn_chunk_scan_tc_{dk}"), host::delta_tc_smem_bytes(dk))
+            };
             self.launch(
-                &format!("gdn_chunk_scan_{dk}"),
+                &scan_name,
                 cfg(
                     (nseg as u32, vh as u32, dv.div_ceil(32) as u32),
                     256,
