@@ -4,11 +4,7 @@
 # of the 256-token request. Needs .gpu/{imajev-serve,gpu-service[,gpu-test]} and .whl/ (see
 # bench/h200_run.sh). Writes everything under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
+source bench/device_env.sh
 timeout 300 ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
 echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"
 tail -5 "$OUT/gpu-service.log"

@@ -5,9 +5,7 @@
 # peer, no fidelity) so speed can be compared with the last committed run. Needs .gpu/ as in
 # bench/h200_run.sh. Writes under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source bench/device_env.sh
 if [ -x .gpu/gpu-service ]; then
   timeout 300 ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
   echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"

@@ -9,11 +9,7 @@
 # Writes everything under $OUT. If the kernel checks fail with the tensor-core DeltaNet scan, the
 # benchmark runs with the CUDA-core scan (IMAJEV_GDN_FFMA=1) and says so in $OUT/scan.txt.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
+source bench/device_env.sh
 python3 -c "import torch, transformers, peft, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'fla', fla.__version__)" | tee "$OUT/versions.txt"
 echo "tensor cores (3xTF32)" >"$OUT/scan.txt"
 if [ "${SKIP_GPU_TEST:-0}" != 1 ]; then

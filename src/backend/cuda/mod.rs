@@ -324,6 +324,12 @@ enum A {
     F(f32),
 }
 
+/// Threads per row of the row-norm kernels (`rms_norm`, `add_rms_norm` share it, so they reduce in
+/// the same order and give the same bits).
+fn norm_block(d: usize) -> u32 {
+    d.div_ceil(32).clamp(1, 8) as u32 * 32
+}
+
 fn grid1(n: usize, per_block: usize) -> u32 {
     n.div_ceil(per_block).clamp(1, 1 << 20) as u32
 }
@@ -1557,7 +1563,7 @@ impl Backend for CudaBackend {
         let (xs, ws) = (self.bf16_of(x)?, self.f32_of(w)?);
         let y = self.alloc_bf16(rows * d)?;
         if rows > 0 {
-            let block = d.div_ceil(32).clamp(1, 8) as u32 * 32;
+            let block = norm_block(d);
             self.launch(
                 "rms_norm",
                 cfg((rows as u32, 1, 1), block, 0),
@@ -1590,7 +1596,7 @@ impl Backend for CudaBackend {
         let (xs, ws, bs) = (self.bf16_of(x)?, self.f32_of(w)?, self.f32_of(b)?);
         let y = self.alloc_bf16(rows * d)?;
         if rows > 0 {
-            let block = d.div_ceil(32).clamp(1, 8) as u32 * 32;
+            let block = norm_block(d);
             self.launch(
                 "layer_norm",
                 cfg((rows as u32, 1, 1), block, 0),
@@ -1659,7 +1665,7 @@ impl Backend for CudaBackend {
         };
         if rows > 0 {
             // The block size of `rms_norm`: the same reduction order, so the same bits.
-            let block = d.div_ceil(32).clamp(1, 8) as u32 * 32;
+            let block = norm_block(d);
             self.launch(
                 "add_rms_norm",
                 cfg((rows as u32, 1, 1), block, 0),
