@@ -176,23 +176,67 @@ constexpr int LDQK = CHUNK + 4;
 template <int DK>
 __device__ __forceinline__ void stage_qk_t(float* Kt, float* Qt, const float* qn, const float* kn, i64 row0, int len,
                                            int kh, int hk) {
-  for (int t = threadIdx.x; t < CHUNK * DK / 4; t += blockDim.x) {
-    const int i = (t & 7) + 8 * ((t >> 3) / (DK / 4)), d = 4 * ((t >> 3) % (DK / 4));
-    float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
-    if (i < len) {
-      const i64 src = ((row0 + i) * kh + hk) * DK + d;
-      kv = *(const float4*)(kn + src);
-      qv = *(const float4*)(qn + src);
+  // Blocks are 256 threads (every caller); compile-time trip counts let a thread's loads (4 rows of
+  // k and q at a time) be in flight together instead of one L2 round trip per iteration.
+  constexpr int N = CHUNK * DK / 4 / 256 > 0 ? CHUNK * DK / 4 / 256 : 1;
+  constexpr int G = N < 4 ? N : 4;
+#pragma unroll
+  for (int u0 = 0; u0 < N; u0 += G) {
+    float4 kv[G], qv[G];
+#pragma unroll
+    for (int u = 0; u < G; u++) {
+      const int t = threadIdx.x + 256 * (u0 + u);
+      const int i = (t & 7) + 8 * ((t >> 3) / (DK / 4)), d = 4 * ((t >> 3) % (DK / 4));
+      kv[u] = qv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (t < CHUNK * DK / 4 && i < len) {
+        const i64 src = ((row0 + i) * kh + hk) * DK + d;
+        kv[u] = *(const float4*)(kn + src);
+        qv[u] = *(const float4*)(qn + src);
+      }
     }
-    Kt[(d + 0) * LDQK + i] = kv.x;
-    Kt[(d + 1) * LDQK + i] = kv.y;
-    Kt[(d + 2) * LDQK + i] = kv.z;
-    Kt[(d + 3) * LDQK + i] = kv.w;
-    Qt[(d + 0) * LDQK + i] = qv.x;
-    Qt[(d + 1) * LDQK + i] = qv.y;
-    Qt[(d + 2) * LDQK + i] = qv.z;
-    Qt[(d + 3) * LDQK + i] = qv.w;
+#pragma unroll
+    for (int u = 0; u < G; u++) {
+      const int t = threadIdx.x + 256 * (u0 + u);
+      if (t >= CHUNK * DK / 4) continue;
+      const int i = (t & 7) + 8 * ((t >> 3) / (DK / 4)), d = 4 * ((t >> 3) % (DK / 4));
+      Kt[(d + 0) * LDQK + i] = kv[u].x;
+      Kt[(d + 1) * LDQK + i] = kv[u].y;
+      Kt[(d + 2) * LDQK + i] = kv[u].z;
+      Kt[(d + 3) * LDQK + i] = kv[u].w;
+      Qt[(d + 0) * LDQK + i] = qv[u].x;
+      Qt[(d + 1) * LDQK + i] = qv[u].y;
+      Qt[(d + 2) * LDQK + i] = qv[u].z;
+      Qt[(d + 3) * LDQK + i] = qv[u].w;
+    }
   }
+}
+
+// Copies 32 columns c0.. (ncols of them real, a multiple of 4; the rest zero) of a [DK][dv] state
+// into S [DK][ld] with 16-byte asynchronous copies (the caller waits).
+template <int DK>
+__device__ __forceinline__ void load_state_async(float* S, int ld, const float* state_in, int dv, int c0, int ncols) {
+  for (int idx = threadIdx.x; idx < DK * 8; idx += blockDim.x) {
+    const int d = idx / 8, c = (idx % 8) * 4;
+    const bool ok = c < ncols;
+    cp_async16(S + d * ld + c, state_in + (ok ? (i64)d * dv + c0 + c : 0), ok);
+  }
+}
+
+// Threads 0..63: beta of the chunk's rows and gamma = cumsum(g) as two 32-row warp scans; the
+// caller adds gam[31] to rows 32.. after a barrier. Rows past len get beta = g = 0.
+__device__ __forceinline__ void chunk_gates(float* gam, float* bet, const float* g, const float* beta, i64 row0,
+                                            int len, int vh, int hv) {
+  const int t = threadIdx.x;
+  if (t >= CHUNK) return;
+  const bool ok = t < len;
+  float x = ok ? g[(row0 + t) * vh + hv] : 0.f;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float u = __shfl_up_sync(0xffffffffu, x, o);
+    if ((t & 31) >= o) x += u;
+  }
+  gam[t] = x;
+  bet[t] = ok ? beta[(row0 + t) * vh + hv] : 0.f;
 }
 
 // Chunk matrices, all f32, per chunk of <= 64 rows (rows past the chunk's length have beta = g = 0 and
@@ -352,10 +396,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
   float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
   const int ncols = min(32, dv - c0);
   const int rg = tid >> 4, cg = tid & 15, i0 = 4 * rg, cc = 2 * cg;
-  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
-    const int d = idx / 32, c = idx % 32;
-    S[idx] = c < ncols ? state_in[(i64)d * dv + c0 + c] : 0.f;
-  }
+  load_state_async<DK>(S, 32, state_in, dv, c0, ncols);  // waited for with the first chunk's copies
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
@@ -366,17 +407,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
       const bool ok = i < len && c < ncols;
       cp_async16(R + i * 32 + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
     }
-    if (tid < CHUNK) {
-      const bool ok = tid < len;
-      float x = ok ? g[(row0 + tid) * vh + hv] : 0.f;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const float u = __shfl_up_sync(0xffffffffu, x, o);
-        if ((tid & 31) >= o) x += u;
-      }
-      gam[tid] = x;
-      bet[tid] = ok ? beta[(row0 + tid) * vh + hv] : 0.f;
-    }
+    chunk_gates(gam, bet, g, beta, row0, len, vh, hv);
     cp_async_wait_all();
     __syncthreads();
     if (tid >= 32 && tid < CHUNK) gam[tid] += gam[31];
@@ -487,6 +518,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
       for (int a = 0; a < 4; a++) *(float4*)(S + (d0 + 4 * a) * 32 + c4) = make_float4(sa[a][0], sa[a][1], sa[a][2], sa[a][3]);
     }
   }
+  cp_async_wait_all();  // a sequence with no rows still copies its state
   __syncthreads();
   for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
     const int d = idx / 32, c = idx % 32;
@@ -562,6 +594,29 @@ __device__ __forceinline__ TfB frag_b(const float* X, int ld, int k0, int n0, in
   return split_b(X[(k0 + tg) * ld + n0 + gr], X[(k0 + tg + 4) * ld + n0 + gr]);
 }
 
+// acc[nt] += A . B over k in [0, kend): A is 16 rows m0.. of X stored transposed (X[k*LDX + m]), B
+// the 32 columns of Y[k*LDY + n] (four 8-column tiles).
+template <int LDX, int LDY>
+__device__ __forceinline__ void mma_rows(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend, int gr,
+                                         int tg) {
+#pragma unroll 2
+  for (int k0 = 0; k0 < kend; k0 += 8) {
+    const TfA a = frag_at(X, LDX, m0, k0, gr, tg);
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
+  }
+}
+// Stores the 16 x 32 accumulator tile at rows r0.. of Y (row stride LDY).
+template <int LDY>
+__device__ __forceinline__ void store_rows(float* Y, const float (&acc)[4][4], int r0, int gr, int tg) {
+#pragma unroll
+  for (int nt = 0; nt < 4; nt++) {
+    const int c = 8 * nt + 2 * tg;
+    *(float2*)(Y + (r0 + gr) * LDY + c) = make_float2(acc[nt][0], acc[nt][1]);
+    *(float2*)(Y + (r0 + gr + 8) * LDY + c) = make_float2(acc[nt][2], acc[nt][3]);
+  }
+}
+
 template <int DK>
 __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                               const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
@@ -587,10 +642,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
   const int ncols = min(32, dv - c0);
   const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
   const bool kwarp = warp < 4;
-  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
-    const int d = idx / 32, c = idx % 32;
-    S[d * LS + c] = c < ncols ? state_in[(i64)d * dv + c0 + c] : 0.f;
-  }
+  load_state_async<DK>(S, LS, state_in, dv, c0, ncols);  // waited for with the first chunk's copies
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
@@ -601,17 +653,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
       const bool ok = i < len && c < ncols;
       cp_async16(R + i * LS + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
     }
-    if (tid < CHUNK) {
-      const bool ok = tid < len;
-      float x = ok ? g[(row0 + tid) * vh + hv] : 0.f;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const float u = __shfl_up_sync(0xffffffffu, x, o);
-        if ((tid & 31) >= o) x += u;
-      }
-      gam[tid] = x;
-      bet[tid] = ok ? beta[(row0 + tid) * vh + hv] : 0.f;
-    }
+    chunk_gates(gam, bet, g, beta, row0, len, vh, hv);
     cp_async_wait_all();
     __syncthreads();
     if (tid >= 32 && tid < CHUNK) gam[tid] += gam[31];
@@ -620,15 +662,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
     float acc[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (m0 < len) {
-      const float* X = kwarp ? Kt : Qt;
-#pragma unroll 2
-      for (int k0 = 0; k0 < DK; k0 += 8) {
-        const TfA a = frag_at(X, LD, m0, k0, gr, tg);
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(S, LS, k0, 8 * nt, gr, tg));
-      }
-    }
+    if (m0 < len) mma_rows<LD, LS>(acc, kwarp ? Kt : Qt, S, m0, DK, gr, tg);
     __syncthreads();  // q is no longer needed: its staging now takes T and P
     const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
     for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += blockDim.x) {
@@ -659,28 +693,13 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
       float vacc[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
-      if (m0 < len) {
-        for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-          const TfA a = frag_at(Tt, LD, m0, k0, gr, tg);
-#pragma unroll
-          for (int nt = 0; nt < 4; nt++) mma3(vacc[nt], a, frag_b(R, LS, k0, 8 * nt, gr, tg));
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; nt++) {
-        const int c = 8 * nt + 2 * tg;
-        *(float2*)(Vn + (m0 + gr) * LS + c) = make_float2(vacc[nt][0], vacc[nt][1]);
-        *(float2*)(Vn + (m0 + gr + 8) * LS + c) = make_float2(vacc[nt][2], vacc[nt][3]);
-      }
+      if (m0 < len) mma_rows<LD, LS>(vacc, Tt, R, m0, m0 + 16, gr, tg);
+      store_rows<LS>(Vn, vacc, m0, gr, tg);
     }
     __syncthreads();
     // O = e^gamma q S + P Vn (warps 4-7), rows below len written out.
     if (!kwarp && m0 < len) {
-      for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-        const TfA a = frag_at(Pt, LD, m0, k0, gr, tg);
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
-      }
+      mma_rows<LD, LS>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
 #pragma unroll
       for (int nt = 0; nt < 4; nt++)
 #pragma unroll
@@ -710,14 +729,10 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) mma3(sacc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
       }
-#pragma unroll
-      for (int nt = 0; nt < 4; nt++) {
-        const int c = 8 * nt + 2 * tg;
-        *(float2*)(S + (d0 + gr) * LS + c) = make_float2(sacc[nt][0], sacc[nt][1]);
-        *(float2*)(S + (d0 + gr + 8) * LS + c) = make_float2(sacc[nt][2], sacc[nt][3]);
-      }
+      store_rows<LS>(S, sacc, d0, gr, tg);
     }
   }
+  cp_async_wait_all();  // a sequence with no rows still copies its state
   __syncthreads();
   for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
     const int d = idx / 32, c = idx % 32;
