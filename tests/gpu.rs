@@ -582,6 +582,12 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             norm_eps: 1e-6,
         };
         delta_case(g, c, rep, rng, "alt", alt, &[&[100, 5], &[1, 70]])?;
+        // The other chunk scan (CUDA cores when the default is tensor cores), same checks.
+        let other = !g.options().gdn_ffma;
+        let gf = CudaBackend::new(0, CudaOptions { gdn_ffma: other, ..g.options().clone() })?;
+        let tag = if gf.options().gdn_ffma { "FMA scan" } else { "tensor-core scan" };
+        delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[70, 1, 130], &[3, 64, 65]])?;
+        delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]])?;
         Ok(())
     });
 }
