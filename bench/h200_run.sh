@@ -6,8 +6,9 @@
 #   .gpu/gpu-test      (cargo test --release --test gpu --no-run; strip the binary it prints)
 #   .gpu/gpu-service   (cargo test --release --test gpu_service --no-run; likewise; optional)
 #   .whl/              (flash-linear-attention 0.6.0 + fla-core 0.6.0 wheels, pure Python)
-# Writes everything under $OUT. If the kernel checks fail with the tensor-core DeltaNet scan, the
-# benchmark runs with the CUDA-core scan (IMAJEV_GDN_FFMA=1) and says so in $OUT/scan.txt.
+# Writes everything under $OUT (8 files: the most a device call returns). If the kernel checks fail
+# with the tensor-core DeltaNet scan, the benchmark runs with the CUDA-core scan (IMAJEV_GDN_FFMA=1)
+# and says so in $OUT/scan.txt.
 set -uo pipefail
 source bench/device_env.sh
 python3 -c "import torch, transformers, peft, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'fla', fla.__version__)" | tee "$OUT/versions.txt"
@@ -30,7 +31,7 @@ W=/tmp/bench
 if [ -f $W/bench.jsonl ]; then
   head -1 $W/bench.jsonl >$W/one256.jsonl
   IMAJEV_PROFILE=kernels NO_COLOR=1 timeout 90 ./.gpu/imajev-serve decide --model $W/model --adapter $W/adapter --device cuda \
-    --rotations 4 --contract imajev --quantize fp8 --request $W/one256.jsonl --repeat 3 2>"$OUT/profile-256.log" >/dev/null
-  grep -v "loading weights" "$OUT/profile-256.log" | tail -50 >"$OUT/profile-256-tail.log"
+    --rotations 4 --contract imajev --quantize fp8 --request $W/one256.jsonl --repeat 3 2>$W/profile-256.log >/dev/null
+  grep -v "loading weights" $W/profile-256.log | tail -50 >"$OUT/profile-256-tail.log"
 fi
 cat "$OUT/scan.txt"

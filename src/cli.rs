@@ -363,7 +363,7 @@ fn decide_cmd(
         }
         responses.push(last.expect("at least one run"));
     }
-    let text = responses.iter().map(|r| serde_json::to_string(r)).collect::<Result<Vec<_>, _>>()?.join("\n") + "\n";
+    let text = responses.iter().map(serde_json::to_string).collect::<Result<Vec<_>, _>>()?.join("\n") + "\n";
     match out {
         Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,
         None => print!("{text}"),

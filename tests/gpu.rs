@@ -582,6 +582,12 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             norm_eps: 1e-6,
         };
         delta_case(g, c, rep, rng, "alt", alt, &[&[100, 5], &[1, 70]])?;
+        // The other chunk scan (CUDA cores when the default is tensor cores), same checks.
+        let other = !g.options().gdn_ffma;
+        let gf = CudaBackend::new(0, CudaOptions { gdn_ffma: other, ..g.options().clone() })?;
+        let tag = if gf.options().gdn_ffma { "FMA scan" } else { "tensor-core scan" };
+        delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[70, 1, 130], &[3, 64, 65]])?;
+        delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]])?;
         Ok(())
     });
 }
@@ -1485,6 +1491,19 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
             .map(|_| ())
     })?;
     out.push(format!("gated_delta_net 4B, 1×{m} tokens: {ms:.3} ms"));
+    // The benchmark request's extend: 11 forks of one state, 73 tokens each (two chunks).
+    let lens = [73usize; 11];
+    let n11: usize = lens.iter().sum();
+    let base = g.new_delta_state(&dd)?;
+    let ms = time_ms(g, 5, &mut || {
+        let mut forks: Vec<_> = (0..lens.len()).map(|_| base.clone()).collect();
+        let mut refs: Vec<_> = forks.iter_mut().collect();
+        let rows: Vec<usize> = (0..n11).collect();
+        let x = g.gather_rows(&t.0, &rows)?;
+        let inputs = DeltaNetInputs { proj: &x, ..inputs };
+        g.gated_delta_net(&inputs, &dd, &tiling(&lens), &mut refs).map(|_| ())
+    })?;
+    out.push(format!("gated_delta_net 4B, 11 forks × 73 tokens: {ms:.3} ms (incl. a row gather)"));
     Ok(out)
 }
 

@@ -85,7 +85,7 @@ impl Calibration {
             bail!("temperature and count buckets must match");
         }
         for (k, v) in &f.counts {
-            if !v.as_u64().is_some_and(|n| n >= 1) {
+            if v.as_u64().is_none_or(|n| n < 1) {
                 bail!("counts[{k:?}] must be a positive integer");
             }
         }

@@ -485,8 +485,8 @@ impl<B: Backend> Qwen35<B> {
             ensure!(!s.layout.ids.is_empty(), "every sequence needs at least one token");
             let start = ids.len();
             ids.extend_from_slice(&s.layout.ids);
-            for r in 0..3 {
-                pos[r].extend_from_slice(&s.layout.positions[r]);
+            for (p, src) in pos.iter_mut().zip(&s.layout.positions) {
+                p.extend_from_slice(src);
             }
             ranges.push(start..ids.len());
         }

@@ -415,9 +415,9 @@ pub fn delta_rule_chunked(x: &DeltaRuleInputs, state: &mut [f32], chunk: usize) 
                 // Cumulative log decay inside the chunk.
                 let mut gam = vec![0f32; c];
                 let mut acc = 0f32;
-                for i in 0..c {
+                for (i, gi) in gam.iter_mut().enumerate() {
                     acc += x.g[(start + i) * heads + h];
-                    gam[i] = acc;
+                    *gi = acc;
                 }
                 let beta: Vec<f32> = (0..c).map(|i| x.beta[(start + i) * heads + h]).collect();
                 let kk = |i: usize| &x.k[row(start + i, dk)];

@@ -46,7 +46,7 @@ impl CpuTensor {
     /// `(rows, cols)` viewing the last dim as columns.
     pub fn rows_cols(&self) -> (usize, usize) {
         let cols = *self.shape.last().unwrap_or(&1);
-        (if cols == 0 { 0 } else { self.data.len() / cols }, cols)
+        (self.data.len().checked_div(cols).unwrap_or(0), cols)
     }
 }
 
@@ -236,7 +236,7 @@ impl Backend for CpuBackend {
             ensure!(p.rows_cols().1 == d, "concat_rows: widths differ");
             out.extend_from_slice(&p.data);
         }
-        let n = if d == 0 { 0 } else { out.len() / d };
+        let n = out.len().checked_div(d).unwrap_or(0);
         CpuTensor::new(out, &[n, d])
     }
 
