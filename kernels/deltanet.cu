@@ -239,6 +239,40 @@ __device__ __forceinline__ void chunk_gates(float* gam, float* bet, const float*
   bet[t] = ok ? beta[(row0 + t) * vh + hv] : 0.f;
 }
 
+// Everything a scan chunk starts from, after the barrier that ends the previous chunk: q and k
+// staged transposed, R <- v (columns c0.., row stride ldr, zeros past len / ncols) by cp.async,
+// gamma and beta; returns after the barriers that make them visible (gamma's upper half fixed up).
+template <int DK>
+__device__ __forceinline__ void chunk_inputs(float* Kt, float* Qt, float* R, int ldr, float* gam, float* bet,
+                                             const float* qn, const float* kn, const float* v, const float* g,
+                                             const float* beta, i64 row0, int len, int kh, int hk, int vh, int hv,
+                                             int dv, int c0, int ncols) {
+  __syncthreads();
+  stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
+  for (int idx = threadIdx.x; idx < CHUNK * 8; idx += blockDim.x) {
+    const int i = idx / 8, c = (idx % 8) * 4;
+    const bool ok = i < len && c < ncols;
+    cp_async16(R + i * ldr + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
+  }
+  chunk_gates(gam, bet, g, beta, row0, len, vh, hv);
+  cp_async_wait_all();
+  __syncthreads();
+  if (threadIdx.x >= 32 && threadIdx.x < CHUNK) gam[threadIdx.x] += gam[31];
+  __syncthreads();
+}
+
+// The twin of load_state_async: waits for outstanding copies (a sequence with no rows still copies
+// its state), then writes the real columns of S [DK][ld] back to a [DK][dv] state.
+template <int DK>
+__device__ __forceinline__ void store_state(float* state, int dv, int c0, int ncols, const float* S, int ld) {
+  cp_async_wait_all();
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < DK * 32; idx += blockDim.x) {
+    const int d = idx / 32, c = idx % 32;
+    if (c < ncols) state[(i64)d * dv + c0 + c] = S[d * ld + c];
+  }
+}
+
 // Chunk matrices, all f32, per chunk of <= 64 rows (rows past the chunk's length have beta = g = 0 and
 // zero q, k, v, so they add nothing). gamma = cumsum(g) inside the chunk (per value head);
 //   P[i][j] = e^{gamma_i - gamma_j} q_i.k_j              (j <= i, else 0)
@@ -400,18 +434,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
-    __syncthreads();
-    stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
-    for (int idx = tid; idx < CHUNK * 8; idx += blockDim.x) {
-      const int i = idx / 8, c = (idx % 8) * 4;
-      const bool ok = i < len && c < ncols;
-      cp_async16(R + i * 32 + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
-    }
-    chunk_gates(gam, bet, g, beta, row0, len, vh, hv);
-    cp_async_wait_all();
-    __syncthreads();
-    if (tid >= 32 && tid < CHUNK) gam[tid] += gam[31];
-    __syncthreads();
+    chunk_inputs<DK>(Kt, Qt, R, 32, gam, bet, qn, kn, v, g, beta, row0, len, kh, hk, vh, hv, dv, c0, ncols);
     // k S and q S for rows i0..i0+3, columns cc, cc+1.
     float ks[4][2], qs[4][2];
 #pragma unroll
@@ -518,12 +541,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
       for (int a = 0; a < 4; a++) *(float4*)(S + (d0 + 4 * a) * 32 + c4) = make_float4(sa[a][0], sa[a][1], sa[a][2], sa[a][3]);
     }
   }
-  cp_async_wait_all();  // a sequence with no rows still copies its state
-  __syncthreads();
-  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
-    const int d = idx / 32, c = idx % 32;
-    if (c < ncols) state[(i64)d * dv + c0 + c] = S[idx];
-  }
+  store_state<DK>(state, dv, c0, ncols, S, 32);
 }
 
 #define SCAN_ENTRY(DK)                                                                                     \
@@ -646,18 +664,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
-    __syncthreads();
-    stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
-    for (int idx = tid; idx < CHUNK * 8; idx += blockDim.x) {
-      const int i = idx / 8, c = (idx % 8) * 4;
-      const bool ok = i < len && c < ncols;
-      cp_async16(R + i * LS + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
-    }
-    chunk_gates(gam, bet, g, beta, row0, len, vh, hv);
-    cp_async_wait_all();
-    __syncthreads();
-    if (tid >= 32 && tid < CHUNK) gam[tid] += gam[31];
-    __syncthreads();
+    chunk_inputs<DK>(Kt, Qt, R, LS, gam, bet, qn, kn, v, g, beta, row0, len, kh, hk, vh, hv, dv, c0, ncols);
     // k S (warps 0-3) or q S (warps 4-7): rows m0..m0+15, 4 column tiles of 8.
     float acc[4][4];
 #pragma unroll
@@ -732,12 +739,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
       store_rows<LS>(S, sacc, d0, gr, tg);
     }
   }
-  cp_async_wait_all();  // a sequence with no rows still copies its state
-  __syncthreads();
-  for (int idx = tid; idx < DK * 32; idx += blockDim.x) {
-    const int d = idx / 32, c = idx % 32;
-    if (c < ncols) state[(i64)d * dv + c0 + c] = S[d * LS + c];
-  }
+  store_state<DK>(state, dv, c0, ncols, S, LS);
 }
 
 #define SCAN_TC_ENTRY(DK)                                                                                  \

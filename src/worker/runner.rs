@@ -128,7 +128,6 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             let mut states: Vec<State<B>> =
                 chunk.iter().map(|&(f, _)| field_states[f].as_ref().unwrap_or(&prefix).fork()).collect();
             prof.mark(&self.backend, "fork");
-            crate::engine::profile::kernel_report(&self.backend, "forks");
             let owned: Vec<std::borrow::Cow<'_, [u32]>> = chunk.iter().map(|&(f, p)| suffix_of(f, p)).collect();
             let suffixes: Vec<&[u32]> = owned.iter().map(|s| s.as_ref()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;

@@ -2018,27 +2018,25 @@ impl Backend for CudaBackend {
         // Copy-on-write: states sharing their buffers (forks) get fresh ones, all from one
         // allocation; the kernels read the old arrays and write the new.
         let (conv_len, rec_len) = (kw.saturating_sub(1) * c, vh * dk * dv);
-        let shared: Vec<usize> =
-            (0..states.len()).filter(|&i| Arc::get_mut(&mut states[i].cur).is_none()).collect();
-        let fresh = if shared.is_empty() {
+        let shared: usize = states.iter_mut().map(|st| Arc::get_mut(&mut st.cur).is_none() as usize).sum();
+        let fresh = if shared == 0 {
             None
         } else {
-            Some(Arc::new(self.alloc_f32(shared.len() * (conv_len + rec_len))?))
+            Some(Arc::new(self.alloc_f32(shared * (conv_len + rec_len))?))
         };
         let stream = &self.inner.stream;
         let mut conv_meta = Vec::with_capacity(4 * segments.len());
         let mut scan_meta = Vec::with_capacity(4 * segments.len());
-        let mut next = shared.iter().enumerate().peekable();
-        for (i, ((seg, st), &(first, count))) in
-            segments.iter().zip(states.iter_mut()).zip(&table.per_segment).enumerate()
-        {
+        let mut slot = 0;
+        for ((seg, st), &(first, count)) in segments.iter().zip(states.iter_mut()).zip(&table.per_segment) {
             let (conv_in, rec_in) = st.cur.ptrs(stream);
             ensure!(
                 st.cur.conv_len == conv_len && st.cur.recurrent_len == rec_len,
                 "DeltaNet state of another shape"
             );
-            if let Some((j, _)) = next.next_if(|&(_, &x)| x == i) {
-                let off = j * (conv_len + rec_len);
+            if Arc::get_mut(&mut st.cur).is_none() {
+                let off = slot * (conv_len + rec_len);
+                slot += 1;
                 st.cur = Arc::new(DeltaBufs {
                     buf: fresh.clone().expect("allocated above"),
                     conv: off,
