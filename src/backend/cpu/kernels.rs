@@ -123,6 +123,21 @@ pub fn rotate_half_inplace(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// The first `visible` rows of key/value `parts` (row width `w`) as `(first row, rows, part)`,
+/// skipping empty parts.
+fn visible_parts<'a>(parts: &'a [&'a [f32]], w: usize, visible: usize) -> impl Iterator<Item = (usize, usize, &'a [f32])> {
+    parts
+        .iter()
+        .scan(0usize, move |col, part| {
+            let start = *col;
+            let n = (part.len() / w).min(visible.saturating_sub(start));
+            *col += n;
+            Some((start, n, *part))
+        })
+        .take_while(move |&(start, _, _)| start < visible)
+        .filter(|&(_, n, _)| n > 0)
+}
+
 /// Softmax attention of `q` rows over keys/values stored in one or more consecutive parts
 /// (a shared prefix cache, then a sequence's own rows).
 ///
@@ -163,15 +178,7 @@ pub fn attention_parts(
                 let visible = if causal { offset + t0 + rows } else { nk };
                 scores.clear();
                 scores.resize(rows * visible, 0f32);
-                let mut col = 0;
-                for part in k {
-                    if col >= visible {
-                        break;
-                    }
-                    let n = (part.len() / w).min(visible - col);
-                    if n == 0 {
-                        continue;
-                    }
+                for (col, n, part) in visible_parts(k, w, visible) {
                     // SAFETY: q rows t0..t0+rows of head h (stride heads·hd), the part's first n
                     // rows of kv head kvh (stride w), and columns col..col+n of `scores`
                     // (stride visible) are all in bounds.
@@ -198,7 +205,6 @@ pub fn attention_parts(
                             gemm::Parallelism::None,
                         );
                     }
-                    col += n;
                 }
                 for r in 0..rows {
                     let row = &mut scores[r * visible..(r + 1) * visible];
@@ -217,15 +223,7 @@ pub fn attention_parts(
                     }
                     row[lim..].fill(0.0);
                 }
-                let mut col = 0;
-                for part in v {
-                    if col >= visible {
-                        break;
-                    }
-                    let n = (part.len() / w).min(visible - col);
-                    if n == 0 {
-                        continue;
-                    }
+                for (col, n, part) in visible_parts(v, w, visible) {
                     // SAFETY: as above; the output block is rows t0..t0+rows of `o`.
                     unsafe {
                         gemm::gemm(
@@ -250,7 +248,6 @@ pub fn attention_parts(
                             gemm::Parallelism::None,
                         );
                     }
-                    col += n;
                 }
             }
             o
