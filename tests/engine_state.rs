@@ -148,3 +148,63 @@ fn extending_forks_of_a_prefix_equals_full_forwards() {
     let h2 = model.backend.download(&model.extend(&mut two, &[b]).unwrap()).unwrap();
     assert!(rel_err(&h2, &batched[..d]) < 1e-5);
 }
+
+#[test]
+fn prefix_and_forks_in_one_forward_equal_prefill_then_extend() {
+    let m = tiny(SynthDtype::Bf16, 23);
+    let tok = QwenTokenizer::from_model_dir(&m.model).unwrap();
+    let model = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let images = [load_image("wide.png")];
+    let refs: Vec<&PatchedImage> = images.iter().collect();
+    let prefix = prompt_ids(&tok, 1, &TEXT.repeat(2));
+    assert!(prefix.len() > 64, "the prefix spans more than one chunk");
+    let suffixes: Vec<Vec<u32>> = ["A: infra", "x", &TEXT.repeat(2)].iter().map(|s| tok.encode(s).unwrap()).collect();
+    let suffix_refs: Vec<&[u32]> = suffixes.iter().map(|s| s.as_slice()).collect();
+    let d = model.hidden_size();
+
+    // Reference: prefill, share, fork, extend.
+    let (mut p, hp, layout) = model.prefill(&prefix, &refs).unwrap();
+    p.share(&model.backend).unwrap();
+    let mut forks: Vec<_> = suffixes.iter().map(|_| p.fork()).collect();
+    let he = model.backend.download(&model.extend(&mut forks, &suffix_refs).unwrap()).unwrap();
+    let hp = model.backend.download(&hp).unwrap();
+
+    let feats = model.encode_images(&refs).unwrap();
+    let (mut states, h) = model.prefill_extend(&layout, &feats, &suffix_refs).unwrap();
+    let h = model.backend.download(&h).unwrap();
+    assert_eq!(h.len(), (1 + suffixes.len()) * d);
+    assert!(rel_err(&h[..d], &hp) < 1e-6, "prefix row {:.2e}", rel_err(&h[..d], &hp));
+    assert!(rel_err(&h[d..], &he) < 1e-6, "suffix rows {:.2e}", rel_err(&h[d..], &he));
+    assert_eq!(states[0].tokens, p.tokens);
+    for (i, s) in suffixes.iter().enumerate() {
+        assert_eq!(states[1 + i].tokens, p.tokens + s.len());
+        assert_eq!(states[1 + i].next_pos, forks[i].next_pos);
+    }
+    // The states continue like the reference's: one more token on each.
+    let more = tok.encode(" B: facilities").unwrap();
+    let mut tails: Vec<_> = states.drain(..).collect();
+    let mut ref_tails: Vec<_> = std::iter::once(p.fork()).chain(forks).collect();
+    let all: Vec<&[u32]> = tails.iter().map(|_| more.as_slice()).collect();
+    let a = model.backend.download(&model.extend(&mut tails, &all).unwrap()).unwrap();
+    let b = model.backend.download(&model.extend(&mut ref_tails, &all).unwrap()).unwrap();
+    assert!(rel_err(&a, &b) < 1e-6, "continued states {:.2e}", rel_err(&a, &b));
+}
+
+#[test]
+fn a_tree_forward_rejects_bad_parents() {
+    let m = tiny(SynthDtype::Bf16, 24);
+    let model = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let l0 = model.layout(&[1, 2, 3], &[], 0).unwrap();
+    let l1 = model.layout(&[4, 5], &[], l0.next_pos).unwrap();
+    let off = model.layout(&[4, 5], &[], 0).unwrap();
+    let run = |segs: Vec<imajev_serve::engine::Segment<CpuBackend>>| {
+        let mut states: Vec<_> = segs.iter().map(|_| model.new_state().unwrap()).collect();
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        model.forward(&segs, &mut refs).map(|_| ()).unwrap_err().to_string()
+    };
+    use imajev_serve::engine::Segment;
+    let e = run(vec![Segment { layout: &l1, images: &[], parent: Some(1) }, Segment { layout: &l0, images: &[], parent: None }]);
+    assert!(e.contains("does not come before"), "{e}");
+    let e = run(vec![Segment { layout: &l0, images: &[], parent: None }, Segment { layout: &off, images: &[], parent: Some(0) }]);
+    assert!(e.contains("does not start where its parent"), "{e}");
+}

@@ -541,6 +541,19 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             "4B",
             d4b,
             &[&[70, 1, 133], &[5, 64, 1], &[2, 3, 100]],
+            &[],
+        )?;
+        // A prefix and its continuations in one call (the parent's rows become the children's
+        // shared part), next to an independent sequence; then every cache continues.
+        attention_case(
+            g,
+            c,
+            rep,
+            rng,
+            "4B",
+            d4b,
+            &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]],
+            &[None, Some(0), Some(0), None, Some(3)],
         )?;
         let tiny = AttentionDims {
             heads: 4,
@@ -549,7 +562,7 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             rotary_dim: 16,
             norm_eps: 1e-6,
         };
-        attention_case(g, c, rep, rng, "tiny", tiny, &[&[37, 100], &[3, 1]])?;
+        attention_case(g, c, rep, rng, "tiny", tiny, &[&[37, 100], &[3, 1]], &[])?;
         let alt = AttentionDims {
             heads: 3,
             kv_heads: 1,
@@ -557,7 +570,7 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             rotary_dim: 16,
             norm_eps: 1e-6,
         };
-        attention_case(g, c, rep, rng, "alt", alt, &[&[50], &[20]])?;
+        attention_case(g, c, rep, rng, "alt", alt, &[&[50], &[20]], &[])?;
         vision_case(g, c, rep, rng, 16, 64, &[100, 64, 256])?;
         vision_case(g, c, rep, rng, 2, 16, &[16, 64])?;
         Ok(())
@@ -572,7 +585,12 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             conv_kernel: 4,
             norm_eps: 1e-6,
         };
-        delta_case(g, c, rep, rng, "4B", d4b, &[&[70, 1, 130], &[3, 64, 65]])?;
+        delta_case(g, c, rep, rng, "4B", d4b, &[&[70, 1, 130], &[3, 64, 65]], &[])?;
+        // Prefixes and their continuations in one call (a 2-token parent: its children's conv
+        // history reaches into the parent's old history), beside an independent sequence whose
+        // state is updated in place.
+        let tree = [None, Some(0), Some(0), None, None, Some(4)];
+        delta_case(g, c, rep, rng, "4B", d4b, &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]], &tree)?;
         let alt = DeltaNetDims {
             key_heads: 2,
             value_heads: 6,
@@ -581,13 +599,14 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
             conv_kernel: 4,
             norm_eps: 1e-6,
         };
-        delta_case(g, c, rep, rng, "alt", alt, &[&[100, 5], &[1, 70]])?;
+        delta_case(g, c, rep, rng, "alt", alt, &[&[100, 5], &[1, 70]], &[])?;
         // The other chunk scan (CUDA cores when the default is tensor cores), same checks.
         let other = !g.options().gdn_ffma;
         let gf = CudaBackend::new(0, CudaOptions { gdn_ffma: other, ..g.options().clone() })?;
         let tag = if gf.options().gdn_ffma { "FMA scan" } else { "tensor-core scan" };
-        delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[70, 1, 130], &[3, 64, 65]])?;
-        delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]])?;
+        delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[70, 1, 130], &[3, 64, 65]], &[])?;
+        delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]], &tree)?;
+        delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]], &[])?;
         Ok(())
     });
 }
@@ -898,6 +917,15 @@ fn section(h: usize) -> [usize; 3] {
     [h.div_ceil(3), (h + 1) / 3, h / 3]
 }
 
+/// ` parents [..]` for a call that runs a tree, else nothing.
+fn tree_note(parents: &[Option<usize>]) -> String {
+    if parents.is_empty() {
+        return String::new();
+    }
+    let p: Vec<String> = parents.iter().map(|p| p.map_or("-".into(), |i| i.to_string())).collect();
+    format!(" parents [{}]", p.join(","))
+}
+
 fn attention_case(
     g: &CudaBackend,
     c: &CpuBackend,
@@ -906,6 +934,7 @@ fn attention_case(
     name: &str,
     dims: AttentionDims,
     calls: &[&[usize]],
+    tree: &[Option<usize>],
 ) -> Result<()> {
     let AttentionDims {
         heads,
@@ -927,11 +956,16 @@ fn attention_case(
     for (ci, lens) in calls.iter().enumerate() {
         let n: usize = lens.iter().sum();
         let segs = tiling(lens);
+        // The first call may run a tree (children continue their parent within the call).
+        let parents = if ci == 0 { tree } else { &[] };
         let qg = randn(rng, n * heads * 2 * hd, 1.0);
         let k = randn(rng, n * kvh * hd, 1.0);
         let v = randn(rng, n * kvh * hd, 1.0);
         let mut pos: [Vec<i64>; 3] = [vec![], vec![], vec![]];
         for (s, &l) in lens.iter().enumerate() {
+            if let Some(p) = parents.get(s).copied().flatten() {
+                pos0[s] = pos0[p];
+            }
             for t in 0..l as i64 {
                 for r in pos.iter_mut() {
                     r.push(pos0[s] + t);
@@ -961,7 +995,7 @@ fn attention_case(
                     sin: &t.4,
                 };
                 let mut refs: Vec<_> = $caches.iter_mut().collect();
-                let o = b.gated_attention(&inputs, &dims, &segs, &mut refs)?;
+                let o = b.gated_attention(&inputs, &dims, &segs, parents, &mut refs)?;
                 b.download(&o)?
             }};
         }
@@ -970,7 +1004,7 @@ fn attention_case(
         let lens_ok = gc.iter().zip(&cc).all(|(a, b)| g.kv_len(a) == c.kv_len(b));
         rep.check(
             "ops",
-            format!("gated_attention {name} h{heads}/{kvh} d{hd} rot{rot} call {ci} lens {lens:?}"),
+            format!("gated_attention {name} h{heads}/{kvh} d{hd} rot{rot} call {ci} lens {lens:?}{}", tree_note(parents)),
             rel(&og, &oc),
             2e-2,
         );
@@ -1042,6 +1076,7 @@ fn delta_case(
     name: &str,
     dims: DeltaNetDims,
     calls: &[&[usize]],
+    tree: &[Option<usize>],
 ) -> Result<()> {
     let DeltaNetDims {
         value_heads: vh,
@@ -1077,6 +1112,8 @@ fn delta_case(
     for (ci, lens) in calls.iter().enumerate() {
         let n: usize = lens.iter().sum();
         let segs = tiling(lens);
+        // The first call may run a tree (children continue their parent within the call).
+        let parents = if ci == 0 { tree } else { &[] };
         let qkv = randn(rng, n * ch, 1.0);
         let z = randn(rng, n * vh * dv, 1.0);
         let b = randn(rng, n * vh, 1.0);
@@ -1102,7 +1139,7 @@ fn delta_case(
                     norm_weight: &t.4,
                 };
                 let mut refs: Vec<_> = $states.iter_mut().collect();
-                let o = be.gated_delta_net(&inputs, &dims, &segs, &mut refs)?;
+                let o = be.gated_delta_net(&inputs, &dims, &segs, parents, &mut refs)?;
                 be.download(&o)?
             }};
         }
@@ -1110,7 +1147,7 @@ fn delta_case(
         let oc = run!(c, cs);
         rep.check(
             "ops",
-            format!("gated_delta_net {name} call {ci} lens {lens:?}: output"),
+            format!("gated_delta_net {name} call {ci} lens {lens:?}{}: output", tree_note(parents)),
             rel(&og, &oc),
             2e-2,
         );
@@ -1143,7 +1180,7 @@ fn delta_case(
         dt_bias: &t.3,
         norm_weight: &t.4,
     };
-    g.gated_delta_net(&inputs, &dims, &tiling(&[1]), &mut [&mut gs[0]])?;
+    g.gated_delta_net(&inputs, &dims, &tiling(&[1]), &[], &mut [&mut gs[0]])?;
     let same = fork.recurrent()? == before && gs[0].recurrent()? != before;
     rep.flag(
         "ops",
@@ -1354,6 +1391,33 @@ fn prefix_extend(g: &CudaBackend, rep: &mut Report) -> Result<()> {
         st.tokens == tokens_before,
         "",
     );
+    // The prefix and both suffixes as ONE forward (the forks made inside it) equal prefill,
+    // share, fork, extend — bitwise, as every row's arithmetic is the same — and the states it
+    // leaves continue like the forks'.
+    let feats = model.encode_images(&refs)?;
+    let layout = model.layout(prefix, &refs, 0)?;
+    let (mut tree, ht) = model.prefill_extend(&layout, &feats, &[suffix, &suffix2])?;
+    let htv = model.backend.download(&ht)?;
+    let e = rel(&htv[d..], &hv);
+    rep.check(p, "prefix + 2 forks in one forward vs prefill then extend", e, 3e-2);
+    rep.flag(
+        p,
+        "… bitwise identical",
+        htv[d..].iter().zip(&hv).all(|(a, b)| a.to_bits() == b.to_bits()),
+        format!("max rel diff {e:.2e}"),
+    );
+    let more = tok.encode(" Answer again")?;
+    let mut tails: Vec<_> = tree.drain(1..).collect();
+    let a = model.backend.download(&model.extend(&mut tails, &[&more, &more])?)?;
+    let b = model.backend.download(&model.extend(&mut forks, &[&more, &more])?)?;
+    let e = rel(&a, &b);
+    rep.check(p, "states left by the one forward continue like the forks'", e, 3e-2);
+    rep.flag(
+        p,
+        "… bitwise identical",
+        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+        format!("max rel diff {e:.2e}"),
+    );
     // The original, extended alone, equals fork 0 extended in a batch of two: the forks did not
     // write into its caches, and a row does not depend on its batch companions.
     let mut alone = vec![st];
@@ -1454,7 +1518,7 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
     };
     let ms = time_ms(g, 5, &mut || {
         let mut c = g.new_kv_cache(&dims)?;
-        g.gated_attention(&inputs, &dims, &tiling(&[m]), &mut [&mut c])
+        g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut c])
             .map(|_| ())
     })?;
     out.push(format!(
@@ -1487,7 +1551,7 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
     };
     let ms = time_ms(g, 5, &mut || {
         let mut s = g.new_delta_state(&dd)?;
-        g.gated_delta_net(&inputs, &dd, &tiling(&[m]), &mut [&mut s])
+        g.gated_delta_net(&inputs, &dd, &tiling(&[m]), &[], &mut [&mut s])
             .map(|_| ())
     })?;
     out.push(format!("gated_delta_net 4B, 1×{m} tokens: {ms:.3} ms"));
@@ -1501,7 +1565,7 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
         let rows: Vec<usize> = (0..n11).collect();
         let x = g.gather_rows(&t.0, &rows)?;
         let inputs = DeltaNetInputs { proj: &x, ..inputs };
-        g.gated_delta_net(&inputs, &dd, &tiling(&lens), &mut refs).map(|_| ())
+        g.gated_delta_net(&inputs, &dd, &tiling(&lens), &[], &mut refs).map(|_| ())
     })?;
     out.push(format!("gated_delta_net 4B, 11 forks × 73 tokens: {ms:.3} ms (incl. a row gather)"));
     Ok(out)

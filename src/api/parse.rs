@@ -114,16 +114,19 @@ pub fn parse_json(body: &[u8], loc: Loc) -> Result<Value, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_json(loc, format!("the body is not valid JSON: {e}")))
 }
 
-/// Decodes and preprocesses every image (the expensive step; run it off the async threads).
+/// Decodes and preprocesses every image (the expensive step; run it off the async threads), the
+/// images in parallel. A bad image is reported as the first bad one in request order.
 pub fn decode_images(blobs: &[ImageBlob], ctx: &ParseContext) -> Result<Vec<RequestImage>, ApiError> {
-    blobs
-        .iter()
+    use rayon::prelude::*;
+    let each: Vec<Result<RequestImage, ApiError>> = blobs
+        .par_iter()
         .map(|b| {
             let (img, patched) = load_and_preprocess(&b.bytes, &ctx.image_limits, &ctx.image_config)
                 .map_err(|e| image_error(e, b))?;
             Ok(RequestImage { sha256: hex::encode(img.sha256), width: img.width, height: img.height, patched })
         })
-        .collect()
+        .collect();
+    each.into_iter().collect()
 }
 
 fn image_error(e: crate::image::ImageError, b: &ImageBlob) -> ApiError {

@@ -246,6 +246,8 @@ pub struct Usage {
     pub passes: u64,
     pub rotations: u64,
     pub vision_ms: f64,
+    /// The separate prefill of the shared prefix; 0 when the prefix ran in the same forward as
+    /// the passes (whenever they fit in one packed batch together), which `questions_ms` counts.
     pub prefill_ms: f64,
     pub questions_ms: f64,
     pub total_ms: f64,

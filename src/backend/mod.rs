@@ -7,8 +7,9 @@
 //! which layer of which model it is running.
 //!
 //! Activations are row-major 2-D `[rows, cols]` tensors. A *packed batch* holds the rows of several
-//! independent sequences back to back; `segments` gives each sequence's row range, and the
-//! sequence mixers take one cache or state per segment.
+//! sequences back to back; `segments` gives each sequence's row range, and the sequence mixers
+//! take one cache or state per segment. A sequence may continue another one of the same batch
+//! (`parents`): a shared prefix and its continuations run as one forward.
 
 pub mod cpu;
 pub mod cuda;
@@ -118,6 +119,26 @@ pub struct DeltaNetInputs<'t, T> {
     pub norm_weight: &'t T,
 }
 
+/// Checks a packed batch's tree: `parents` is empty (independent sequences) or has one entry per
+/// segment, and a segment's parent comes before it and has no parent itself (one level: a shared
+/// prefix and the sequences that continue it, in one forward). Returns, per segment, whether it
+/// is some segment's parent.
+pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Vec<bool>> {
+    let mut is_parent = vec![false; segments];
+    if parents.is_empty() {
+        return Ok(is_parent);
+    }
+    anyhow::ensure!(parents.len() == segments, "{} parents for {segments} segments", parents.len());
+    for (j, p) in parents.iter().enumerate() {
+        if let Some(i) = *p {
+            anyhow::ensure!(i < j, "segment {j}'s parent {i} does not come before it");
+            anyhow::ensure!(parents[i].is_none(), "segment {j}'s parent {i} has a parent itself (one level only)");
+            is_parent[i] = true;
+        }
+    }
+    Ok(is_parent)
+}
+
 /// The operations of a Qwen3.5 prefill.
 pub trait Backend: Send + Sync + 'static {
     /// A dense activation or parameter tensor.
@@ -211,24 +232,31 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
     /// q/k norm, rotary, append k/v to each segment's cache, causal GQA attention over the cache,
-    /// times `sigmoid(gate)`. Returns `[n, heads·head_dim]`.
+    /// times `sigmoid(gate)`. Returns `[n, heads·head_dim]`. `parents` is empty or has one entry
+    /// per segment (see [`check_parents`]): a segment with a parent starts from a fork of the
+    /// parent's cache as it stands after the parent's rows of this call (its own cache is
+    /// replaced). A parent's cache must not be a fork of a shared cache.
     fn gated_attention(
         &self,
         x: &AttentionInputs<Self::Tensor>,
         dims: &AttentionDims,
         segments: &[Range<usize>],
+        parents: &[Option<usize>],
         caches: &mut [&mut Self::KvCache],
     ) -> Result<Self::Tensor>;
 
     fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<Self::DeltaState>;
     /// Causal conv + SiLU (continuing each segment's conv history), β/g gates, L2-normed q/k,
     /// the gated delta rule from each segment's recurrent state, and the gated RMSNorm with `z`.
-    /// Returns `[n, value_heads·value_dim]` and leaves the final states in `states`.
+    /// Returns `[n, value_heads·value_dim]` and leaves the final states in `states`. `parents` as
+    /// in [`Backend::gated_attention`]: a segment with a parent continues from the parent's state
+    /// after the parent's rows of this call.
     fn gated_delta_net(
         &self,
         x: &DeltaNetInputs<Self::Tensor>,
         dims: &DeltaNetDims,
         segments: &[Range<usize>],
+        parents: &[Option<usize>],
         states: &mut [&mut Self::DeltaState],
     ) -> Result<Self::Tensor>;
 

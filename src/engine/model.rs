@@ -62,11 +62,15 @@ impl<B: Backend> State<B> {
     }
 }
 
-/// One sequence of a packed forward: its layout and the merged features of its images
-/// (indexed by the image numbers in `layout.images`).
+/// One sequence of a packed forward: its layout, the merged features of its images (indexed by
+/// the image numbers in `layout.images`) and optionally the earlier sequence of the same forward
+/// that it continues (its state becomes a fork of that sequence's state after its tokens, and its
+/// layout starts at that sequence's `next_pos`): a shared prefix and the passes that extend it
+/// run as one forward, with no separate prefill.
 pub struct Segment<'a, B: Backend> {
     pub layout: &'a SequenceLayout,
     pub images: &'a [B::Tensor],
+    pub parent: Option<usize>,
 }
 
 enum Mixer<B: Backend> {
@@ -491,6 +495,17 @@ impl<B: Backend> Qwen35<B> {
             ranges.push(start..ids.len());
         }
         let n = ids.len();
+        let parents: Vec<Option<usize>> = segs.iter().map(|s| s.parent).collect();
+        let parents: &[Option<usize>] = if parents.iter().all(Option::is_none) { &[] } else { &parents };
+        crate::backend::check_parents(parents, segs.len())?;
+        for (j, s) in segs.iter().enumerate() {
+            if let Some(p) = s.parent {
+                ensure!(
+                    s.layout.positions[0].first() == Some(&segs[p].layout.next_pos),
+                    "sequence {j} does not start where its parent {p} ends"
+                );
+            }
+        }
         let mut prof = super::profile::StageTimer::start(b);
         let mut x = b.embed(&self.embed, &ids)?;
         for (s, range) in segs.iter().zip(&ranges) {
@@ -530,7 +545,7 @@ impl<B: Backend> Qwen35<B> {
                         sin: &sin,
                     };
                     prof.mark(b, "attn.proj_in");
-                    let core = b.gated_attention(&inputs, &self.attn_dims, &ranges, &mut caches)?;
+                    let core = b.gated_attention(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?;
                     prof.mark(b, "attn.core");
                     let y = b.matmul(&core, o)?;
                     prof.mark(b, "attn.proj_out");
@@ -554,7 +569,7 @@ impl<B: Backend> Qwen35<B> {
                         norm_weight: norm,
                     };
                     prof.mark(b, "gdn.proj_in");
-                    let core = b.gated_delta_net(&inputs, d, &ranges, &mut sts)?;
+                    let core = b.gated_delta_net(&inputs, d, &ranges, parents, &mut sts)?;
                     prof.mark(b, "gdn.core");
                     let y = b.matmul(&core, out)?;
                     prof.mark(b, "gdn.proj_out");
@@ -581,9 +596,10 @@ impl<B: Backend> Qwen35<B> {
         prof.mark(b, "final");
         prof.report(&format!("forward of {} sequence(s)", segs.len()), n);
         super::profile::kernel_report(b, &format!("forward of {} sequence(s) ({n} tokens)", segs.len()));
-        for (s, st) in segs.iter().zip(states.iter_mut()) {
-            st.tokens += s.layout.ids.len();
-            st.next_pos = s.layout.next_pos;
+        for (j, s) in segs.iter().enumerate() {
+            let before = s.parent.map_or(states[j].tokens, |p| states[p].tokens);
+            states[j].tokens = before + s.layout.ids.len();
+            states[j].next_pos = s.layout.next_pos;
         }
         Ok(out)
     }
@@ -593,7 +609,7 @@ impl<B: Backend> Qwen35<B> {
         let feats = self.encode_images(images)?;
         let layout = self.layout(ids, images, 0)?;
         let mut st = self.new_state()?;
-        let h = self.forward(&[Segment { layout: &layout, images: &feats }], &mut [&mut st])?;
+        let h = self.forward(&[Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut st])?;
         Ok((st, h, layout))
     }
 
@@ -607,9 +623,32 @@ impl<B: Backend> Qwen35<B> {
             .zip(suffixes)
             .map(|(s, ids)| self.layout(ids, &[], s.next_pos))
             .collect::<Result<Vec<_>>>()?;
-        let segs: Vec<Segment<B>> = layouts.iter().map(|l| Segment { layout: l, images: &[] }).collect();
+        let segs: Vec<Segment<B>> = layouts.iter().map(|l| Segment { layout: l, images: &[], parent: None }).collect();
         let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
         self.forward(&segs, &mut refs)
+    }
+
+    /// `prefill` of a laid-out prefix (images already encoded) and `extend` of one fork of it per
+    /// suffix, as ONE packed forward. Returns the states (the prefix's first, then one per suffix)
+    /// and the hidden state at each sequence's last token, `[1 + suffixes, hidden]` (row 0 is the
+    /// prefix's). Equals `forward` of the prefix, `share`, forks, then `extend`.
+    pub fn prefill_extend(
+        &self,
+        layout: &SequenceLayout,
+        feats: &[B::Tensor],
+        suffixes: &[&[u32]],
+    ) -> Result<(Vec<State<B>>, B::Tensor)> {
+        let layouts = suffixes.iter().map(|ids| self.layout(ids, &[], layout.next_pos)).collect::<Result<Vec<_>>>()?;
+        let mut segs = vec![Segment { layout, images: feats, parent: None }];
+        segs.extend(layouts.iter().map(|l| Segment { layout: l, images: &[], parent: Some(0) }));
+        // The suffixes' states are replaced by forks of the prefix's inside the forward; until
+        // then they are forks of the empty state (nothing allocated per suffix).
+        let root = self.new_state()?;
+        let mut states: Vec<State<B>> = std::iter::once(root.fork()).chain(suffixes.iter().map(|_| root.fork())).collect();
+        drop(root);
+        let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
+        let hidden = self.forward(&segs, &mut refs)?;
+        Ok((states, hidden))
     }
 
     /// Readout logits `[rows]` per hidden row, in f32.

@@ -512,7 +512,9 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<DecodedImage, 
         return Err(ImageError::Animated);
     }
 
-    let (rgb, dw, dh) = decode_pixels(bytes, format, &header)?;
+    // The digest (for the usage block) runs beside the pixel decoding.
+    let (pixels, sha256) = rayon::join(|| decode_pixels(bytes, format, &header), || Sha256::digest(bytes));
+    let (rgb, dw, dh) = pixels?;
     if dw * dh > limits.max_pixels {
         return Err(ImageError::TooManyPixels {
             width: dw,
@@ -527,7 +529,7 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<DecodedImage, 
         width: ow as u32,
         height: oh as u32,
         rgb,
-        sha256: Sha256::digest(bytes).into(),
+        sha256: sha256.into(),
         format,
         orientation,
     })

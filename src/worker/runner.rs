@@ -80,16 +80,7 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         out.vision_ms = ms(t);
         keep_going().map_err(RunError::Stopped)?;
 
-        let t = Instant::now();
         let layout = self.layout(&plan.prefix, images, 0)?;
-        let mut prefix = self.new_state()?;
-        self.forward(&[crate::engine::Segment { layout: &layout, images: &feats }], &mut [&mut prefix])?;
-        prefix.share(&self.backend)?;
-        out.tokens += layout.ids.len();
-        out.prefill_ms = ms(t);
-        keep_going().map_err(RunError::Stopped)?;
-
-        let t = Instant::now();
         // Per field: the prefix state extended with the tokens all its passes share — when that
         // saves enough work; otherwise those tokens stay at the front of every pass's suffix.
         let saved: usize = plan.fields.iter().map(|f| f.common.len() * f.passes.len().saturating_sub(1)).sum();
@@ -102,6 +93,43 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
                 std::borrow::Cow::Owned([fp.common.as_slice(), fp.passes[p].suffix.as_slice()].concat())
             }
         };
+        let passes: Vec<(usize, usize)> =
+            plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
+        out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
+
+        // When every pass fits in one packed forward together with the prefix, the prefix and
+        // the passes that continue it are that one forward (no separate prefill: one pass over
+        // the weights and one set of launches instead of two).
+        let pass_tokens: usize = passes.iter().map(|&(f, p)| suffix_of(f, p).len()).sum();
+        if !share_commons
+            && !passes.is_empty()
+            && layout.ids.len() + pass_tokens <= limits.max_tokens
+            && passes.len() < limits.max_sequences
+        {
+            let t = Instant::now();
+            let owned: Vec<std::borrow::Cow<'_, [u32]>> = passes.iter().map(|&(f, p)| suffix_of(f, p)).collect();
+            let suffixes: Vec<&[u32]> = owned.iter().map(|s| s.as_ref()).collect();
+            let (_, hidden) = self.prefill_extend(&layout, &feats, &suffixes)?;
+            // Row 0 is the prefix's last token: not a pass.
+            let logits = self.readout(&hidden)?;
+            for (&(f, p), l) in passes.iter().zip(logits.into_iter().skip(1)) {
+                out.logits[f][p] = l;
+            }
+            out.tokens += layout.ids.len() + pass_tokens;
+            out.passes = passes.len();
+            out.questions_ms = ms(t);
+            return Ok(out);
+        }
+
+        let t = Instant::now();
+        let mut prefix = self.new_state()?;
+        self.forward(&[crate::engine::Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut prefix])?;
+        prefix.share(&self.backend)?;
+        out.tokens += layout.ids.len();
+        out.prefill_ms = ms(t);
+        keep_going().map_err(RunError::Stopped)?;
+
+        let t = Instant::now();
         let mut field_states: Vec<Option<State<B>>> = (0..plan.fields.len()).map(|_| None).collect();
         let with_common: Vec<usize> = if share_commons {
             (0..plan.fields.len()).filter(|&i| !plan.fields[i].common.is_empty()).collect()
@@ -120,9 +148,6 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             keep_going().map_err(RunError::Stopped)?;
         }
         // Every pass: a fork of its field's state, extended with its suffix.
-        let passes: Vec<(usize, usize)> =
-            plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
-        out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
         let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
         for chunk in batches(&passes, |&(f, p)| suffix_of(f, p).len(), limits) {
             let mut states: Vec<State<B>> =

@@ -341,10 +341,12 @@ impl Backend for CpuBackend {
         x: &AttentionInputs<CpuTensor>,
         dims: &AttentionDims,
         segments: &[Range<usize>],
+        parents: &[Option<usize>],
         caches: &mut [&mut CpuKvCache],
     ) -> Result<CpuTensor> {
         let AttentionDims { heads, kv_heads, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
+        crate::backend::check_parents(parents, segments.len())?;
         let (n, width) = x.qkv.rows_cols();
         ensure!(width == dims.qkv_width(), "attention input width {width} != {}", dims.qkv_width());
         let qgw = heads * 2 * hd;
@@ -374,7 +376,13 @@ impl Backend for CpuBackend {
             }
         }
         let mut out = vec![0f32; n * heads * hd];
-        for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
+        for (si, seg) in segments.iter().enumerate() {
+            if let Some(p) = parents.get(si).copied().flatten() {
+                // The parent's rows are in (it comes first): fork its cache.
+                self.share_kv(caches[p])?;
+                *caches[si] = caches[p].clone();
+            }
+            let cache = &mut *caches[si];
             let w = kv_heads * hd;
             cache.k.extend_from_slice(&k[seg.start * w..seg.end * w]);
             cache.v.extend_from_slice(&value.data[seg.start * w..seg.end * w]);
@@ -400,11 +408,13 @@ impl Backend for CpuBackend {
         x: &DeltaNetInputs<CpuTensor>,
         dims: &DeltaNetDims,
         segments: &[Range<usize>],
+        parents: &[Option<usize>],
         states: &mut [&mut CpuDeltaState],
     ) -> Result<CpuTensor> {
         let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel, norm_eps } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
+        crate::backend::check_parents(parents, segments.len())?;
         let (n, w) = x.proj.rows_cols();
         ensure!(w == dims.proj_width(), "DeltaNet input width {w} != {}", dims.proj_width());
         let parts = self.split_cols(x.proj, &[c, vh * dv, vh, vh])?;
@@ -414,7 +424,12 @@ impl Backend for CpuBackend {
         let a_log = &x.a_log.data;
         let dt_bias = &x.dt_bias.data;
         let mut core = vec![0f32; n * vh * dv];
-        for (seg, st) in segments.iter().zip(states.iter_mut()) {
+        for (si, seg) in segments.iter().enumerate() {
+            if let Some(p) = parents.get(si).copied().flatten() {
+                // The parent's rows are in (it comes first): continue from its state.
+                *states[si] = states[p].clone();
+            }
+            let st = &mut *states[si];
             let len = seg.len();
             if len == 0 {
                 continue;

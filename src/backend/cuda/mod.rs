@@ -1831,6 +1831,7 @@ impl Backend for CudaBackend {
         x: &AttentionInputs<CudaTensor>,
         dims: &AttentionDims,
         segments: &[Range<usize>],
+        parents: &[Option<usize>],
         caches: &mut [&mut CudaKvCache],
     ) -> Result<CudaTensor> {
         let AttentionDims {
@@ -1841,6 +1842,7 @@ impl Backend for CudaBackend {
             norm_eps,
         } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
+        let is_parent = crate::backend::check_parents(parents, segments.len())?;
         let (n, width) = x.qkv.rows_cols();
         ensure!(
             width == dims.qkv_width(),
@@ -1885,8 +1887,31 @@ impl Backend for CudaBackend {
         let (qw, kw) = (self.f32_of(x.q_norm)?, self.f32_of(x.k_norm)?);
         let (cos, sin) = (self.f32_of(x.cos)?, self.f32_of(x.sin)?);
         let mut meta = Vec::with_capacity(8 * segments.len());
-        for (seg, c) in segments.iter().zip(caches.iter_mut()) {
+        for (si, seg) in segments.iter().enumerate() {
+            if let Some(p) = parents.get(si).copied().flatten() {
+                // A fork of the parent, whose rows (all of them shared, see below) the prep
+                // launch writes before the attention launch reads them.
+                let shared = caches[p].shared.clone();
+                let c = &mut *caches[si];
+                *c = CudaKvCache { shared, k: None, v: None, width: c.width, cap: 0, len: 0 };
+            }
+            let c = &mut *caches[si];
             self.reserve_kv(c, c.len + seg.len())?;
+            if is_parent[si] {
+                // The parent's own rows, this call's included, become the immutable prefix its
+                // children read: the own buffers move into the shared part as they are (the
+                // prep launch writes this call's rows into them), so nothing is copied.
+                ensure!(
+                    c.shared.is_none(),
+                    "a parent's KV cache must not continue a shared cache"
+                );
+                let (k, v) = (c.k.take().expect("reserved"), c.v.take().expect("reserved"));
+                let (kp, vp, before) = (self.p(&k), self.p(&v), c.len);
+                c.shared = Some(Arc::new(SharedKv { k, v, len: before + seg.len() }));
+                (c.cap, c.len) = (0, 0);
+                meta.extend([seg.start as i64, seg.len() as i64, 0, 0, 0, kp as i64, vp as i64, before as i64]);
+                continue;
+            }
             let (sk, sv, sl) = match &c.shared {
                 Some(s) => (self.p(&s.k), self.p(&s.v), s.len),
                 None => (0, 0, 0),
@@ -1934,8 +1959,10 @@ impl Backend for CudaBackend {
                 A::I(hd as i32),
             ],
         )?;
-        for (seg, c) in segments.iter().zip(caches.iter_mut()) {
-            c.len += seg.len();
+        for ((seg, c), parent) in segments.iter().zip(caches.iter_mut()).zip(&is_parent) {
+            if !parent {
+                c.len += seg.len();
+            }
         }
         let out = self.alloc_bf16(n * heads * hd)?;
         // The gate of head h, dim c, row t is qkv[t, h·2·hd + hd + c] (offset hd elements).
@@ -1963,6 +1990,7 @@ impl Backend for CudaBackend {
         x: &DeltaNetInputs<CudaTensor>,
         dims: &DeltaNetDims,
         segments: &[Range<usize>],
+        parents: &[Option<usize>],
         states: &mut [&mut CudaDeltaState],
     ) -> Result<CudaTensor> {
         let DeltaNetDims {
@@ -1975,6 +2003,8 @@ impl Backend for CudaBackend {
         } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
+        let is_parent = crate::backend::check_parents(parents, segments.len())?;
+        let parent_of = |si: usize| parents.get(si).copied().flatten();
         let (n, pw) = x.proj.rows_cols();
         ensure!(
             pw == dims.proj_width(),
@@ -2016,38 +2046,70 @@ impl Backend for CudaBackend {
         );
         let table = host::chunk_table(segments, host::DELTA_CHUNK);
         // Copy-on-write: states sharing their buffers (forks) get fresh ones, all from one
-        // allocation; the kernels read the old arrays and write the new.
+        // allocation; the kernels read the old arrays and write the new. Parents and the
+        // children that fork them always get fresh ones (a parent's arrays before and after its
+        // rows are both read during the call).
         let (conv_len, rec_len) = (kw.saturating_sub(1) * c, vh * dk * dv);
-        let shared: usize = states.iter_mut().map(|st| Arc::get_mut(&mut st.cur).is_none() as usize).sum();
+        let needs_fresh: Vec<bool> = (0..segments.len())
+            .map(|si| is_parent[si] || parent_of(si).is_some() || Arc::get_mut(&mut states[si].cur).is_none())
+            .collect();
+        let shared = needs_fresh.iter().filter(|&&f| f).count();
         let fresh = if shared == 0 {
             None
         } else {
             Some(Arc::new(self.alloc_f32(shared * (conv_len + rec_len))?))
         };
         let stream = &self.inner.stream;
+        // Table entries in launch order: parents, then the other independent sequences, then the
+        // children. The conv history of the parents is written before the conv (their children
+        // read it), everyone else's after it (an in-place history is read by the conv); the scan
+        // of the children runs after everyone else's (they start from their parents' states).
+        let rank = |si: usize| if is_parent[si] { 0 } else if parent_of(si).is_none() { 1 } else { 2 };
+        let mut order: Vec<usize> = (0..segments.len()).collect();
+        order.sort_by_key(|&si| rank(si));
+        let parents_n = is_parent.iter().filter(|&&p| p).count();
+        let roots_n = order.iter().filter(|&&si| rank(si) < 2).count();
         let mut conv_meta = Vec::with_capacity(4 * segments.len());
         let mut scan_meta = Vec::with_capacity(4 * segments.len());
+        let mut entries = Vec::with_capacity(segments.len());
+        // The arrays replaced below are read by the kernels: they must outlive the launches
+        // (dropping the last reference frees the memory in stream order, before the kernels).
+        let mut replaced: Vec<Arc<DeltaBufs>> = Vec::new();
         let mut slot = 0;
-        for ((seg, st), &(first, count)) in segments.iter().zip(states.iter_mut()).zip(&table.per_segment) {
-            let (conv_in, rec_in) = st.cur.ptrs(stream);
+        for si in 0..segments.len() {
+            if let Some(p) = parent_of(si) {
+                // The parent comes first, so its state already points at its output arrays.
+                let fork = states[p].clone();
+                replaced.push(std::mem::replace(&mut *states[si], fork).cur);
+            }
+            let st = &mut *states[si];
             ensure!(
                 st.cur.conv_len == conv_len && st.cur.recurrent_len == rec_len,
                 "DeltaNet state of another shape"
             );
-            if Arc::get_mut(&mut st.cur).is_none() {
+            let (conv_in, rec_in) = st.cur.ptrs(stream);
+            if needs_fresh[si] {
                 let off = slot * (conv_len + rec_len);
                 slot += 1;
-                st.cur = Arc::new(DeltaBufs {
+                let new = Arc::new(DeltaBufs {
                     buf: fresh.clone().expect("allocated above"),
                     conv: off,
                     recurrent: off + conv_len,
                     conv_len,
                     recurrent_len: rec_len,
                 });
+                replaced.push(std::mem::replace(&mut st.cur, new));
             }
             let (conv_out, rec_out) = st.cur.ptrs(stream);
-            conv_meta.extend([seg.start as i64, seg.len() as i64, conv_in as i64, conv_out as i64]);
-            scan_meta.extend([first as i64, count as i64, rec_in as i64, rec_out as i64]);
+            let (seg, (first, count)) = (&segments[si], table.per_segment[si]);
+            entries.push((
+                [seg.start as i64, seg.len() as i64, conv_in as i64, conv_out as i64],
+                [first as i64, count as i64, rec_in as i64, rec_out as i64],
+            ));
+        }
+        for &si in &order {
+            conv_meta.extend(entries[si].0);
+            scan_meta.extend(entries[si].1);
         }
         let (conv_meta, scan_meta, chunks) = (
             self.htod(&conv_meta)?,
@@ -2070,6 +2132,21 @@ impl Backend for CudaBackend {
         let vec = pw % 4 == 0 && qkv_ptr % 8 == 0;
         let groups = c / 4;
         let threads = groups.next_multiple_of(32).min(256);
+        // Table entries `range` (in launch order) of a per-sequence launch: a pointer to the
+        // first and the count.
+        let part = |meta: &CudaSlice<i64>, range: Range<usize>| (self.p(meta) + 32 * range.start as u64, range.len());
+        let conv_hist = |range: Range<usize>| -> Result<()> {
+            let (meta, count) = part(&conv_meta, range);
+            if count == 0 {
+                return Ok(());
+            }
+            self.launch(
+                "gdn_conv_hist",
+                cfg((grid1(c, 256), count as u32, 1), 256, 0),
+                &[A::P(qkv_ptr), A::L(ld), A::P(meta), A::I(c as i32), A::I(kw as i32)],
+            )
+        };
+        conv_hist(0..parents_n)?;
         self.launch(
             "gdn_conv",
             cfg(
@@ -2101,17 +2178,7 @@ impl Backend for CudaBackend {
                 A::I(dv as i32),
             ],
         )?;
-        self.launch(
-            "gdn_conv_hist",
-            cfg((grid1(c, 256), nseg as u32, 1), 256, 0),
-            &[
-                A::P(qkv_ptr),
-                A::L(ld),
-                A::P(self.p(&conv_meta)),
-                A::I(c as i32),
-                A::I(kw as i32),
-            ],
-        )?;
+        conv_hist(parents_n..nseg)?;
         let core = self.alloc_f32(n * vh * dv)?;
         if !table.is_empty() {
             let (prep_smem, scan_smem) = host::delta_smem_bytes(dk);
@@ -2136,28 +2203,30 @@ impl Backend for CudaBackend {
             } else {
                 (format!("gdn_chunk_scan_tc_{dk}"), host::delta_tc_smem_bytes(dk))
             };
-            self.launch(
-                &scan_name,
-                cfg(
-                    (nseg as u32, vh as u32, dv.div_ceil(32) as u32),
-                    256,
-                    scan_smem,
-                ),
-                &[
-                    A::P(self.p(&qn)),
-                    A::P(self.p(&kn)),
-                    A::P(self.p(&vv)),
-                    A::P(self.p(&beta)),
-                    A::P(self.p(&g)),
-                    A::P(self.p(&tp)),
-                    A::P(self.p(&chunks)),
-                    A::P(self.p(&scan_meta)),
-                    A::I(kh as i32),
-                    A::I(vh as i32),
-                    A::I(dv as i32),
-                    A::P(self.p(&core)),
-                ],
-            )?;
+            for range in [0..roots_n, roots_n..nseg] {
+                let (meta, count) = part(&scan_meta, range);
+                if count == 0 {
+                    continue;
+                }
+                self.launch(
+                    &scan_name,
+                    cfg((count as u32, vh as u32, dv.div_ceil(32) as u32), 256, scan_smem),
+                    &[
+                        A::P(self.p(&qn)),
+                        A::P(self.p(&kn)),
+                        A::P(self.p(&vv)),
+                        A::P(self.p(&beta)),
+                        A::P(self.p(&g)),
+                        A::P(self.p(&tp)),
+                        A::P(self.p(&chunks)),
+                        A::P(meta),
+                        A::I(kh as i32),
+                        A::I(vh as i32),
+                        A::I(dv as i32),
+                        A::P(self.p(&core)),
+                    ],
+                )?;
+            }
         }
         let y = self.alloc_bf16(n * vh * dv)?;
         let rows = n * vh;
@@ -2176,6 +2245,7 @@ impl Backend for CudaBackend {
                 A::F(norm_eps),
             ],
         )?;
+        drop(replaced);
         Ok(self.bf16_tensor(y, &[n, vh * dv]))
     }
 
