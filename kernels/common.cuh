@@ -43,3 +43,10 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
   float t = lane < nw ? sh[lane] : 0.f;
   return warp_sum(t);
 }
+
+// Per-token 1×128 FP8 (E4M3) activation quantisation, shared by quant_act_1x128 and every kernel
+// that writes it fused with the op producing the activations (swiglu_quant_1x128, the *_quant row
+// norms): the scale of a 128-block whose largest |value| is amax, and the code of a value v of a
+// block with scale sc. One definition, so the fused kernels give quant_act_1x128's bits.
+__device__ __forceinline__ float act_scale_1x128(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+__device__ __forceinline__ unsigned char act_code_e4m3(float v, float sc) { return __nv_fp8_e4m3(v / sc).__x; }

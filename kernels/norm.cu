@@ -1,16 +1,94 @@
 // Row norms, f32 inside, one bf16 rounding at the output.
 // CPU twins: kernels::{rms_norm, layer_norm, rms_norm_gated} in src/backend/cpu/kernels.rs.
+//
+// The *_quant variants also write the per-token 1×128 FP8 quantisation of the bf16 rows they
+// store, for an FP8 projection that reads them: q [Mpad, d·heads] and scales [K/128][Mpad] exactly
+// as quant_act_1x128 (quant.cu) would make them from that bf16 output (amax over the rounded
+// values of each 128-block, the same act_scale_1x128 / act_code_e4m3 of common.cuh; rows
+// M..Mpad zero with scale 1), so the projection needs no quant_act_1x128 launch. Their bf16
+// outputs are bit-identical to the plain kernels': the same helpers below compute the sum of
+// squares (same thread/stride order, same block_sum) and each output value; only which thread
+// stores which column changes. CPU twin of a *_quant kernel: its plain op's twin, then
+// host::quantize_act_1x128 of the result.
+
+// 1 / rms of a row of length d, one block per row: thread t sums the squares of columns t,
+// t + blockDim.x, ... in order, then block_sum. rms_norm and rms_norm_quant share it (and
+// add_rms_norm's first pass reduces in the same order), so all give the same r.
+__device__ __forceinline__ float row_rsqrt(const bf16* xr, int d, float eps, float* sh) {
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) { float v = bf(xr[c]); ss += v * v; }
+  ss = block_sum(ss, sh);
+  return rsqrtf(ss / d + eps);
+}
+
+// add_rms_norm's first pass: xr[c] = bf16(xr[c] + yr[c]) exactly as add_bf16, and 1 / rms of the
+// stored (rounded) row, in row_rsqrt's order.
+__device__ __forceinline__ float add_row_rsqrt(bf16* xr, const bf16* yr, int d, float eps, float* sh) {
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    bf16 s = to_bf(bf(xr[c]) + bf(yr[c]));
+    xr[c] = s;
+    float v = bf(s);
+    ss += v * v;
+  }
+  ss = block_sum(ss, sh);
+  return rsqrtf(ss / d + eps);
+}
+
+__device__ __forceinline__ bf16 rms_out(bf16 x, float r, float offset, float w) { return to_bf(bf(x) * r * (offset + w)); }
+
+// The output pass of the fused row norms (d % 128 == 0): warp w of the block takes the row's
+// 128-column blocks w, w + warps, ...; lane l the 4 columns 4l..4l+3 of a block (quant_act_1x128's
+// layout). Stores yr and the block's codes qr and scale s[kb·Mpad + m].
+__device__ __forceinline__ void rms_out_quant(const bf16* xr, const float* w, float r, float offset, bf16* yr,
+                                              unsigned char* qr, float* s, int m, int Mpad, int d) {
+  int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  for (int kb = threadIdx.x >> 5; kb < d / 128; kb += nw) {
+    int c0 = kb * 128 + lane * 4;
+    float v[4], amax = 0.f;
+    for (int j = 0; j < 4; j++) {
+      bf16 h = rms_out(xr[c0 + j], r, offset, w[c0 + j]);
+      yr[c0 + j] = h;
+      v[j] = bf(h);
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = warp_max(amax);
+    float sc = act_scale_1x128(amax);
+    for (int j = 0; j < 4; j++) qr[c0 + j] = act_code_e4m3(v[j], sc);
+    if (lane == 0) s[(i64)kb * Mpad + m] = sc;
+  }
+}
+
+// A padding row m (M <= m < Mpad) of a quantisation: zero codes (quant_act_1x128 quantises zeros)
+// and scale 1 for each of its d / 128 blocks. One block per row.
+__device__ __forceinline__ void quant_pad_row(unsigned char* qr, float* s, int m, int Mpad, int d) {
+  for (int c = threadIdx.x; c < d; c += blockDim.x) qr[c] = 0;
+  for (int kb = threadIdx.x; kb < d / 128; kb += blockDim.x) s[(i64)kb * Mpad + m] = 1.f;
+}
 
 // One block per row of length d: y = x * rsqrt(mean(x^2) + eps) * (offset + w).
 extern "C" __global__ void rms_norm(const bf16* x, const float* w, bf16* y, int d, float eps, float offset) {
   __shared__ float sh[32];
   const bf16* xr = x + (i64)blockIdx.x * d;
   bf16* yr = y + (i64)blockIdx.x * d;
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) { float v = bf(xr[c]); ss += v * v; }
-  ss = block_sum(ss, sh);
-  float r = rsqrtf(ss / d + eps);
-  for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = to_bf(bf(xr[c]) * r * (offset + w[c]));
+  float r = row_rsqrt(xr, d, eps, sh);
+  for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = rms_out(xr[c], r, offset, w[c]);
+}
+
+// rms_norm fused with quant_act_1x128 of its output (d % 128 == 0). Grid Mpad blocks: blocks
+// m < M are rms_norm's rows (same block size, same bits), blocks m >= M write the padding rows.
+// CPU twin: kernels::rms_norm then host::quantize_act_1x128.
+extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y, unsigned char* q, float* s, int M,
+                                          int Mpad, int d, float eps, float offset) {
+  __shared__ float sh[32];
+  int m = blockIdx.x;
+  if (m >= M) {  // whole block: no barrier below is reached by part of it
+    quant_pad_row(q + (i64)m * d, s, m, Mpad, d);
+    return;
+  }
+  const bf16* xr = x + (i64)m * d;
+  float r = row_rsqrt(xr, d, eps, sh);
+  rms_out_quant(xr, w, r, offset, y + (i64)m * d, q + (i64)m * d, s, m, Mpad, d);
 }
 
 // Residual add fused with the next RMSNorm, one block per row of length d (launch it with the
@@ -21,18 +99,26 @@ extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, 
                                         float offset) {
   __shared__ float sh[32];
   bf16* xr = x + (i64)blockIdx.x * d;
-  const bf16* yr = y + (i64)blockIdx.x * d;
   bf16* orow = out + (i64)blockIdx.x * d;
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    bf16 s = to_bf(bf(xr[c]) + bf(yr[c]));
-    xr[c] = s;
-    float v = bf(s);
-    ss += v * v;
+  float r = add_row_rsqrt(xr, y + (i64)blockIdx.x * d, d, eps, sh);
+  for (int c = threadIdx.x; c < d; c += blockDim.x) orow[c] = rms_out(xr[c], r, offset, w[c]);
+}
+
+// add_rms_norm fused with quant_act_1x128 of out (d % 128 == 0); grid Mpad blocks as
+// rms_norm_quant. The output pass reads x columns other threads of the block stored: block_sum's
+// __syncthreads orders those global writes before the reads. CPU twin: add_assign, then
+// kernels::rms_norm, then host::quantize_act_1x128.
+extern "C" __global__ void add_rms_norm_quant(bf16* x, const bf16* y, const float* w, bf16* out, unsigned char* q,
+                                              float* s, int M, int Mpad, int d, float eps, float offset) {
+  __shared__ float sh[32];
+  int m = blockIdx.x;
+  if (m >= M) {
+    quant_pad_row(q + (i64)m * d, s, m, Mpad, d);
+    return;
   }
-  ss = block_sum(ss, sh);
-  float r = rsqrtf(ss / d + eps);
-  for (int c = threadIdx.x; c < d; c += blockDim.x) orow[c] = to_bf(bf(xr[c]) * r * (offset + w[c]));
+  bf16* xr = x + (i64)m * d;
+  float r = add_row_rsqrt(xr, y + (i64)m * d, d, eps, sh);
+  rms_out_quant(xr, w, r, offset, out + (i64)m * d, q + (i64)m * d, s, m, Mpad, d);
 }
 
 // One block per row: nn.LayerNorm with bias (biased variance, two passes).
@@ -49,6 +135,18 @@ extern "C" __global__ void layer_norm(const bf16* x, const float* w, const float
   for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = to_bf((bf(xr[c]) - mean) * r * w[c] + b[c]);
 }
 
+// 1 / rms of one gated-norm row (one warp): lane l sums the squares of columns l, l + 32, ... in
+// order, then warp_sum. Shared by rms_norm_gated and rms_norm_gated_quant.
+__device__ __forceinline__ float gated_rsqrt(const float* xr, int d, float eps, int lane) {
+  float ss = 0.f;
+  for (int c = lane; c < d; c += 32) ss += xr[c] * xr[c];
+  return rsqrtf(warp_sum(ss) / d + eps);
+}
+
+__device__ __forceinline__ float gated_out(const float* xr, const bf16* zr, const float* w, int c, float r) {
+  return w[c] * (xr[c] * r) * silu_f(bf(zr[c]));
+}
+
 // Gated RMSNorm of the DeltaNet output, one warp per (token, value head) row of length d:
 // y = w * x * rsqrt(mean(x^2) + eps) * silu(z)  (norm before gate; x is the f32 delta-rule output).
 // Row = token * heads + head; z of that row is z[token * z_ld + head * d ..] (z is a block of the
@@ -60,8 +158,41 @@ extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_l
   if (row >= rows) return;
   const float* xr = x + row * d;
   const bf16* zr = z + (row / heads) * z_ld + (row % heads) * d;
-  float ss = 0.f;
-  for (int c = lane; c < d; c += 32) ss += xr[c] * xr[c];
-  float r = rsqrtf(warp_sum(ss) / d + eps);
-  for (int c = lane; c < d; c += 32) y[row * d + c] = to_bf(w[c] * (xr[c] * r) * silu_f(bf(zr[c])));
+  float r = gated_rsqrt(xr, d, eps, lane);
+  for (int c = lane; c < d; c += 32) y[row * d + c] = to_bf(gated_out(xr, zr, w, c, r));
+}
+
+// rms_norm_gated fused with quant_act_1x128 of y, for d == 128 (the host passes d and launches this
+// only then): y is [M, heads·128], so the 128-block `head` of token t is exactly row t·heads + head,
+// one warp: amax is a warp reduction, q[t, head·128 + c] = q[row·128 + c], scale at
+// s[head·Mpad + t]. Warps cover Mpad·heads rows; those of tokens t >= M write the padding (zero
+// codes, scale 1). The bf16 output is rms_norm_gated's (same lanes, same helpers).
+// CPU twin: kernels::rms_norm_gated then host::quantize_act_1x128.
+extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
+                                                bf16* y, unsigned char* q, float* s, int M, int Mpad, int d,
+                                                float eps) {
+  i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  int lane = threadIdx.x & 31;
+  if (row >= (i64)Mpad * heads) return;
+  int t = (int)(row / heads), head = (int)(row % heads);
+  if (t >= M) {
+    for (int j = 0; j < 4; j++) q[row * 128 + lane + 32 * j] = 0;
+    if (lane == 0) s[(i64)head * Mpad + t] = 1.f;
+    return;
+  }
+  const float* xr = x + row * d;
+  const bf16* zr = z + (i64)t * z_ld + (i64)head * d;
+  float r = gated_rsqrt(xr, d, eps, lane);
+  float v[4], amax = 0.f;
+  for (int j = 0; j < 4; j++) {
+    int c = lane + 32 * j;
+    bf16 h = to_bf(gated_out(xr, zr, w, c, r));
+    y[row * 128 + c] = h;
+    v[j] = bf(h);
+    amax = fmaxf(amax, fabsf(v[j]));
+  }
+  amax = warp_max(amax);
+  float sc = act_scale_1x128(amax);
+  for (int j = 0; j < 4; j++) q[row * 128 + lane + 32 * j] = act_code_e4m3(v[j], sc);
+  if (lane == 0) s[(i64)head * Mpad + t] = sc;
 }

@@ -16,8 +16,8 @@ extern "C" __global__ void quant_act_1x128(const bf16* x, unsigned char* q, floa
     amax = fmaxf(amax, fabsf(v[j]));
   }
   amax = warp_max(amax);
-  float sc = amax > 0.f ? amax / 448.f : 1.f;
-  for (int j = 0; j < 4; j++) q[(i64)m * K + kb * 128 + lane * 4 + j] = __nv_fp8_e4m3(v[j] / sc).__x;
+  float sc = act_scale_1x128(amax);
+  for (int j = 0; j < 4; j++) q[(i64)m * K + kb * 128 + lane * 4 + j] = act_code_e4m3(v[j], sc);
   if (lane == 0) s[(i64)kb * Mpad + m] = sc;
 }
 
@@ -45,8 +45,8 @@ extern "C" __global__ void swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned 
       amax = fmaxf(amax, fabsf(v[j]));
     }
     amax = warp_max(amax);
-    float sc = amax > 0.f ? amax / 448.f : 1.f;
-    for (int j = 0; j < 4; j++) q[(i64)m * K + c0 + j] = __nv_fp8_e4m3(v[j] / sc).__x;
+    float sc = act_scale_1x128(amax);
+    for (int j = 0; j < 4; j++) q[(i64)m * K + c0 + j] = act_code_e4m3(v[j], sc);
     if (lane == 0) s[(i64)kb * Mpad + m] = sc;
   }
 }

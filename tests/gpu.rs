@@ -5,8 +5,10 @@
 //! (a) every op of the `Backend` trait on random inputs of Qwen3.5-4B and ragged shapes,
 //!     including the FP8 GEMM against a GEMM of its own dequantised operands with activation
 //!     magnitudes that vary per (row, 128-block), the activation quantiser against its CPU twin,
-//!     and bitwise batch invariance of the GEMMs;
-//! (b) the whole engine (vision + decoder + LoRA + readout) on the golden tiny models;
+//!     bitwise batch invariance of the GEMMs, and the row norms with the FP8 quantisation of their
+//!     output fused in (`*_quant`) bitwise against the norm + `quant_act_1x128`;
+//! (b) the whole engine (vision + decoder + LoRA + readout) on the golden tiny models, and a
+//!     128-wide FP8 model with and without the fused norm quantisation (bitwise);
 //! (c) prefix + extend of forks on the GPU equals full GPU forwards, forks are independent, and a
 //!     sequence's result does not depend on what else is in the batch.
 //!
@@ -15,7 +17,7 @@
 
 use anyhow::{anyhow, ensure, Result};
 use imajev_serve::backend::cpu::{kernels::matmul_xwt, CpuBackend};
-use imajev_serve::backend::cuda::{host, CudaBackend, CudaOptions};
+use imajev_serve::backend::cuda::{host, CudaBackend, CudaLinear, CudaOptions, CudaTensor};
 use imajev_serve::backend::{
     AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
     LoraPair,
@@ -525,6 +527,8 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
         Ok(())
     });
 
+    run("fused norm quantisation", rep, &mut |rep, rng| fused_norm_quant(g, rep, rng));
+
     run("attention", rep, &mut |rep, rng| {
         let d4b = AttentionDims {
             heads: 16,
@@ -609,6 +613,311 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
         delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]], &[])?;
         Ok(())
     });
+}
+
+/// Positions where two f32 slices differ in their bits (a length mismatch counts every position of
+/// the longer one).
+fn bit_diff(a: &[f32], b: &[f32]) -> usize {
+    if a.len() != b.len() {
+        return a.len().max(b.len());
+    }
+    a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
+}
+
+/// Fused norm output `fused` (on `g`, which must have attached its FP8 quantisation) against the
+/// unfused output `plain` (on `u`, quantised by quant_act_1x128): the bf16 bits, the FP8 codes and
+/// the scales (padding rows included) must all be identical; the codes and scales also against
+/// the CPU twin `host::quantize_act_1x128` of the downloaded output (the tolerance of the
+/// quant_act_1x128 check in `gemm_checks`).
+fn same_norm_quant(
+    g: &CudaBackend,
+    u: &CudaBackend,
+    rep: &mut Report,
+    name: &str,
+    fused: &CudaTensor,
+    plain: &CudaTensor,
+) -> Result<()> {
+    let p = "ops";
+    rep.flag(
+        p,
+        format!("{name}: fused output carries its FP8 quantisation"),
+        fused.has_fp8_activations() && !plain.has_fp8_activations(),
+        format!("fused {} plain {}", fused.has_fp8_activations(), plain.has_fp8_activations()),
+    );
+    let (yf, yp) = (g.download(fused)?, u.download(plain)?);
+    // The attached quantisation on g, quant_act_1x128's on u ([Mpad, K] and [K/128][Mpad]).
+    let ((qf, sf), (qp, sp)) = (g.quantize_activations(fused)?, u.quantize_activations(plain)?);
+    let codes = if qf.len() == qp.len() {
+        qf.iter().zip(&qp).filter(|(a, b)| a != b).count()
+    } else {
+        qf.len().max(qp.len())
+    };
+    let (dy, ds) = (bit_diff(&yf, &yp), bit_diff(&sf, &sp));
+    rep.check(
+        p,
+        format!("{name}: bf16 out, codes, scales ≠ unfused (bitwise)"),
+        (dy + codes + ds) as f64,
+        0.0,
+    );
+    if dy + codes + ds > 0 {
+        rep.info(p, format!("{name}: … mismatches"), f64::NAN, format!("bf16 {dy}, codes {codes}, scales {ds}"));
+    }
+    let (m, k) = fused.rows_cols();
+    let (qh, sh) = host::quantize_act_1x128(&yf, m, k);
+    let off = qf.iter().zip(&qh).filter(|(a, b)| a != b).count() + qf.len().abs_diff(qh.len());
+    let es = rel(&sf, &sh);
+    rep.check(
+        p,
+        format!("{name}: codes ≠ CPU twin (fraction; scales to 1e-6)"),
+        if es <= 1e-6 { off as f64 / qh.len().max(1) as f64 } else { f64::INFINITY },
+        1e-4,
+    );
+    Ok(())
+}
+
+/// The row norms with the FP8 quantisation of their output fused in (`*_quant` kernels) against
+/// the unfused path (the norm, then quant_act_1x128), bitwise, for several row counts (M = 1, a
+/// multiple of the 16-row padding, and not), plus: a matmul reading the attached quantisation
+/// equals one on a copy without it (bitwise), and every in-place op drops the attachment.
+fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut Rng) -> Result<()> {
+    let p = "ops";
+    // The reference: the same options with the fusion switched off.
+    let u = CudaBackend::new(0, CudaOptions { unfused_act_quant: true, ..g.options().clone() })?;
+    // FP8 projections on both: this is what turns the fusion on in g. `mixed` has an FP8 group,
+    // a BF16 group and a LoRA (the BF16 paths read the bf16 rows, the FP8 one the attachment).
+    let d = 2560;
+    let w8 = Owned::fp8("proj.weight", &[256, d], &randn(rng, 256 * d, 0.02));
+    let wb = Owned::bf16("proj_b.weight", &[32, d], &randn(rng, 32 * d, 0.02));
+    let la = Owned::bf16("proj.A", &[8, d], &randn(rng, 8 * d, 0.05));
+    let lb = Owned::bf16("proj.B", &[256, 8], &randn(rng, 256 * 8, 0.05));
+    let mixed = [
+        LinearPart {
+            weight: w8.r(),
+            bias: None,
+            lora: Some(LoraPair {
+                a: la.r(),
+                b: lb.r(),
+                scale: 2.0,
+            }),
+        },
+        part(&wb),
+    ];
+    let (lg, lgm) = (g.linear(&[part(&w8)])?, g.linear(&mixed)?);
+    let _ = u.linear(&[part(&w8)])?;
+    ensure!(
+        lgm.summary() == "fp8[0..256] bf16[256..288] lora×1",
+        "mixed projection placed as {}",
+        lgm.summary()
+    );
+    // Inputs whose magnitude varies per (row, 128-block), so the scales differ; in some cases a
+    // zero row (scale 1 from amax 0) and a zeroed column block (w = −offset).
+    let input = |rng: &mut Rng, m: usize, d: usize| -> Vec<f32> {
+        (0..m * d)
+            .map(|i| {
+                let (r, c) = (i / d, i % d);
+                half::bf16::from_f32(rng.normal() * 2f32.powi(((r * 5 + (c / 128) * 3) % 7) as i32 - 3))
+                    .to_f32()
+            })
+            .collect()
+    };
+    // A matmul on the fused output (attachment) vs on a copy without it (quant_act_1x128).
+    let gemm_same = |rep: &mut Report, name: &str, t: &CudaTensor, l: &CudaLinear, m: usize| -> Result<()> {
+        let copy = g.gather_rows(t, &(0..m).collect::<Vec<_>>())?;
+        ensure!(!copy.has_fp8_activations(), "gather_rows copied an attachment");
+        let (a, b) = (g.download(&g.matmul(t, l)?)?, g.download(&g.matmul(&copy, l)?)?);
+        rep.check(p, format!("{name}: matmul on it ≠ on a copy without (bitwise count)"), bit_diff(&a, &b) as f64, 0.0);
+        Ok(())
+    };
+    for (m, d, off, zeros) in [
+        (1usize, 2560usize, 1.0f32, false),
+        (16, 2560, 1.0, true),
+        (37, 2560, 0.0, true),
+        (300, 2560, 1.0, false),
+        (5, 128, 1.0, true),
+        (19, 4096, 0.0, false),
+    ] {
+        let mut x = input(rng, m, d);
+        let mut wv = randn(rng, d, 0.2);
+        if zeros {
+            x[(m / 2) * d..(m / 2 + 1) * d].fill(0.0);
+            wv[..128].fill(-off);
+        }
+        let y = input(rng, m, d);
+        let w = Owned::f32("norm", &[d], &wv);
+        let (wg, wu) = (g.param(&w.r())?, u.param(&w.r())?);
+        let name = format!("rms_norm_quant [{m}, {d}] offset {off}");
+        let hg = g.rms_norm(&g.upload(&x, &[m, d])?, &wg, 1e-6, off)?;
+        let hu = u.rms_norm(&u.upload(&x, &[m, d])?, &wu, 1e-6, off)?;
+        same_norm_quant(g, &u, rep, &name, &hg, &hu)?;
+        if d == 2560 {
+            gemm_same(rep, &format!("{name} → fp8"), &hg, &lg, m)?;
+            gemm_same(rep, &format!("{name} → [{}]", lgm.summary()), &hg, &lgm, m)?;
+        }
+        let name = format!("add_rms_norm_quant [{m}, {d}] offset {off}");
+        let (mut xg, mut xu) = (g.upload(&x, &[m, d])?, u.upload(&x, &[m, d])?);
+        let hg = g.add_rms_norm(&mut xg, &g.upload(&y, &[m, d])?, &wg, 1e-6, off)?;
+        let hu = u.add_rms_norm(&mut xu, &u.upload(&y, &[m, d])?, &wu, 1e-6, off)?;
+        same_norm_quant(g, &u, rep, &name, &hg, &hu)?;
+        rep.check(
+            p,
+            format!("{name}: updated x ≠ unfused (bitwise count)"),
+            bit_diff(&g.download(&xg)?, &u.download(&xu)?) as f64,
+            0.0,
+        );
+        if d == 2560 {
+            gemm_same(rep, &format!("{name} → fp8"), &hg, &lg, m)?;
+        }
+    }
+    // Widths that are not whole 128-blocks, and norms over part of a row, attach nothing.
+    let x = randn(rng, 7 * 1000, 1.0);
+    let w = Owned::f32("norm", &[1000], &randn(rng, 1000, 0.2));
+    let h = g.rms_norm(&g.upload(&x, &[7, 1000])?, &g.param(&w.r())?, 1e-6, 1.0)?;
+    let x2 = randn(rng, 3 * 512, 1.0);
+    let w2 = Owned::f32("norm", &[128], &randn(rng, 128, 0.2));
+    let h2 = g.rms_norm(&g.upload(&x2, &[3, 512])?, &g.param(&w2.r())?, 1e-6, 1.0)?;
+    rep.flag(
+        p,
+        "rms_norm: no FP8 attachment for d = 1000, nor for 128-wide norms of 512-wide rows",
+        !h.has_fp8_activations() && !h2.has_fp8_activations(),
+        "",
+    );
+
+    // Every in-place change drops the attachment; a matmul afterwards quantises the new contents.
+    let (m, d) = (37, 2560);
+    let w = Owned::f32("norm", &[d], &randn(rng, d, 0.2));
+    let wg = g.param(&w.r())?;
+    let fresh = |rng: &mut Rng| -> Result<_> { g.rms_norm(&g.upload(&input(rng, m, d), &[m, d])?, &wg, 1e-6, 1.0) };
+    let other = g.upload(&randn(rng, m * d, 1.0), &[m, d])?;
+    let mut t = fresh(rng)?;
+    let attached = t.has_fp8_activations();
+    g.add_assign(&mut t, &other)?;
+    let mut dropped = vec![("add_assign", !t.has_fp8_activations())];
+    gemm_same(rep, "after add_assign on a fused norm output", &t, &lg, m)?;
+    let mut t = fresh(rng)?;
+    g.scatter_rows(&mut t, &[3, 30], &g.upload(&randn(rng, 2 * d, 1.0), &[2, d])?)?;
+    dropped.push(("scatter_rows", !t.has_fp8_activations()));
+    gemm_same(rep, "after scatter_rows into a fused norm output", &t, &lg, m)?;
+    let mut t = fresh(rng)?;
+    g.gelu(&mut t, Gelu::Tanh)?;
+    dropped.push(("gelu", !t.has_fp8_activations()));
+    let mut t = fresh(rng)?;
+    let h = g.add_rms_norm(&mut t, &other, &wg, 1e-6, 1.0)?;
+    dropped.push(("add_rms_norm (its x)", !t.has_fp8_activations() && h.has_fp8_activations()));
+    gemm_same(rep, "x of add_rms_norm after the add", &t, &lg, m)?;
+    let t = g.reshape(fresh(rng)?, &[m, d])?;
+    dropped.push(("reshape", !t.has_fp8_activations()));
+    let bad: Vec<&str> = dropped.iter().filter(|d| !d.1).map(|d| d.0).collect();
+    rep.flag(
+        p,
+        "in-place ops (add_assign, scatter_rows, gelu, add_rms_norm's x, reshape) drop the attachment",
+        attached && bad.is_empty(),
+        if attached { format!("kept by {bad:?}") } else { "norm output had none".into() },
+    );
+
+    // rms_norm_gated_quant: the DeltaNet output of the 4B shapes (value_dim 128), fused vs not,
+    // then its out projection (K = 4096) on the attachment vs a copy.
+    let d4b = DeltaNetDims {
+        key_heads: 16,
+        value_heads: 32,
+        key_dim: 128,
+        value_dim: 128,
+        conv_kernel: 4,
+        norm_eps: 1e-6,
+    };
+    let wo = Owned::fp8("out_proj.weight", &[256, 4096], &randn(rng, 256 * 4096, 0.02));
+    let lo = g.linear(&[part(&wo)])?;
+    for lens in [&[1usize][..], &[16], &[37], &[70, 1, 130]] {
+        let (og, ou) = delta_pair(g, &u, rng, d4b, lens, true)?;
+        let n: usize = lens.iter().sum();
+        let name = format!("rms_norm_gated_quant 4B lens {lens:?}");
+        same_norm_quant(g, &u, rep, &name, &og, &ou)?;
+        gemm_same(rep, &format!("{name} → out_proj fp8"), &og, &lo, n)?;
+    }
+    // value_dim ≠ 128: the plain kernel, no attachment, same output.
+    let alt = DeltaNetDims {
+        key_heads: 2,
+        value_heads: 6,
+        key_dim: 32,
+        value_dim: 24,
+        conv_kernel: 4,
+        norm_eps: 1e-6,
+    };
+    let (og, ou) = delta_pair(g, &u, rng, alt, &[20, 3], false)?;
+    rep.flag(
+        p,
+        "gated_delta_net value_dim 24: no FP8 attachment",
+        !og.has_fp8_activations(),
+        "",
+    );
+    rep.check(
+        p,
+        "gated_delta_net value_dim 24: output ≠ unfused backend (bitwise count)",
+        bit_diff(&g.download(&og)?, &u.download(&ou)?) as f64,
+        0.0,
+    );
+    Ok(())
+}
+
+/// One `gated_delta_net` call on `g` and on `u` with the same random inputs and fresh states;
+/// with `zero_head`, one (token, head) gate is driven to silu(z) = −0, a 128-block of zeros.
+fn delta_pair(
+    g: &CudaBackend,
+    u: &CudaBackend,
+    rng: &mut Rng,
+    dims: DeltaNetDims,
+    lens: &[usize],
+    zero_head: bool,
+) -> Result<(CudaTensor, CudaTensor)> {
+    let DeltaNetDims {
+        value_heads: vh,
+        value_dim: dv,
+        conv_kernel: kw,
+        ..
+    } = dims;
+    let ch = dims.conv_channels();
+    let n: usize = lens.iter().sum();
+    let conv = Owned::bf16("conv", &[ch, kw], &randn(rng, ch * kw, 0.5));
+    let alog = Owned::f32(
+        "A_log",
+        &[vh],
+        &(0..vh).map(|_| (1.0 + 15.0 * rng.uniform()).ln()).collect::<Vec<_>>(),
+    );
+    let dtb = Owned::f32("dt_bias", &[vh], &randn(rng, vh, 0.5));
+    let nw = Owned::f32(
+        "norm",
+        &[dv],
+        &randn(rng, dv, 0.1).iter().map(|v| 1.0 + v).collect::<Vec<_>>(),
+    );
+    let qkv = randn(rng, n * ch, 1.0);
+    let mut z = randn(rng, n * vh * dv, 1.0);
+    if zero_head {
+        let h = vh / 2;
+        z[h * dv..(h + 1) * dv].fill(-30000.0);
+    }
+    let b = randn(rng, n * vh, 1.0);
+    let a = randn(rng, n * vh, 1.0);
+    let (proj, pw) = cat_cols(n, &[&qkv, &z, &b, &a]);
+    let segs = tiling(lens);
+    let run = |be: &CudaBackend| -> Result<CudaTensor> {
+        let t = (
+            be.upload(&proj, &[n, pw])?,
+            be.param(&conv.r())?,
+            be.param(&alog.r())?,
+            be.param(&dtb.r())?,
+            be.param(&nw.r())?,
+        );
+        let inputs = DeltaNetInputs {
+            proj: &t.0,
+            conv_weight: &t.1,
+            a_log: &t.2,
+            dt_bias: &t.3,
+            norm_weight: &t.4,
+        };
+        let mut states = (0..lens.len()).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        be.gated_delta_net(&inputs, &dims, &segs, &[], &mut refs)
+    };
+    Ok((run(g)?, run(u)?))
 }
 
 fn part(w: &Owned) -> LinearPart<'_> {
@@ -1330,6 +1639,68 @@ fn engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     Ok(())
 }
 
+/// Whole forwards with the FP8 activation quantisation fused into the norms equal forwards with
+/// it in its own kernel, bitwise: an FP8 checkpoint whose norms are whole 128-blocks wide (the
+/// golden tiny models are 64 wide, so their norms never fuse): hidden 256, DeltaNet value heads of
+/// 128, intermediate 512; a prefill (input norms, post-attention norms, DeltaNet gated norms, the
+/// last layer's norm on gathered rows) and a batched extend of two forks.
+fn fused_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
+    let p = "engine";
+    let mut v = synth::tiny_config();
+    let t = &mut v["text_config"];
+    for (k, n) in [
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("head_dim", 64),
+        ("linear_key_head_dim", 128),
+        ("linear_value_head_dim", 128),
+        ("linear_num_key_heads", 2),
+        ("linear_num_value_heads", 2),
+    ] {
+        t[k] = n.into();
+    }
+    t["rope_parameters"]["mrope_section"] = serde_json::json!([6, 6, 4]);
+    v["vision_config"]["out_hidden_size"] = 256.into();
+    let dir = tempfile::tempdir()?;
+    let cfg_path = dir.path().join("config-128.json");
+    std::fs::write(&cfg_path, serde_json::to_string(&v)?)?;
+    let cfg = synth::preset(cfg_path.to_str().unwrap())?;
+    let (model, adapter) = (dir.path().join("model"), dir.path().join("adapter"));
+    synth::write_model(&cfg, SynthDtype::Fp8, 21, &model)?;
+    synth::write_adapter(&cfg, 4, 8.0, 12, 21, &adapter)?;
+    let u = CudaBackend::new(0, CudaOptions { unfused_act_quant: true, ..g.options().clone() })?;
+    let gm = Qwen35::load(g.clone(), &model, Some(&adapter))?;
+    let um = Qwen35::load(u, &model, Some(&adapter))?;
+    let tok = QwenTokenizer::from_model_dir(&model)?;
+    let ids = tok.encode(
+        "State: the printer on the third floor prints every page twice and the toner light is on. \
+         Question: what should the office manager do first? Answer",
+    )?;
+    let ((mut sg, hg, _), (mut su, hu, _)) = (gm.prefill(&ids, &[])?, um.prefill(&ids, &[])?);
+    let (hgv, huv) = (gm.backend.download(&hg)?, um.backend.download(&hu)?);
+    let (lg, lu) = (gm.readout(&hg)?.remove(0), um.readout(&hu)?.remove(0));
+    rep.check(
+        p,
+        format!("fused norm quant, 128-wide FP8 model, prefill {} tokens: hidden + readout ≠ unfused (bitwise)", ids.len()),
+        (bit_diff(&hgv, &huv) + bit_diff(&lg, &lu)) as f64,
+        0.0,
+    );
+    let (s1, s2) = (tok.encode(" Restart it")?, tok.encode(" Call the vendor and ask for a new drum unit")?);
+    sg.share(&gm.backend)?;
+    su.share(&um.backend)?;
+    let mut fg = vec![sg.fork(), sg.fork()];
+    let mut fu = vec![su.fork(), su.fork()];
+    let eg = gm.backend.download(&gm.extend(&mut fg, &[&s1, &s2])?)?;
+    let eu = um.backend.download(&um.extend(&mut fu, &[&s1, &s2])?)?;
+    rep.check(
+        p,
+        "… extend of 2 forks: hidden ≠ unfused (bitwise)",
+        bit_diff(&eg, &eu) as f64,
+        0.0,
+    );
+    Ok(())
+}
+
 fn prefix_extend(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let p = "extend";
     let doc: Value =
@@ -1485,10 +1856,29 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
         &(0..m).collect::<Vec<_>>(),
     )?;
     let w = g.upload(&randn(&mut rng, d, 0.1), &[d])?;
+    let fused = g.rms_norm(&x, &w, 1e-6, 1.0)?.has_fp8_activations();
     let ms = time_ms(g, 20, &mut || g.rms_norm(&x, &w, 1e-6, 1.0).map(|_| ()))?;
     out.push(format!(
-        "rms_norm [{m}, {d}]: {ms:.3} ms ({:.0} GB/s)",
+        "rms_norm [{m}, {d}]{}: {ms:.3} ms ({:.0} GB/s of bf16 in + out)",
+        if fused { " + fused FP8 quantisation" } else { "" },
         (4 * m * d) as f64 / ms / 1e6
+    ));
+    // Norm + a small FP8 projection (N = 128: the GEMM itself is a few µs), fused vs with the
+    // quantisation in its own kernel (a backend with the fusion off).
+    let u = CudaBackend::new(0, CudaOptions { unfused_act_quant: true, ..g.options().clone() })?;
+    let wp = Owned::fp8("w", &[128, d], &randn(&mut rng, 128 * d, 0.02));
+    let xv = randn(&mut rng, m * d, 1.0);
+    let wv = randn(&mut rng, d, 0.1);
+    let mut pair = Vec::new();
+    for be in [g, &u] {
+        let l = be.linear(&[part(&wp)])?;
+        let x = be.gather_rows(&be.upload(&xv, &[m, d])?, &(0..m).collect::<Vec<_>>())?;
+        let w = be.upload(&wv, &[d])?;
+        pair.push(time_ms(be, 20, &mut || be.matmul(&be.rms_norm(&x, &w, 1e-6, 1.0)?, &l).map(|_| ()))?);
+    }
+    out.push(format!(
+        "rms_norm + fp8 GEMM N=128 [{m}, {d}]: fused quantisation {:.3} ms, quant_act_1x128 launch {:.3} ms",
+        pair[0], pair[1]
     ));
     let dims = AttentionDims {
         heads: 16,
@@ -1594,6 +1984,9 @@ fn cuda_backend_matches_cpu() {
     let t = Instant::now();
     if let Err(e) = engine(&g, &mut rep) {
         rep.fail("engine", "golden models", e);
+    }
+    if let Err(e) = fused_engine(&g, &mut rep) {
+        rep.fail("engine", "fused norm quant, 128-wide FP8 model", e);
     }
     println!("(b) engine: {:.1} s", t.elapsed().as_secs_f64());
     let t = Instant::now();

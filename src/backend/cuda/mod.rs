@@ -8,6 +8,14 @@
 //!   softmax and gates run in f32, the DeltaNet state and chunked delta rule are f32, the readout
 //!   is an f32 GEMM. Vectors (norm weights, biases, `A_log`, `dt_bias`) are kept in f32, other
 //!   parameters in BF16.
+//! * Fusions behind the same [`Backend`] calls (each kernel's CPU twin is the unfused ops composed):
+//!   residual add + RMSNorm (`add_rms_norm`); SwiGLU + the FP8 activation quantisation of the down
+//!   projection (`swiglu_quant_1x128`); and the row norms feeding FP8 projections (`rms_norm`,
+//!   `add_rms_norm`, the DeltaNet `rms_norm_gated` with 128-wide heads) write the 1×128 FP8
+//!   quantisation of their output beside it (`*_quant` kernels, bit-identical to
+//!   `quant_act_1x128` on that output). That quantisation travels with the tensor
+//!   ([`CudaTensor`]'s attachment, dropped by any in-place change), and `matmul` uses it instead
+//!   of launching `quant_act_1x128`; norms attach it once an FP8 projection has been loaded.
 //! * One stream; cudarc's per-buffer event tracking is off (everything is stream-ordered, buffers
 //!   are freed with `cuMemFreeAsync` on that stream), so kernels take raw device addresses.
 //!
@@ -35,6 +43,7 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// How the CUDA backend places weights and where it caches kernels.
@@ -49,6 +58,11 @@ pub struct CudaOptions {
     /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores (3xTF32).
     /// Default: `IMAJEV_GDN_FFMA=1` in the environment.
     pub gdn_ffma: bool,
+    /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
+    /// they come from a row norm, instead of the fused `*_quant` norms: the reference the fused
+    /// path is tested against (same bits), and a switch for profiling. Default:
+    /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
+    pub unfused_act_quant: bool,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -86,6 +100,10 @@ struct Inner {
     options: CudaOptions,
     info: DeviceInfo,
     kprof: Option<kprof::KernelProfiler>,
+    /// Set once a projection with an FP8 group exists: from then on the row norms write the FP8
+    /// quantisation of their output for the projection that reads it (before, it would be unused).
+    /// A hint only: results are the same bits with or without it.
+    fp8_linears: AtomicBool,
 }
 
 /// Pinned staging ring for host→device copies of small tables (token ids, row lists, segment
@@ -134,6 +152,20 @@ enum Buf {
 pub struct CudaTensor {
     buf: Buf,
     shape: Vec<usize>,
+    /// The per-token 1×128 FP8 quantisation of this tensor's own contents (`[rows, cols]`), when
+    /// the kernel that wrote them also wrote it (the `*_quant` row norms): bit for bit what
+    /// `quantize` would make, so an FP8 projection of this tensor skips `quant_act_1x128`. Every
+    /// op that changes a tensor in place drops it (`bf16_for_update`), and only the op that
+    /// creates a tensor attaches one, so it is never stale.
+    fp8: Option<ActFp8>,
+}
+
+/// FP8 activations of `m` rows of width `k`: E4M3 codes `[mpad, k]`, scales `[k/128][mpad]`
+/// (`mpad = host::fp8_rows(m)`, rows `m..mpad` zero with scale 1); the layout of `quant_act_1x128`.
+struct ActFp8 {
+    q: CudaSlice<u8>,
+    s: CudaSlice<f32>,
+    mpad: usize,
 }
 
 impl CudaTensor {
@@ -147,6 +179,11 @@ impl CudaTensor {
     }
     pub fn is_bf16(&self) -> bool {
         matches!(self.buf, Buf::Bf16(_))
+    }
+    /// Whether the tensor carries the FP8 quantisation of its contents that a fused kernel wrote
+    /// (for tests; `CudaBackend::quantize_activations` returns it).
+    pub fn has_fp8_activations(&self) -> bool {
+        self.fp8.is_some()
     }
 }
 
@@ -466,7 +503,18 @@ const KERNELS: &[(&str, &[&str])] = &[
             "readout_f32",
         ],
     ),
-    ("norm", &["rms_norm", "add_rms_norm", "layer_norm", "rms_norm_gated"]),
+    (
+        "norm",
+        &[
+            "rms_norm",
+            "rms_norm_quant",
+            "add_rms_norm",
+            "add_rms_norm_quant",
+            "layer_norm",
+            "rms_norm_gated",
+            "rms_norm_gated_quant",
+        ],
+    ),
     ("quant", &["quant_act_1x128", "swiglu_quant_1x128"]),
     (
         "attention",
@@ -507,6 +555,9 @@ impl CudaBackend {
         let mut options = options;
         if std::env::var("IMAJEV_GDN_FFMA").is_ok_and(|v| v == "1") {
             options.gdn_ffma = true;
+        }
+        if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
+            options.unfused_act_quant = true;
         }
         // cudarc panics on first use of a library it cannot dlopen; look before touching it.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -572,7 +623,12 @@ impl CudaBackend {
             kernels_compiled: compiled,
             kernel_seconds,
         };
-        tracing::info!(?info, gdn_scan = if options.gdn_ffma { "ffma" } else { "tensor cores (3xTF32)" }, "CUDA backend ready");
+        tracing::info!(
+            ?info,
+            gdn_scan = if options.gdn_ffma { "ffma" } else { "tensor cores (3xTF32)" },
+            act_quant = if options.unfused_act_quant { "own kernel" } else { "fused into the row norms" },
+            "CUDA backend ready"
+        );
         let kprof = kprof::KernelProfiler::from_env(&stream);
         Ok(CudaBackend {
             inner: Arc::new(Inner {
@@ -584,6 +640,7 @@ impl CudaBackend {
                 options,
                 info,
                 kprof,
+                fp8_linears: AtomicBool::new(false),
             }),
         })
     }
@@ -612,15 +669,24 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The FP8 activations and `[K/128][Mpad]` scales the FP8 GEMM path makes from `x` (a
-    /// diagnostic for tests: the CPU twin is `host::quantize_act_1x128`).
+    /// The FP8 activations `[Mpad, K]` and `[K/128][Mpad]` scales the FP8 GEMM path uses for `x`
+    /// (padding rows included): the quantisation attached to `x` when a fused kernel wrote one,
+    /// else `quant_act_1x128`'s. A diagnostic for tests: the CPU twin is
+    /// `host::quantize_act_1x128`.
     pub fn quantize_activations(&self, x: &CudaTensor) -> Result<(Vec<u8>, Vec<f32>)> {
         let (m, k) = x.rows_cols();
         let xv = self.bf16_of(x)?;
-        let (q, s, _) = self.quantize(xv.s(), m, k)?;
+        let own;
+        let a = match &x.fp8 {
+            Some(a) => a,
+            None => {
+                own = self.quantize(xv.s(), m, k)?;
+                &own
+            }
+        };
         Ok((
-            self.inner.stream.clone_dtoh(&q)?,
-            self.inner.stream.clone_dtoh(&s)?,
+            self.inner.stream.clone_dtoh(&a.q)?,
+            self.inner.stream.clone_dtoh(&a.s)?,
         ))
     }
 
@@ -736,6 +802,7 @@ impl CudaBackend {
         CudaTensor {
             buf: Buf::Bf16(buf),
             shape: shape.to_vec(),
+            fp8: None,
         }
     }
 
@@ -771,8 +838,11 @@ impl CudaBackend {
         }
     }
 
-    /// Makes `t` BF16 in place (for ops that update their input).
-    fn make_bf16(&self, t: &mut CudaTensor) -> Result<()> {
+    /// The BF16 buffer of a tensor that an op is about to change in place (every in-place op gets
+    /// its buffer here): converts an F32 tensor to BF16 first, and drops the tensor's attached FP8
+    /// quantisation, which would describe the old contents.
+    fn bf16_for_update<'t>(&self, t: &'t mut CudaTensor) -> Result<&'t CudaSlice<bf16>> {
+        t.fp8 = None;
         if let Buf::F32(_) = t.buf {
             let y = match self.bf16_of(t)? {
                 Bf16View::Own(y) => y,
@@ -780,75 +850,90 @@ impl CudaBackend {
             };
             t.buf = Buf::Bf16(y);
         }
-        Ok(())
+        match &t.buf {
+            Buf::Bf16(b) => Ok(b),
+            Buf::F32(_) => unreachable!("converted above"),
+        }
     }
 
-    /// Per-token 1×128 FP8 quantisation: `[mpad, k]` bytes, `[k/128][mpad]` scales, mpad.
-    fn quantize(
-        &self,
-        x: &CudaSlice<bf16>,
-        m: usize,
-        k: usize,
-    ) -> Result<(CudaSlice<u8>, CudaSlice<f32>, usize)> {
+    /// Uninitialised buffers for the FP8 activations of `m` rows of width `k` (the kernel that
+    /// fills them writes every byte and scale, padding rows included).
+    fn alloc_act_fp8(&self, m: usize, k: usize) -> Result<ActFp8> {
         ensure!(
             k % host::FP8_BLOCK == 0,
             "FP8 activations need K to be a multiple of 128, got {k}"
         );
         let mpad = host::fp8_rows(m);
-        // SAFETY: the kernel writes all mpad·k bytes and all scales.
+        // SAFETY: every caller launches a kernel that writes all mpad·k bytes and all scales.
         let q = unsafe { self.inner.stream.alloc::<u8>(mpad * k) }?;
         let s = self.alloc_f32(mpad * k / host::FP8_BLOCK)?;
-        let warps = mpad * (k / host::FP8_BLOCK);
+        Ok(ActFp8 { q, s, mpad })
+    }
+
+    /// Whether a row norm writing rows of width `k` also writes their FP8 quantisation: only once
+    /// an FP8 projection exists (else no GEMM would read it), when `k` is whole 128-blocks, and
+    /// unless `unfused_act_quant` is set.
+    fn fuse_act_quant(&self, k: usize) -> bool {
+        k > 0
+            && k % host::FP8_BLOCK == 0
+            && !self.inner.options.unfused_act_quant
+            && self.inner.fp8_linears.load(Ordering::Relaxed)
+    }
+
+    /// Per-token 1×128 FP8 quantisation of `x` `[m, k]` (`quant_act_1x128`).
+    fn quantize(&self, x: &CudaSlice<bf16>, m: usize, k: usize) -> Result<ActFp8> {
+        let a = self.alloc_act_fp8(m, k)?;
+        let warps = a.mpad * (k / host::FP8_BLOCK);
         self.launch(
             "quant_act_1x128",
             cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
             &[
                 A::P(self.p(x)),
-                A::P(self.p(&q)),
-                A::P(self.p(&s)),
+                A::P(self.p(&a.q)),
+                A::P(self.p(&a.s)),
                 A::I(m as i32),
-                A::I(mpad as i32),
+                A::I(a.mpad as i32),
                 A::I(k as i32),
             ],
         )?;
-        Ok((q, s, mpad))
+        Ok(a)
     }
 
     /// The GEMMs of `matmul` (FP8 and BF16 groups, bias, LoRA) on the BF16 input `xs` `[m, k]`
-    /// and, when the projection has FP8 groups, its quantisation `(q, scales, mpad)` (what
-    /// `quantize` makes from `xs`).
+    /// and, when the projection has FP8 groups, its quantisation (what `quantize` makes from
+    /// `xs`).
     fn matmul_quantised(
         &self,
         xs: &CudaSlice<bf16>,
-        fp8: Option<(&CudaSlice<u8>, &CudaSlice<f32>, usize)>,
+        fp8: Option<&ActFp8>,
         m: usize,
         k: usize,
         w: &CudaLinear,
     ) -> Result<CudaTensor> {
         let n = w.out_dim;
-        let rows_alloc = fp8.map(|f| f.2).unwrap_or(m);
+        let rows_alloc = fp8.map(|f| f.mpad).unwrap_or(m);
         let y = self.alloc_bf16(rows_alloc * n)?;
         let yp = self.p(&y);
         for g in &w.groups {
             let yg = yp + 2 * g.cols.start as u64;
             let gemm = match &g.weight {
                 GroupWeight::Fp8 { w: wq, scales } => {
-                    let (q, s, mpad) = fp8.expect("quantised by the caller");
+                    let a = fp8.expect("quantised by the caller");
                     Gemm {
                         kind: GemmKind::Fp8Block,
                         n: g.cols.len(),
-                        m: mpad,
+                        m: a.mpad,
                         k,
                         w: self.p(wq),
                         ldw: k,
-                        x: self.p(q),
+                        x: self.p(&a.q),
                         ldx: k,
                         y: yg,
                         ldy: n,
                         alpha: 1.0,
                         beta: 0.0,
                         w_scale: self.p(scales),
-                        x_scale: self.p(s),
+                        x_scale: self.p(&a.s),
                     }
                 }
                 GroupWeight::Bf16(wb) => Gemm {
@@ -956,6 +1041,69 @@ impl CudaBackend {
             }?;
         }
         Ok(())
+    }
+
+    /// The DeltaNet output norm: `rms_norm_gated` of the f32 delta-rule output `core`
+    /// `[n·heads, d]` with the gate `z` (`z_ptr`, row stride `z_ld`), as `[n, heads·d]` BF16; with
+    /// `d == 128` fused with the FP8 quantisation of that output (`rms_norm_gated_quant`: each
+    /// (token, head) row is one 128-block) for the out projection.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_norm(
+        &self,
+        core: &CudaSlice<f32>,
+        z_ptr: u64,
+        z_ld: i64,
+        heads: usize,
+        w: &CudaSlice<f32>,
+        n: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        let y = self.alloc_bf16(n * heads * d)?;
+        let mut fp8 = None;
+        if n > 0 && d == host::FP8_BLOCK && self.fuse_act_quant(heads * d) {
+            let a = self.alloc_act_fp8(n, heads * d)?;
+            let rows = a.mpad * heads;
+            self.launch(
+                "rms_norm_gated_quant",
+                cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
+                &[
+                    A::P(self.p(core)),
+                    A::P(z_ptr),
+                    A::L(z_ld),
+                    A::I(heads as i32),
+                    A::P(self.p(w)),
+                    A::P(self.p(&y)),
+                    A::P(self.p(&a.q)),
+                    A::P(self.p(&a.s)),
+                    A::I(n as i32),
+                    A::I(a.mpad as i32),
+                    A::I(d as i32),
+                    A::F(eps),
+                ],
+            )?;
+            fp8 = Some(a);
+        } else {
+            let rows = n * heads;
+            self.launch(
+                "rms_norm_gated",
+                cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
+                &[
+                    A::P(self.p(core)),
+                    A::P(z_ptr),
+                    A::L(z_ld),
+                    A::I(heads as i32),
+                    A::P(self.p(w)),
+                    A::P(self.p(&y)),
+                    A::L(rows as i64),
+                    A::I(d as i32),
+                    A::F(eps),
+                ],
+            )?;
+        }
+        let mut t = self.bf16_tensor(y, &[n, heads * d]);
+        t.fp8 = fp8;
+        Ok(t)
     }
 
     /// The attention kernel over the segment table `meta` (see kernels/attention.cu).
@@ -1179,6 +1327,7 @@ impl Backend for CudaBackend {
         Ok(CudaTensor {
             buf: Buf::F32(self.htod(&t.to_f32()?)?),
             shape: t.shape.to_vec(),
+            fp8: None,
         })
     }
 
@@ -1298,13 +1447,17 @@ impl Backend for CudaBackend {
                 scale: if same { common } else { 1.0 },
             });
         }
-        Ok(CudaLinear {
+        let linear = CudaLinear {
             in_dim,
             out_dim,
             groups,
             bias,
             loras,
-        })
+        };
+        if linear.has_fp8() {
+            self.inner.fp8_linears.store(true, Ordering::Relaxed);
+        }
+        Ok(linear)
     }
 
     fn linear_out(&self, w: &CudaLinear) -> usize {
@@ -1321,6 +1474,7 @@ impl Backend for CudaBackend {
         Ok(CudaTensor {
             buf: Buf::F32(self.htod(data)?),
             shape: shape.to_vec(),
+            fp8: None,
         })
     }
 
@@ -1347,9 +1501,11 @@ impl Backend for CudaBackend {
     fn reshape(&self, t: CudaTensor, shape: &[usize]) -> Result<CudaTensor> {
         let n: usize = shape.iter().product();
         ensure!(n == t.numel(), "cannot reshape {:?} to {shape:?}", t.shape);
+        // The attachment is dropped: a new column count would not match its layout.
         Ok(CudaTensor {
             buf: t.buf,
             shape: shape.to_vec(),
+            fp8: None,
         })
     }
 
@@ -1422,12 +1578,9 @@ impl Backend for CudaBackend {
         if let Some(&r) = rows.iter().find(|&&r| r >= n) {
             bail!("scatter_rows: row {r} out of range");
         }
-        self.make_bf16(dst)?;
+        let db = self.bf16_for_update(dst)?;
         let s = self.bf16_of(src)?;
         let rows_d = self.htod(&rows.iter().map(|&r| r as u32).collect::<Vec<_>>())?;
-        let Buf::Bf16(db) = &dst.buf else {
-            unreachable!()
-        };
         self.launch(
             "scatter_rows",
             cfg((grid1(sn * d, 256), 1, 1), 256, 0),
@@ -1512,6 +1665,7 @@ impl Backend for CudaBackend {
             return Ok(CudaTensor {
                 buf: Buf::F32(y),
                 shape: vec![rows, d],
+                fp8: None,
             });
         }
         let y = self.alloc_bf16(total)?;
@@ -1532,18 +1686,22 @@ impl Backend for CudaBackend {
             w.in_dim
         );
         let xs = self.bf16_of(x)?;
-        let fp8 = if w.has_fp8() && m > 0 {
-            Some(self.quantize(xs.s(), m, k)?)
-        } else {
-            None
+        if !w.has_fp8() || m == 0 {
+            return self.matmul_quantised(xs.s(), None, m, k, w);
+        }
+        // The quantisation a fused norm attached to x, else quant_act_1x128 (the same bits).
+        let own;
+        let fp8 = match &x.fp8 {
+            Some(a) => {
+                ensure!(a.mpad == host::fp8_rows(m), "attached FP8 activations of another row count");
+                a
+            }
+            None => {
+                own = self.quantize(xs.s(), m, k)?;
+                &own
+            }
         };
-        self.matmul_quantised(
-            xs.s(),
-            fp8.as_ref().map(|(q, s, mpad)| (q, s, *mpad)),
-            m,
-            k,
-            w,
-        )
+        self.matmul_quantised(xs.s(), Some(fp8), m, k, w)
     }
 
     fn rms_norm(
@@ -1562,8 +1720,29 @@ impl Backend for CudaBackend {
         let rows = x.numel() / d;
         let (xs, ws) = (self.bf16_of(x)?, self.f32_of(w)?);
         let y = self.alloc_bf16(rows * d)?;
-        if rows > 0 {
-            let block = norm_block(d);
+        let mut fp8 = None;
+        let block = norm_block(d);
+        // Fused with the FP8 quantisation of the output when the norm's rows are the tensor's rows.
+        if rows > 0 && x.rows_cols().1 == d && self.fuse_act_quant(d) {
+            let a = self.alloc_act_fp8(rows, d)?;
+            self.launch(
+                "rms_norm_quant",
+                cfg((a.mpad as u32, 1, 1), block, 0),
+                &[
+                    A::P(self.p(xs.s())),
+                    A::P(self.p(ws.s())),
+                    A::P(self.p(&y)),
+                    A::P(self.p(&a.q)),
+                    A::P(self.p(&a.s)),
+                    A::I(rows as i32),
+                    A::I(a.mpad as i32),
+                    A::I(d as i32),
+                    A::F(eps),
+                    A::F(offset),
+                ],
+            )?;
+            fp8 = Some(a);
+        } else if rows > 0 {
             self.launch(
                 "rms_norm",
                 cfg((rows as u32, 1, 1), block, 0),
@@ -1577,7 +1756,9 @@ impl Backend for CudaBackend {
                 ],
             )?;
         }
-        Ok(self.bf16_tensor(y, &x.shape))
+        let mut t = self.bf16_tensor(y, &x.shape);
+        t.fp8 = fp8;
+        Ok(t)
     }
 
     fn layer_norm(
@@ -1620,12 +1801,9 @@ impl Backend for CudaBackend {
             x.shape,
             y.shape
         );
-        self.make_bf16(x)?;
-        let ys = self.bf16_of(y)?;
         let n = x.numel();
-        let Buf::Bf16(xb) = &x.buf else {
-            unreachable!()
-        };
+        let xb = self.bf16_for_update(x)?;
+        let ys = self.bf16_of(y)?;
         if n > 0 {
             self.launch(
                 "add_bf16",
@@ -1657,15 +1835,35 @@ impl Backend for CudaBackend {
             x.numel()
         );
         let rows = x.numel() / d;
-        self.make_bf16(x)?;
+        let (shape, cols) = (x.shape.clone(), x.rows_cols().1);
+        let xb = self.bf16_for_update(x)?;
         let (ys, ws) = (self.bf16_of(y)?, self.f32_of(w)?);
         let out = self.alloc_bf16(rows * d)?;
-        let Buf::Bf16(xb) = &x.buf else {
-            unreachable!()
-        };
-        if rows > 0 {
-            // The block size of `rms_norm`: the same reduction order, so the same bits.
-            let block = norm_block(d);
+        let mut fp8 = None;
+        // The block size of `rms_norm`: the same reduction order, so the same bits.
+        let block = norm_block(d);
+        // Fused with the FP8 quantisation of `out` when the norm's rows are the tensor's rows.
+        if rows > 0 && cols == d && self.fuse_act_quant(d) {
+            let a = self.alloc_act_fp8(rows, d)?;
+            self.launch(
+                "add_rms_norm_quant",
+                cfg((a.mpad as u32, 1, 1), block, 0),
+                &[
+                    A::P(self.p(xb)),
+                    A::P(self.p(ys.s())),
+                    A::P(self.p(ws.s())),
+                    A::P(self.p(&out)),
+                    A::P(self.p(&a.q)),
+                    A::P(self.p(&a.s)),
+                    A::I(rows as i32),
+                    A::I(a.mpad as i32),
+                    A::I(d as i32),
+                    A::F(eps),
+                    A::F(offset),
+                ],
+            )?;
+            fp8 = Some(a);
+        } else if rows > 0 {
             self.launch(
                 "add_rms_norm",
                 cfg((rows as u32, 1, 1), block, 0),
@@ -1680,7 +1878,9 @@ impl Backend for CudaBackend {
                 ],
             )?;
         }
-        Ok(self.bf16_tensor(out, &x.shape))
+        let mut t = self.bf16_tensor(out, &shape);
+        t.fp8 = fp8;
+        Ok(t)
     }
 
     fn swiglu(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
@@ -1712,34 +1912,29 @@ impl Backend for CudaBackend {
             return self.matmul(&self.swiglu(gate_up)?, w);
         }
         let gs = self.bf16_of(gate_up)?;
-        let mpad = host::fp8_rows(m);
         let xs = self.alloc_bf16(m * k)?;
-        // SAFETY: the kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
-        let q = unsafe { self.inner.stream.alloc::<u8>(mpad * k) }?;
-        let s = self.alloc_f32(mpad * k / host::FP8_BLOCK)?;
-        let warps = mpad * (k / host::FP8_BLOCK);
+        // The kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
+        let a = self.alloc_act_fp8(m, k)?;
+        let warps = a.mpad * (k / host::FP8_BLOCK);
         self.launch(
             "swiglu_quant_1x128",
             cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
             &[
                 A::P(self.p(gs.s())),
                 A::P(self.p(&xs)),
-                A::P(self.p(&q)),
-                A::P(self.p(&s)),
+                A::P(self.p(&a.q)),
+                A::P(self.p(&a.s)),
                 A::I(m as i32),
-                A::I(mpad as i32),
+                A::I(a.mpad as i32),
                 A::I(k as i32),
             ],
         )?;
-        self.matmul_quantised(&xs, Some((&q, &s, mpad)), m, k, w)
+        self.matmul_quantised(&xs, Some(&a), m, k, w)
     }
 
     fn gelu(&self, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
-        self.make_bf16(x)?;
         let n = x.numel();
-        let Buf::Bf16(xb) = &x.buf else {
-            unreachable!()
-        };
+        let xb = self.bf16_for_update(x)?;
         if n > 0 {
             self.launch(
                 "gelu",
@@ -2228,25 +2423,9 @@ impl Backend for CudaBackend {
                 )?;
             }
         }
-        let y = self.alloc_bf16(n * vh * dv)?;
-        let rows = n * vh;
-        self.launch(
-            "rms_norm_gated",
-            cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
-            &[
-                A::P(self.p(&core)),
-                A::P(z_ptr),
-                A::L(ld),
-                A::I(vh as i32),
-                A::P(self.p(normw.s())),
-                A::P(self.p(&y)),
-                A::L(rows as i64),
-                A::I(dv as i32),
-                A::F(norm_eps),
-            ],
-        )?;
+        let y = self.gated_norm(&core, z_ptr, ld, vh, normw.s(), n, dv, norm_eps);
         drop(replaced);
-        Ok(self.bf16_tensor(y, &[n, vh * dv]))
+        y
     }
 
     fn vision_attention(
