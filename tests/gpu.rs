@@ -8,7 +8,7 @@
 //!     bitwise batch invariance of the GEMMs, and the row norms with the FP8 quantisation of their
 //!     output fused in (`*_quant`) bitwise against the norm + `quant_act_1x128`;
 //! (b) the whole engine (vision + decoder + LoRA + readout) on the golden tiny models, and a
-//!     128-wide FP8 model with and without the fused norm quantisation (bitwise);
+//!     4B-wide 4-layer FP8 model with and without the fused norm quantisation (bitwise);
 //! (c) prefix + extend of forks on the GPU equals full GPU forwards, forks are independent, and a
 //!     sequence's result does not depend on what else is in the batch.
 //!
@@ -1641,26 +1641,30 @@ fn engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
 
 /// Whole forwards with the FP8 activation quantisation fused into the norms equal forwards with
 /// it in its own kernel, bitwise: an FP8 checkpoint whose norms are whole 128-blocks wide (the
-/// golden tiny models are 64 wide, so their norms never fuse): hidden 256, DeltaNet value heads of
-/// 128, intermediate 512; a prefill (input norms, post-attention norms, DeltaNet gated norms, the
-/// last layer's norm on gathered rows) and a batched extend of two forks.
+/// golden tiny models are 64 wide, so their norms never fuse), four layers of the 4B's widths
+/// (cuBLASLt's block-scaled FP8 GEMM refuses K = 256, so no narrower model) with a 4096-wide
+/// MLP; a prefill (input norms, post-attention norms, DeltaNet gated norms, the last layer's norm
+/// on gathered rows) and a batched extend of two forks.
 fn fused_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let p = "engine";
     let mut v = synth::tiny_config();
     let t = &mut v["text_config"];
     for (k, n) in [
-        ("hidden_size", 256),
-        ("intermediate_size", 512),
-        ("head_dim", 64),
+        ("hidden_size", 2560),
+        ("intermediate_size", 4096),
+        ("num_attention_heads", 16),
+        ("num_key_value_heads", 4),
+        ("head_dim", 256),
         ("linear_key_head_dim", 128),
         ("linear_value_head_dim", 128),
-        ("linear_num_key_heads", 2),
-        ("linear_num_value_heads", 2),
+        ("linear_num_key_heads", 16),
+        ("linear_num_value_heads", 32),
     ] {
         t[k] = n.into();
     }
-    t["rope_parameters"]["mrope_section"] = serde_json::json!([6, 6, 4]);
-    v["vision_config"]["out_hidden_size"] = 256.into();
+    t["rope_parameters"]["partial_rotary_factor"] = serde_json::json!(0.25);
+    t["rope_parameters"]["mrope_section"] = serde_json::json!([11, 11, 10]);
+    v["vision_config"]["out_hidden_size"] = 2560.into();
     let dir = tempfile::tempdir()?;
     let cfg_path = dir.path().join("config-128.json");
     std::fs::write(&cfg_path, serde_json::to_string(&v)?)?;
@@ -1681,7 +1685,7 @@ fn fused_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let (lg, lu) = (gm.readout(&hg)?.remove(0), um.readout(&hu)?.remove(0));
     rep.check(
         p,
-        format!("fused norm quant, 128-wide FP8 model, prefill {} tokens: hidden + readout ≠ unfused (bitwise)", ids.len()),
+        format!("fused norm quant, 4B-wide 4-layer FP8 model, prefill {} tokens: hidden + readout ≠ unfused (bitwise)", ids.len()),
         (bit_diff(&hgv, &huv) + bit_diff(&lg, &lu)) as f64,
         0.0,
     );
@@ -1986,7 +1990,7 @@ fn cuda_backend_matches_cpu() {
         rep.fail("engine", "golden models", e);
     }
     if let Err(e) = fused_engine(&g, &mut rep) {
-        rep.fail("engine", "fused norm quant, 128-wide FP8 model", e);
+        rep.fail("engine", "fused norm quant, 4B-wide 4-layer FP8 model", e);
     }
     println!("(b) engine: {:.1} s", t.elapsed().as_secs_f64());
     let t = Instant::now();
