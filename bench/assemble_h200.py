@@ -62,8 +62,9 @@ def main():
         "model": "synth --config qwen3.5-4b --dtype bf16 --seed 0 (exact Qwen3.5-4B shapes, random weights) + LoRA "
                  "r64/alpha128 on the 200 text projections + F32 readout [256, 2560]",
         "ours": "imajev-serve decide --device cuda --quantize fp8 --rotations 4: block-FP8 projections (E4M3, 128x128 RTN), "
-                "BF16 LoRA unmerged, FP32 readout; shared prefix prefilled once, the 11 question passes as forks extended "
-                "in one packed forward. Latency = the whole request (parsing, image preprocessing, tokenisation, vision, "
+                "BF16 LoRA unmerged, FP32 readout; the shared prefix (once) and the 11 question passes that continue it "
+                "in one packed forward (up to 8192 tokens; longer prefixes are prefilled first, then the passes are "
+                "extended as forks). Latency = the whole request (parsing, image preprocessing, tokenisation, vision, "
                 "prefill, passes, readout), p50/p95 over the timed runs after one warm-up.",
         "peer": "transformers + PEFT, bf16, flash-linear-attention 0.6.0; the same token ids, one full forward per pass "
                 "(vision recomputed per pass), as imajev's torch server; forwards only are timed, after one warm-up.",
