@@ -170,7 +170,7 @@ fn prefix_and_forks_in_one_forward_equal_prefill_then_extend() {
     let hp = model.backend.download(&hp).unwrap();
 
     let feats = model.encode_images(&refs).unwrap();
-    let (mut states, h) = model.prefill_extend(&layout, &feats, &suffix_refs).unwrap();
+    let (states, h) = model.prefill_extend(&layout, &feats, &suffix_refs).unwrap();
     let h = model.backend.download(&h).unwrap();
     assert_eq!(h.len(), (1 + suffixes.len()) * d);
     assert!(rel_err(&h[..d], &hp) < 1e-6, "prefix row {:.2e}", rel_err(&h[..d], &hp));
@@ -182,7 +182,7 @@ fn prefix_and_forks_in_one_forward_equal_prefill_then_extend() {
     }
     // The states continue like the reference's: one more token on each.
     let more = tok.encode(" B: facilities").unwrap();
-    let mut tails: Vec<_> = states.drain(..).collect();
+    let mut tails = states;
     let mut ref_tails: Vec<_> = std::iter::once(p.fork()).chain(forks).collect();
     let all: Vec<&[u32]> = tails.iter().map(|_| more.as_slice()).collect();
     let a = model.backend.download(&model.extend(&mut tails, &all).unwrap()).unwrap();

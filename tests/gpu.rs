@@ -480,15 +480,7 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
         let la = Owned::bf16("down.A", &[8, k], &randn(rng, 8 * k, 0.05));
         let lb = Owned::bf16("down.B", &[n, 8], &randn(rng, n * 8, 0.05));
         let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
-        let lora = [LinearPart {
-            weight: w8.r(),
-            bias: None,
-            lora: Some(LoraPair {
-                a: la.r(),
-                b: lb.r(),
-                scale: 2.0,
-            }),
-        }];
+        let lora = [lora_part(&w8, &la, &lb, 2.0)];
         let lgl = g.linear(&lora)?;
         ensure!(
             lg.summary() == "fp8[0..2560]",
@@ -581,28 +573,14 @@ fn ops(g: &CudaBackend, c: &CpuBackend, rep: &mut Report) {
     });
 
     run("deltanet", rep, &mut |rep, rng| {
-        let d4b = DeltaNetDims {
-            key_heads: 16,
-            value_heads: 32,
-            key_dim: 128,
-            value_dim: 128,
-            conv_kernel: 4,
-            norm_eps: 1e-6,
-        };
+        let d4b = D4B;
         delta_case(g, c, rep, rng, "4B", d4b, &[&[70, 1, 130], &[3, 64, 65]], &[])?;
         // Prefixes and their continuations in one call (a 2-token parent: its children's conv
         // history reaches into the parent's old history), beside an independent sequence whose
         // state is updated in place.
         let tree = [None, Some(0), Some(0), None, None, Some(4)];
         delta_case(g, c, rep, rng, "4B", d4b, &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]], &tree)?;
-        let alt = DeltaNetDims {
-            key_heads: 2,
-            value_heads: 6,
-            key_dim: 32,
-            value_dim: 24,
-            conv_kernel: 4,
-            norm_eps: 1e-6,
-        };
+        let alt = DALT;
         delta_case(g, c, rep, rng, "alt", alt, &[&[100, 5], &[1, 70]], &[])?;
         // The other chunk scan (CUDA cores when the default is tensor cores), same checks.
         let other = !g.options().gdn_ffma;
@@ -690,18 +668,7 @@ fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut Rng) -> Result<
     let wb = Owned::bf16("proj_b.weight", &[32, d], &randn(rng, 32 * d, 0.02));
     let la = Owned::bf16("proj.A", &[8, d], &randn(rng, 8 * d, 0.05));
     let lb = Owned::bf16("proj.B", &[256, 8], &randn(rng, 256 * 8, 0.05));
-    let mixed = [
-        LinearPart {
-            weight: w8.r(),
-            bias: None,
-            lora: Some(LoraPair {
-                a: la.r(),
-                b: lb.r(),
-                scale: 2.0,
-            }),
-        },
-        part(&wb),
-    ];
+    let mixed = [lora_part(&w8, &la, &lb, 2.0), part(&wb)];
     let (lg, lgm) = (g.linear(&[part(&w8)])?, g.linear(&mixed)?);
     let _ = u.linear(&[part(&w8)])?;
     ensure!(
@@ -816,14 +783,7 @@ fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut Rng) -> Result<
 
     // rms_norm_gated_quant: the DeltaNet output of the 4B shapes (value_dim 128), fused vs not,
     // then its out projection (K = 4096) on the attachment vs a copy.
-    let d4b = DeltaNetDims {
-        key_heads: 16,
-        value_heads: 32,
-        key_dim: 128,
-        value_dim: 128,
-        conv_kernel: 4,
-        norm_eps: 1e-6,
-    };
+    let d4b = D4B;
     let wo = Owned::fp8("out_proj.weight", &[256, 4096], &randn(rng, 256 * 4096, 0.02));
     let lo = g.linear(&[part(&wo)])?;
     for lens in [&[1usize][..], &[16], &[37], &[70, 1, 130]] {
@@ -834,14 +794,7 @@ fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut Rng) -> Result<
         gemm_same(rep, &format!("{name} → out_proj fp8"), &og, &lo, n)?;
     }
     // value_dim ≠ 128: the plain kernel, no attachment, same output.
-    let alt = DeltaNetDims {
-        key_heads: 2,
-        value_heads: 6,
-        key_dim: 32,
-        value_dim: 24,
-        conv_kernel: 4,
-        norm_eps: 1e-6,
-    };
+    let alt = DALT;
     let (og, ou) = delta_pair(g, &u, rng, alt, &[20, 3], false)?;
     rep.flag(
         p,
@@ -871,23 +824,11 @@ fn delta_pair(
     let DeltaNetDims {
         value_heads: vh,
         value_dim: dv,
-        conv_kernel: kw,
         ..
     } = dims;
     let ch = dims.conv_channels();
     let n: usize = lens.iter().sum();
-    let conv = Owned::bf16("conv", &[ch, kw], &randn(rng, ch * kw, 0.5));
-    let alog = Owned::f32(
-        "A_log",
-        &[vh],
-        &(0..vh).map(|_| (1.0 + 15.0 * rng.uniform()).ln()).collect::<Vec<_>>(),
-    );
-    let dtb = Owned::f32("dt_bias", &[vh], &randn(rng, vh, 0.5));
-    let nw = Owned::f32(
-        "norm",
-        &[dv],
-        &randn(rng, dv, 0.1).iter().map(|v| 1.0 + v).collect::<Vec<_>>(),
-    );
+    let wts = DeltaWeights::random(rng, dims);
     let qkv = randn(rng, n * ch, 1.0);
     let mut z = randn(rng, n * vh * dv, 1.0);
     if zero_head {
@@ -896,26 +837,11 @@ fn delta_pair(
     }
     let b = randn(rng, n * vh, 1.0);
     let a = randn(rng, n * vh, 1.0);
-    let (proj, pw) = cat_cols(n, &[&qkv, &z, &b, &a]);
+    let (proj, _) = cat_cols(n, &[&qkv, &z, &b, &a]);
     let segs = tiling(lens);
     let run = |be: &CudaBackend| -> Result<CudaTensor> {
-        let t = (
-            be.upload(&proj, &[n, pw])?,
-            be.param(&conv.r())?,
-            be.param(&alog.r())?,
-            be.param(&dtb.r())?,
-            be.param(&nw.r())?,
-        );
-        let inputs = DeltaNetInputs {
-            proj: &t.0,
-            conv_weight: &t.1,
-            a_log: &t.2,
-            dt_bias: &t.3,
-            norm_weight: &t.4,
-        };
         let mut states = (0..lens.len()).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
-        let mut refs: Vec<_> = states.iter_mut().collect();
-        be.gated_delta_net(&inputs, &dims, &segs, &[], &mut refs)
+        wts.run(be, &proj, dims, &segs, &[], &mut states)
     };
     Ok((run(g)?, run(u)?))
 }
@@ -925,6 +851,14 @@ fn part(w: &Owned) -> LinearPart<'_> {
         weight: w.r(),
         bias: None,
         lora: None,
+    }
+}
+
+/// A block with a LoRA adapter `scale · (x·Aᵀ)·Bᵀ`.
+fn lora_part<'a>(w: &'a Owned, a: &'a Owned, b: &'a Owned, scale: f32) -> LinearPart<'a> {
+    LinearPart {
+        lora: Some(LoraPair { a: a.r(), b: b.r(), scale }),
+        ..part(w)
     }
 }
 
@@ -1235,6 +1169,7 @@ fn tree_note(parents: &[Option<usize>]) -> String {
     format!(" parents [{}]", p.join(","))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attention_case(
     g: &CudaBackend,
     c: &CpuBackend,
@@ -1377,6 +1312,72 @@ fn vision_case(
     Ok(())
 }
 
+/// The Gated DeltaNet shapes of Qwen3.5-4B.
+const D4B: DeltaNetDims = DeltaNetDims {
+    key_heads: 16,
+    value_heads: 32,
+    key_dim: 128,
+    value_dim: 128,
+    conv_kernel: 4,
+    norm_eps: 1e-6,
+};
+
+/// Small Gated DeltaNet shapes whose value_dim is not a multiple of 32 (nor 128).
+const DALT: DeltaNetDims = DeltaNetDims {
+    key_heads: 2,
+    value_heads: 6,
+    key_dim: 32,
+    value_dim: 24,
+    conv_kernel: 4,
+    norm_eps: 1e-6,
+};
+
+/// The parameters of a Gated DeltaNet layer besides its projections, random (conv taps, A_log,
+/// dt_bias, the gated-norm weight), and one mixer call with them.
+struct DeltaWeights {
+    conv: Owned,
+    alog: Owned,
+    dtb: Owned,
+    nw: Owned,
+}
+
+impl DeltaWeights {
+    fn random(rng: &mut Rng, dims: DeltaNetDims) -> Self {
+        let (ch, kw, vh, dv) = (dims.conv_channels(), dims.conv_kernel, dims.value_heads, dims.value_dim);
+        let conv = Owned::bf16("conv", &[ch, kw], &randn(rng, ch * kw, 0.5));
+        let alog = (0..vh).map(|_| (1.0 + 15.0 * rng.uniform()).ln()).collect::<Vec<_>>();
+        let alog = Owned::f32("A_log", &[vh], &alog);
+        let dtb = Owned::f32("dt_bias", &[vh], &randn(rng, vh, 0.5));
+        let nw = randn(rng, dv, 0.1).iter().map(|v| 1.0 + v).collect::<Vec<_>>();
+        let nw = Owned::f32("norm", &[dv], &nw);
+        DeltaWeights { conv, alog, dtb, nw }
+    }
+
+    /// `gated_delta_net` on the fused projection `proj` (`[n, proj_width]`).
+    fn run<B: Backend>(
+        &self,
+        be: &B,
+        proj: &[f32],
+        dims: DeltaNetDims,
+        segs: &[Range<usize>],
+        parents: &[Option<usize>],
+        states: &mut [B::DeltaState],
+    ) -> Result<B::Tensor> {
+        let pw = dims.proj_width();
+        let t = (
+            be.upload(proj, &[proj.len() / pw, pw])?,
+            be.param(&self.conv.r())?,
+            be.param(&self.alog.r())?,
+            be.param(&self.dtb.r())?,
+            be.param(&self.nw.r())?,
+        );
+        let inputs = DeltaNetInputs { proj: &t.0, conv_weight: &t.1, a_log: &t.2, dt_bias: &t.3, norm_weight: &t.4 };
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        be.gated_delta_net(&inputs, &dims, segs, parents, &mut refs)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn delta_case(
     g: &CudaBackend,
     c: &CpuBackend,
@@ -1390,7 +1391,6 @@ fn delta_case(
     let DeltaNetDims {
         value_heads: vh,
         value_dim: dv,
-        conv_kernel: kw,
         ..
     } = dims;
     let ch = dims.conv_channels();
@@ -1401,23 +1401,7 @@ fn delta_case(
     let mut cs = (0..nseq)
         .map(|_| c.new_delta_state(&dims))
         .collect::<Result<Vec<_>>>()?;
-    let conv = Owned::bf16("conv", &[ch, kw], &randn(rng, ch * kw, 0.5));
-    let alog = Owned::f32(
-        "A_log",
-        &[vh],
-        &(0..vh)
-            .map(|_| (1.0 + 15.0 * rng.uniform()).ln())
-            .collect::<Vec<_>>(),
-    );
-    let dtb = Owned::f32("dt_bias", &[vh], &randn(rng, vh, 0.5));
-    let nw = Owned::f32(
-        "norm",
-        &[dv],
-        &randn(rng, dv, 0.1)
-            .iter()
-            .map(|v| 1.0 + v)
-            .collect::<Vec<_>>(),
-    );
+    let wts = DeltaWeights::random(rng, dims);
     for (ci, lens) in calls.iter().enumerate() {
         let n: usize = lens.iter().sum();
         let segs = tiling(lens);
@@ -1430,30 +1414,8 @@ fn delta_case(
         // The fused projection [q | k | v | z | b | a].
         let (proj, pw) = cat_cols(n, &[&qkv, &z, &b, &a]);
         assert_eq!(pw, dims.proj_width());
-        macro_rules! run {
-            ($be:expr, $states:expr) => {{
-                let be = $be;
-                let t = (
-                    be.upload(&proj, &[n, pw])?,
-                    be.param(&conv.r())?,
-                    be.param(&alog.r())?,
-                    be.param(&dtb.r())?,
-                    be.param(&nw.r())?,
-                );
-                let inputs = DeltaNetInputs {
-                    proj: &t.0,
-                    conv_weight: &t.1,
-                    a_log: &t.2,
-                    dt_bias: &t.3,
-                    norm_weight: &t.4,
-                };
-                let mut refs: Vec<_> = $states.iter_mut().collect();
-                let o = be.gated_delta_net(&inputs, &dims, &segs, parents, &mut refs)?;
-                be.download(&o)?
-            }};
-        }
-        let og = run!(g, gs);
-        let oc = run!(c, cs);
+        let og = g.download(&wts.run(g, &proj, dims, &segs, parents, &mut gs)?)?;
+        let oc = c.download(&wts.run(c, &proj, dims, &segs, parents, &mut cs)?)?;
         rep.check(
             "ops",
             format!("gated_delta_net {name} call {ci} lens {lens:?}{}: output", tree_note(parents)),
@@ -1475,21 +1437,7 @@ fn delta_case(
     let before = gs[0].recurrent()?;
     let fork = gs[0].clone();
     let x = randn(rng, dims.proj_width(), 1.0);
-    let t = (
-        g.upload(&x, &[1, dims.proj_width()])?,
-        g.param(&conv.r())?,
-        g.param(&alog.r())?,
-        g.param(&dtb.r())?,
-        g.param(&nw.r())?,
-    );
-    let inputs = DeltaNetInputs {
-        proj: &t.0,
-        conv_weight: &t.1,
-        a_log: &t.2,
-        dt_bias: &t.3,
-        norm_weight: &t.4,
-    };
-    g.gated_delta_net(&inputs, &dims, &tiling(&[1]), &[], &mut [&mut gs[0]])?;
+    wts.run(g, &x, dims, &tiling(&[1]), &[], &mut gs[..1])?;
     let same = fork.recurrent()? == before && gs[0].recurrent()? != before;
     rep.flag(
         "ops",
@@ -1919,14 +1867,7 @@ fn perf(g: &CudaBackend) -> Result<Vec<String>> {
         "gated_attention 4B, 1×{m} tokens causal: {ms:.3} ms ({:.0} TFLOP/s)",
         4.0 * 16.0 * 256.0 * (m * m) as f64 / 2.0 / ms / 1e9
     ));
-    let dd = DeltaNetDims {
-        key_heads: 16,
-        value_heads: 32,
-        key_dim: 128,
-        value_dim: 128,
-        conv_kernel: 4,
-        norm_eps: 1e-6,
-    };
+    let dd = D4B;
     let (ch, pw) = (dd.conv_channels(), dd.proj_width());
     let t = (
         // The fused projection [q | k | v | z | b | a], BF16 as in the model.

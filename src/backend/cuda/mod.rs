@@ -880,6 +880,46 @@ impl CudaBackend {
             && self.inner.fp8_linears.load(Ordering::Relaxed)
     }
 
+    /// The RMSNorm launches of `rms_norm` (`residual` None: normalises `x`) and `add_rms_norm`
+    /// (`residual` = the residual stream, updated in place to `residual + x` first), one block per
+    /// row of `d` with the same block size (so the same reduction order and bits). When the rows
+    /// are the tensor's rows (`cols == d`) and FP8 projections are loaded, the `_quant` kernel
+    /// also writes the output's 1×128 FP8 quantisation, returned for the tensor to carry.
+    #[allow(clippy::too_many_arguments)]
+    fn row_norm(
+        &self,
+        x: u64,
+        residual: Option<u64>,
+        w: &CudaSlice<f32>,
+        out: &CudaSlice<bf16>,
+        rows: usize,
+        cols: usize,
+        d: usize,
+        eps: f32,
+        offset: f32,
+    ) -> Result<Option<ActFp8>> {
+        if rows == 0 {
+            return Ok(None);
+        }
+        let name = if residual.is_some() { "add_rms_norm" } else { "rms_norm" };
+        // add_rms_norm's first argument is the residual it updates, then the addend.
+        let mut args: Vec<A> = residual.into_iter().map(A::P).collect();
+        args.extend([A::P(x), A::P(self.p(w)), A::P(self.p(out))]);
+        let fused = cols == d && self.fuse_act_quant(d);
+        let (fp8, blocks) = if fused {
+            let a = self.alloc_act_fp8(rows, d)?;
+            args.extend([A::P(self.p(&a.q)), A::P(self.p(&a.s)), A::I(rows as i32), A::I(a.mpad as i32)]);
+            let blocks = a.mpad;
+            (Some(a), blocks)
+        } else {
+            (None, rows)
+        };
+        args.extend([A::I(d as i32), A::F(eps), A::F(offset)]);
+        let name = if fused { format!("{name}_quant") } else { name.to_string() };
+        self.launch(&name, cfg((blocks as u32, 1, 1), norm_block(d), 0), &args)?;
+        Ok(fp8)
+    }
+
     /// Per-token 1×128 FP8 quantisation of `x` `[m, k]` (`quant_act_1x128`).
     fn quantize(&self, x: &CudaSlice<bf16>, m: usize, k: usize) -> Result<ActFp8> {
         let a = self.alloc_act_fp8(m, k)?;
@@ -1060,47 +1100,17 @@ impl CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         let y = self.alloc_bf16(n * heads * d)?;
-        let mut fp8 = None;
-        if n > 0 && d == host::FP8_BLOCK && self.fuse_act_quant(heads * d) {
+        let mut args = vec![A::P(self.p(core)), A::P(z_ptr), A::L(z_ld), A::I(heads as i32), A::P(self.p(w)), A::P(self.p(&y))];
+        let (name, rows, fp8) = if n > 0 && d == host::FP8_BLOCK && self.fuse_act_quant(heads * d) {
             let a = self.alloc_act_fp8(n, heads * d)?;
-            let rows = a.mpad * heads;
-            self.launch(
-                "rms_norm_gated_quant",
-                cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
-                &[
-                    A::P(self.p(core)),
-                    A::P(z_ptr),
-                    A::L(z_ld),
-                    A::I(heads as i32),
-                    A::P(self.p(w)),
-                    A::P(self.p(&y)),
-                    A::P(self.p(&a.q)),
-                    A::P(self.p(&a.s)),
-                    A::I(n as i32),
-                    A::I(a.mpad as i32),
-                    A::I(d as i32),
-                    A::F(eps),
-                ],
-            )?;
-            fp8 = Some(a);
+            args.extend([A::P(self.p(&a.q)), A::P(self.p(&a.s)), A::I(n as i32), A::I(a.mpad as i32)]);
+            ("rms_norm_gated_quant", a.mpad * heads, Some(a))
         } else {
-            let rows = n * heads;
-            self.launch(
-                "rms_norm_gated",
-                cfg((grid1(rows * 32, 256), 1, 1), 256, 0),
-                &[
-                    A::P(self.p(core)),
-                    A::P(z_ptr),
-                    A::L(z_ld),
-                    A::I(heads as i32),
-                    A::P(self.p(w)),
-                    A::P(self.p(&y)),
-                    A::L(rows as i64),
-                    A::I(d as i32),
-                    A::F(eps),
-                ],
-            )?;
-        }
+            args.push(A::L((n * heads) as i64));
+            ("rms_norm_gated", n * heads, None)
+        };
+        args.extend([A::I(d as i32), A::F(eps)]);
+        self.launch(name, cfg((grid1(rows * 32, 256), 1, 1), 256, 0), &args)?;
         let mut t = self.bf16_tensor(y, &[n, heads * d]);
         t.fp8 = fp8;
         Ok(t)
@@ -1720,42 +1730,7 @@ impl Backend for CudaBackend {
         let rows = x.numel() / d;
         let (xs, ws) = (self.bf16_of(x)?, self.f32_of(w)?);
         let y = self.alloc_bf16(rows * d)?;
-        let mut fp8 = None;
-        let block = norm_block(d);
-        // Fused with the FP8 quantisation of the output when the norm's rows are the tensor's rows.
-        if rows > 0 && x.rows_cols().1 == d && self.fuse_act_quant(d) {
-            let a = self.alloc_act_fp8(rows, d)?;
-            self.launch(
-                "rms_norm_quant",
-                cfg((a.mpad as u32, 1, 1), block, 0),
-                &[
-                    A::P(self.p(xs.s())),
-                    A::P(self.p(ws.s())),
-                    A::P(self.p(&y)),
-                    A::P(self.p(&a.q)),
-                    A::P(self.p(&a.s)),
-                    A::I(rows as i32),
-                    A::I(a.mpad as i32),
-                    A::I(d as i32),
-                    A::F(eps),
-                    A::F(offset),
-                ],
-            )?;
-            fp8 = Some(a);
-        } else if rows > 0 {
-            self.launch(
-                "rms_norm",
-                cfg((rows as u32, 1, 1), block, 0),
-                &[
-                    A::P(self.p(xs.s())),
-                    A::P(self.p(ws.s())),
-                    A::P(self.p(&y)),
-                    A::I(d as i32),
-                    A::F(eps),
-                    A::F(offset),
-                ],
-            )?;
-        }
+        let fp8 = self.row_norm(self.p(xs.s()), None, ws.s(), &y, rows, x.rows_cols().1, d, eps, offset)?;
         let mut t = self.bf16_tensor(y, &x.shape);
         t.fp8 = fp8;
         Ok(t)
@@ -1839,45 +1814,7 @@ impl Backend for CudaBackend {
         let xb = self.bf16_for_update(x)?;
         let (ys, ws) = (self.bf16_of(y)?, self.f32_of(w)?);
         let out = self.alloc_bf16(rows * d)?;
-        let mut fp8 = None;
-        // The block size of `rms_norm`: the same reduction order, so the same bits.
-        let block = norm_block(d);
-        // Fused with the FP8 quantisation of `out` when the norm's rows are the tensor's rows.
-        if rows > 0 && cols == d && self.fuse_act_quant(d) {
-            let a = self.alloc_act_fp8(rows, d)?;
-            self.launch(
-                "add_rms_norm_quant",
-                cfg((a.mpad as u32, 1, 1), block, 0),
-                &[
-                    A::P(self.p(xb)),
-                    A::P(self.p(ys.s())),
-                    A::P(self.p(ws.s())),
-                    A::P(self.p(&out)),
-                    A::P(self.p(&a.q)),
-                    A::P(self.p(&a.s)),
-                    A::I(rows as i32),
-                    A::I(a.mpad as i32),
-                    A::I(d as i32),
-                    A::F(eps),
-                    A::F(offset),
-                ],
-            )?;
-            fp8 = Some(a);
-        } else if rows > 0 {
-            self.launch(
-                "add_rms_norm",
-                cfg((rows as u32, 1, 1), block, 0),
-                &[
-                    A::P(self.p(xb)),
-                    A::P(self.p(ys.s())),
-                    A::P(self.p(ws.s())),
-                    A::P(self.p(&out)),
-                    A::I(d as i32),
-                    A::F(eps),
-                    A::F(offset),
-                ],
-            )?;
-        }
+        let fp8 = self.row_norm(self.p(ys.s()), Some(self.p(xb)), ws.s(), &out, rows, cols, d, eps, offset)?;
         let mut t = self.bf16_tensor(out, &shape);
         t.fp8 = fp8;
         Ok(t)
