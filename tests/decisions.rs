@@ -171,7 +171,8 @@ fn answers_match_the_python_reference() {
 }
 
 /// Every pass from scratch (one full forward per pass, the way imajev's torch server runs) gives
-/// the same logits as the shared-prefix path.
+/// the same logits as the shared-prefix paths: prefill then forks in tiny batches, and the prefix
+/// with every pass in one forward.
 #[test]
 fn prefix_sharing_equals_running_every_pass_from_scratch() {
     let doc = load_cases();
@@ -199,6 +200,11 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
         let images: Vec<&PatchedImage> = req.images.iter().map(|i| &i.patched).collect();
         // Tiny batches, too, so batching itself is exercised differently from the default.
         let shared = engine.run(&plan, &images, BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 }, &|| Ok(())).unwrap();
+        assert!(shared.prefill_ms > 0.0, "tiny batches take the separate prefill");
+        // And the whole request as one forward (prefix + every pass continuing it).
+        let one = BatchLimits { min_shared_tokens: usize::MAX, ..Default::default() };
+        let fused = engine.run(&plan, &images, one, &|| Ok(())).unwrap();
+        assert_eq!(fused.prefill_ms, 0.0, "{}: the prefix and passes were not one forward", case["name"]);
         for (f, fp) in plan.fields.iter().enumerate() {
             for (p, pass) in fp.passes.iter().enumerate() {
                 let mut ids = plan.prefix.clone();
@@ -209,6 +215,9 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
                 let e = common::rel_err(&shared.logits[f][p], &scratch);
                 worst = worst.max(e);
                 assert!(e < 1e-5, "{}: field {f} pass {p}: shared vs scratch {e:.2e}", case["name"]);
+                let e = common::rel_err(&fused.logits[f][p], &scratch);
+                worst = worst.max(e);
+                assert!(e < 1e-5, "{}: field {f} pass {p}: one forward vs scratch {e:.2e}", case["name"]);
                 checked += 1;
             }
         }
