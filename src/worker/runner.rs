@@ -1,6 +1,7 @@
-//! Runs a decision [`Plan`] on a model: vision once per image, the shared prefix prefilled once,
-//! each question's common tokens once, then every (question, rotation) suffix as forks extended
-//! in packed batches. Only the readout logits leave the engine.
+//! Runs a decision [`Plan`] on a model: vision once per image, then — when the prefix and every
+//! (question, rotation) pass fit one packed batch — ONE forward in which every pass continues the
+//! prefix; otherwise the shared prefix prefilled once, each question's common tokens once, then
+//! every pass as forks extended in packed batches. Only the readout logits leave the engine.
 
 use crate::backend::Backend;
 use crate::decision::Plan;
@@ -100,14 +101,14 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         // When every pass fits in one packed forward together with the prefix, the prefix and
         // the passes that continue it are that one forward (no separate prefill: one pass over
         // the weights and one set of launches instead of two).
-        let pass_tokens: usize = passes.iter().map(|&(f, p)| suffix_of(f, p).len()).sum();
+        let owned: Vec<std::borrow::Cow<'_, [u32]>> = passes.iter().map(|&(f, p)| suffix_of(f, p)).collect();
+        let pass_tokens: usize = owned.iter().map(|s| s.len()).sum();
         if !share_commons
             && !passes.is_empty()
             && layout.ids.len() + pass_tokens <= limits.max_tokens
             && passes.len() < limits.max_sequences
         {
             let t = Instant::now();
-            let owned: Vec<std::borrow::Cow<'_, [u32]>> = passes.iter().map(|&(f, p)| suffix_of(f, p)).collect();
             let suffixes: Vec<&[u32]> = owned.iter().map(|s| s.as_ref()).collect();
             let (_, hidden) = self.prefill_extend(&layout, &feats, &suffixes)?;
             // Row 0 is the prefix's last token: not a pass.
