@@ -221,3 +221,33 @@ fn decode_of_encode_is_nfc() {
     }
     assert!(checked >= 500, "only {checked} round trips checked");
 }
+
+/// Long texts are encoded in pieces cut at spaces between ASCII letters (in parallel); the ids
+/// must equal encoding the whole text. The corpus strings (CJK, emoji, combining marks, code,
+/// `\r\n`, special tokens, contractions...) are glued into long texts with separators that put
+/// cut points right next to them.
+#[test]
+fn long_texts_encode_in_pieces_exactly() {
+    let tok = QwenTokenizer::builtin().unwrap();
+    let cases = cases();
+    let seps = [" and ", " x ", "\n", "", " it's ", "  ", " A b ", "<|im_end|> word "];
+    let mut checked = 0;
+    for (round, sep) in seps.iter().enumerate() {
+        let mut text = String::new();
+        for (i, c) in cases.iter().enumerate() {
+            if (i + round) % 3 == 0 {
+                text.push_str(&c.text);
+                text.push_str(sep);
+                text.push_str(if i % 2 == 0 { "word next " } else { "Word" });
+            }
+        }
+        assert!(text.len() > 20_000, "round {round}: {} bytes", text.len());
+        let (pieces, whole) = (tok.encode(&text).unwrap(), tok.encode_whole(&text).unwrap());
+        if pieces != whole {
+            let at = pieces.iter().zip(&whole).position(|(a, b)| a != b).unwrap_or(pieces.len().min(whole.len()));
+            panic!("round {round} (separator {sep:?}): ids differ from position {at} of {}", whole.len());
+        }
+        checked += whole.len();
+    }
+    eprintln!("{checked} tokens of long texts: pieces == whole");
+}

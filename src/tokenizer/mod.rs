@@ -70,6 +70,68 @@ static BUILTIN_ZST: &[u8] = include_bytes!("qwen3_5_tokenizer.json.zst");
 #[derive(Clone)]
 pub struct QwenTokenizer {
     inner: tokenizers::Tokenizer,
+    /// Long texts may be cut into pieces encoded in parallel (see [`QwenTokenizer::encode`]):
+    /// true when the file's normalizer, pre-tokenizer and special tokens are the ones that
+    /// argument is about.
+    cuttable: bool,
+}
+
+/// The Qwen3.5 split regex (the first pre-tokenizer of its `tokenizer.json`).
+const QWEN_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Texts shorter than this (bytes) are encoded in one piece.
+const PIECE_BYTES: usize = 4096;
+
+/// Whether `tokenizer.json` (parsed) is laid out so that [`cut_points`] are exact: NFC (or no)
+/// normalizer, the Qwen3.5 split regex then byte-level without prefix space, and no added token
+/// containing a space.
+fn cuttable(json: &serde_json::Value) -> bool {
+    let nfc = match &json["normalizer"] {
+        serde_json::Value::Null => true,
+        n => n["type"] == "NFC",
+    };
+    let pre = &json["pre_tokenizer"];
+    let steps = pre["pretokenizers"].as_array();
+    let split_ok = steps.is_some_and(|s| {
+        s.len() == 2
+            && s[0]["type"] == "Split"
+            && s[0]["pattern"]["Regex"].as_str() == Some(QWEN_SPLIT)
+            && s[0]["behavior"] == "Isolated"
+            && s[0]["invert"] == false
+            && s[1]["type"] == "ByteLevel"
+            && s[1]["add_prefix_space"] == false
+            && s[1]["use_regex"] == false
+    });
+    let specials_ok = json["added_tokens"]
+        .as_array()
+        .is_some_and(|a| a.iter().all(|t| t["content"].as_str().is_some_and(|c| !c.contains(' '))));
+    pre["type"] == "Sequence" && nfc && split_ok && specials_ok && json["model"]["type"] == "BPE"
+}
+
+/// Byte offsets where `text` can be cut without changing its token ids, about every
+/// [`PIECE_BYTES`]: at a space between two ASCII letters. There the Qwen3.5 split regex always
+/// ends one pre-token (a letter run, or a contraction, which cannot reach past a letter) and
+/// starts the next (` ?letters`); BPE never merges across pre-tokens; NFC never composes across
+/// two ASCII characters; no special token contains a space; and the regex has no look-behind, nor
+/// look-ahead from a match that ends before the letter run. So encoding the pieces and
+/// concatenating the ids equals encoding the whole.
+fn cut_points(text: &str) -> Vec<usize> {
+    let b = text.as_bytes();
+    let mut cuts = Vec::new();
+    let mut at = PIECE_BYTES;
+    while at + 1 < b.len() {
+        let found = (at..b.len() - 1)
+            .take(PIECE_BYTES)
+            .find(|&i| b[i] == b' ' && b[i - 1].is_ascii_alphabetic() && b[i + 1].is_ascii_alphabetic());
+        match found {
+            Some(i) => {
+                cuts.push(i);
+                at = i + PIECE_BYTES;
+            }
+            None => at += PIECE_BYTES,
+        }
+    }
+    cuts
 }
 
 impl std::fmt::Debug for QwenTokenizer {
@@ -119,11 +181,29 @@ impl QwenTokenizer {
         // The engine needs every id of the prompt, unpadded.
         inner.with_truncation(None).map_err(|e| anyhow!(e))?;
         inner.with_padding(None);
-        Ok(Self { inner })
+        let cuttable = serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|j| cuttable(&j));
+        Ok(Self { inner, cuttable })
     }
 
-    /// Token ids of `text`: NFC, no BOS/EOS, special-token strings become special tokens.
+    /// Token ids of `text`: NFC, no BOS/EOS, special-token strings become special tokens. A long
+    /// text (a 16K-token state takes ~25 ms in one piece) is cut where that cannot change its ids
+    /// ([`cut_points`]) and the pieces are encoded in parallel; the ids equal [`Self::encode_whole`].
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let cuts = if self.cuttable && text.len() >= 2 * PIECE_BYTES { cut_points(text) } else { Vec::new() };
+        if cuts.is_empty() {
+            return self.encode_whole(text);
+        }
+        use rayon::prelude::*;
+        let bounds: Vec<usize> = std::iter::once(0).chain(cuts).chain(std::iter::once(text.len())).collect();
+        let pieces = bounds
+            .par_windows(2)
+            .map(|w| self.encode_whole(&text[w[0]..w[1]]))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(pieces.concat())
+    }
+
+    /// Token ids of `text` in one piece (what [`Self::encode`] must equal).
+    pub fn encode_whole(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .inner
             .encode_fast(text, false)
@@ -249,6 +329,25 @@ mod tests {
         let mut out = Vec::new();
         tokenize_stream(tok, input, &mut out, jsonl)?;
         Ok(String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn long_texts_are_cut_only_where_ids_cannot_change() {
+        let t = tok();
+        assert!(t.cuttable, "the builtin tokenizer.json is the layout cut_points reasons about");
+        // A tokenizer file with another split regex is never cut.
+        let mut j: serde_json::Value = serde_json::from_slice(&QwenTokenizer::builtin_json().unwrap()).unwrap();
+        j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+|\\S+".into();
+        assert!(!cuttable(&j));
+        let text = "The printer on floor three prints every page twice. ".repeat(400);
+        let cuts = cut_points(&text);
+        assert!(cuts.len() >= 4, "{} cuts", cuts.len());
+        for &c in &cuts {
+            assert!(text.as_bytes()[c] == b' ' && text.as_bytes()[c - 1].is_ascii_alphabetic());
+        }
+        assert_eq!(t.encode(&text).unwrap(), t.encode_whole(&text).unwrap());
+        // No ASCII letter-space-letter anywhere: one piece.
+        assert!(cut_points(&"日本語のテキスト。".repeat(2000)).is_empty());
     }
 
     #[test]
