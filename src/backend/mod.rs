@@ -119,24 +119,31 @@ pub struct DeltaNetInputs<'t, T> {
     pub norm_weight: &'t T,
 }
 
+/// A packed batch's tree as [`check_parents`] returns it: per segment, its parent (if it
+/// continues one) and whether it is some segment's parent.
+pub struct Tree {
+    pub parent: Vec<Option<usize>>,
+    pub is_parent: Vec<bool>,
+}
+
 /// Checks a packed batch's tree: `parents` is empty (independent sequences) or has one entry per
 /// segment, and a segment's parent comes before it and has no parent itself (one level: a shared
-/// prefix and the sequences that continue it, in one forward). Returns, per segment, whether it
-/// is some segment's parent.
-pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Vec<bool>> {
-    let mut is_parent = vec![false; segments];
+/// prefix and the sequences that continue it, in one forward).
+pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Tree> {
+    let mut tree = Tree { parent: vec![None; segments], is_parent: vec![false; segments] };
     if parents.is_empty() {
-        return Ok(is_parent);
+        return Ok(tree);
     }
     anyhow::ensure!(parents.len() == segments, "{} parents for {segments} segments", parents.len());
     for (j, p) in parents.iter().enumerate() {
         if let Some(i) = *p {
             anyhow::ensure!(i < j, "segment {j}'s parent {i} does not come before it");
             anyhow::ensure!(parents[i].is_none(), "segment {j}'s parent {i} has a parent itself (one level only)");
-            is_parent[i] = true;
+            tree.is_parent[i] = true;
         }
     }
-    Ok(is_parent)
+    tree.parent.copy_from_slice(parents);
+    Ok(tree)
 }
 
 /// The operations of a Qwen3.5 prefill.

@@ -644,8 +644,8 @@ impl<B: Backend> Qwen35<B> {
         // The suffixes' states are replaced by forks of the prefix's inside the forward; until
         // then they are forks of the empty state (nothing allocated per suffix).
         let root = self.new_state()?;
-        let mut states: Vec<State<B>> = std::iter::once(root.fork()).chain(suffixes.iter().map(|_| root.fork())).collect();
-        drop(root);
+        let forks: Vec<State<B>> = suffixes.iter().map(|_| root.fork()).collect();
+        let mut states: Vec<State<B>> = std::iter::once(root).chain(forks).collect();
         let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
         let hidden = self.forward(&segs, &mut refs)?;
         Ok((states, hidden))

@@ -86,30 +86,33 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         // saves enough work; otherwise those tokens stay at the front of every pass's suffix.
         let saved: usize = plan.fields.iter().map(|f| f.common.len() * f.passes.len().saturating_sub(1)).sum();
         let share_commons = saved >= limits.min_shared_tokens;
-        let suffix_of = |f: usize, p: usize| -> std::borrow::Cow<'_, [u32]> {
-            let fp = &plan.fields[f];
-            if share_commons || fp.common.is_empty() {
-                std::borrow::Cow::Borrowed(fp.passes[p].suffix.as_slice())
-            } else {
-                std::borrow::Cow::Owned([fp.common.as_slice(), fp.passes[p].suffix.as_slice()].concat())
-            }
-        };
+        // Every pass (field f, pass p) and the tokens it runs after its field's state.
         let passes: Vec<(usize, usize)> =
             plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
+        let suffix: Vec<std::borrow::Cow<'_, [u32]>> = passes
+            .iter()
+            .map(|&(f, p)| {
+                let fp = &plan.fields[f];
+                if share_commons || fp.common.is_empty() {
+                    std::borrow::Cow::Borrowed(fp.passes[p].suffix.as_slice())
+                } else {
+                    std::borrow::Cow::Owned([fp.common.as_slice(), fp.passes[p].suffix.as_slice()].concat())
+                }
+            })
+            .collect();
         out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
 
         // When every pass fits in one packed forward together with the prefix, the prefix and
         // the passes that continue it are that one forward (no separate prefill: one pass over
         // the weights and one set of launches instead of two).
-        let owned: Vec<std::borrow::Cow<'_, [u32]>> = passes.iter().map(|&(f, p)| suffix_of(f, p)).collect();
-        let pass_tokens: usize = owned.iter().map(|s| s.len()).sum();
+        let pass_tokens: usize = suffix.iter().map(|s| s.len()).sum();
         if !share_commons
             && !passes.is_empty()
             && layout.ids.len() + pass_tokens <= limits.max_tokens
             && passes.len() < limits.max_sequences
         {
             let t = Instant::now();
-            let suffixes: Vec<&[u32]> = owned.iter().map(|s| s.as_ref()).collect();
+            let suffixes: Vec<&[u32]> = suffix.iter().map(|s| s.as_ref()).collect();
             let (_, hidden) = self.prefill_extend(&layout, &feats, &suffixes)?;
             // Row 0 is the prefix's last token: not a pass.
             let logits = self.readout(&hidden)?;
@@ -150,18 +153,19 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         }
         // Every pass: a fork of its field's state, extended with its suffix.
         let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
-        for chunk in batches(&passes, |&(f, p)| suffix_of(f, p).len(), limits) {
+        let indices: Vec<usize> = (0..passes.len()).collect();
+        for chunk in batches(&indices, |&i| suffix[i].len(), limits) {
             let mut states: Vec<State<B>> =
-                chunk.iter().map(|&(f, _)| field_states[f].as_ref().unwrap_or(&prefix).fork()).collect();
+                chunk.iter().map(|&i| field_states[passes[i].0].as_ref().unwrap_or(&prefix).fork()).collect();
             prof.mark(&self.backend, "fork");
-            let owned: Vec<std::borrow::Cow<'_, [u32]>> = chunk.iter().map(|&(f, p)| suffix_of(f, p)).collect();
-            let suffixes: Vec<&[u32]> = owned.iter().map(|s| s.as_ref()).collect();
+            let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| suffix[i].as_ref()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;
             prof.mark(&self.backend, "extend");
             let logits = self.readout(&hidden)?;
             prof.mark(&self.backend, "readout");
             out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
-            for (&(f, p), l) in chunk.iter().zip(logits) {
+            for (&i, l) in chunk.iter().zip(logits) {
+                let (f, p) = passes[i];
                 out.logits[f][p] = l;
             }
             out.passes += chunk.len();

@@ -346,7 +346,7 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let AttentionDims { heads, kv_heads, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
-        crate::backend::check_parents(parents, segments.len())?;
+        let tree = crate::backend::check_parents(parents, segments.len())?;
         let (n, width) = x.qkv.rows_cols();
         ensure!(width == dims.qkv_width(), "attention input width {width} != {}", dims.qkv_width());
         let qgw = heads * 2 * hd;
@@ -377,7 +377,7 @@ impl Backend for CpuBackend {
         }
         let mut out = vec![0f32; n * heads * hd];
         for (si, seg) in segments.iter().enumerate() {
-            if let Some(p) = parents.get(si).copied().flatten() {
+            if let Some(p) = tree.parent[si] {
                 // The parent's rows are in (it comes first): fork its cache.
                 self.share_kv(caches[p])?;
                 *caches[si] = caches[p].clone();
@@ -414,7 +414,7 @@ impl Backend for CpuBackend {
         let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel, norm_eps } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
-        crate::backend::check_parents(parents, segments.len())?;
+        let tree = crate::backend::check_parents(parents, segments.len())?;
         let (n, w) = x.proj.rows_cols();
         ensure!(w == dims.proj_width(), "DeltaNet input width {w} != {}", dims.proj_width());
         let parts = self.split_cols(x.proj, &[c, vh * dv, vh, vh])?;
@@ -425,7 +425,7 @@ impl Backend for CpuBackend {
         let dt_bias = &x.dt_bias.data;
         let mut core = vec![0f32; n * vh * dv];
         for (si, seg) in segments.iter().enumerate() {
-            if let Some(p) = parents.get(si).copied().flatten() {
+            if let Some(p) = tree.parent[si] {
                 // The parent's rows are in (it comes first): continue from its state.
                 *states[si] = states[p].clone();
             }

@@ -1974,7 +1974,7 @@ impl Backend for CudaBackend {
             norm_eps,
         } = *dims;
         ensure!(segments.len() == caches.len(), "one cache per segment");
-        let is_parent = crate::backend::check_parents(parents, segments.len())?;
+        let crate::backend::Tree { parent, is_parent } = crate::backend::check_parents(parents, segments.len())?;
         let (n, width) = x.qkv.rows_cols();
         ensure!(
             width == dims.qkv_width(),
@@ -2020,7 +2020,7 @@ impl Backend for CudaBackend {
         let (cos, sin) = (self.f32_of(x.cos)?, self.f32_of(x.sin)?);
         let mut meta = Vec::with_capacity(8 * segments.len());
         for (si, seg) in segments.iter().enumerate() {
-            if let Some(p) = parents.get(si).copied().flatten() {
+            if let Some(p) = parent[si] {
                 // A fork of the parent, whose rows (all of them shared, see below) the prep
                 // launch writes before the attention launch reads them.
                 let shared = caches[p].shared.clone();
@@ -2135,8 +2135,7 @@ impl Backend for CudaBackend {
         } = *dims;
         let c = dims.conv_channels();
         ensure!(segments.len() == states.len(), "one state per segment");
-        let is_parent = crate::backend::check_parents(parents, segments.len())?;
-        let parent_of = |si: usize| parents.get(si).copied().flatten();
+        let crate::backend::Tree { parent, is_parent } = crate::backend::check_parents(parents, segments.len())?;
         let (n, pw) = x.proj.rows_cols();
         ensure!(
             pw == dims.proj_width(),
@@ -2183,7 +2182,7 @@ impl Backend for CudaBackend {
         // rows are both read during the call).
         let (conv_len, rec_len) = (kw.saturating_sub(1) * c, vh * dk * dv);
         let needs_fresh: Vec<bool> = (0..segments.len())
-            .map(|si| is_parent[si] || parent_of(si).is_some() || Arc::get_mut(&mut states[si].cur).is_none())
+            .map(|si| is_parent[si] || parent[si].is_some() || Arc::get_mut(&mut states[si].cur).is_none())
             .collect();
         let shared = needs_fresh.iter().filter(|&&f| f).count();
         let fresh = if shared == 0 {
@@ -2196,7 +2195,7 @@ impl Backend for CudaBackend {
         // children. The conv history of the parents is written before the conv (their children
         // read it), everyone else's after it (an in-place history is read by the conv); the scan
         // of the children runs after everyone else's (they start from their parents' states).
-        let rank = |si: usize| if is_parent[si] { 0 } else if parent_of(si).is_none() { 1 } else { 2 };
+        let rank = |si: usize| if is_parent[si] { 0 } else if parent[si].is_none() { 1 } else { 2 };
         let mut order: Vec<usize> = (0..segments.len()).collect();
         order.sort_by_key(|&si| rank(si));
         let parents_n = is_parent.iter().filter(|&&p| p).count();
@@ -2209,7 +2208,7 @@ impl Backend for CudaBackend {
         let mut replaced: Vec<Arc<DeltaBufs>> = Vec::new();
         let mut slot = 0;
         for si in 0..segments.len() {
-            if let Some(p) = parent_of(si) {
+            if let Some(p) = parent[si] {
                 // The parent comes first, so its state already points at its output arrays.
                 let fork = states[p].clone();
                 replaced.push(std::mem::replace(&mut *states[si], fork).cur);
