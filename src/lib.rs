@@ -11,3 +11,4 @@ pub mod cli;
 pub mod decision;
 pub mod worker;
 pub mod serve;
+pub mod release;
