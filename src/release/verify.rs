@@ -308,7 +308,8 @@ fn compare_tensors(c: &Component, set: &super::manifest::WeightSet, found: &Weig
     if !problems.is_empty() {
         return Err(anyhow!("{}", list(&problems)));
     }
-    let mut detail = format!("{} tensors: names, dtypes and shapes as the manifest lists", expected.len());
+    let noun = if expected.len() == 1 { "tensor" } else { "tensors" };
+    let mut detail = format!("{} {noun}: names, dtypes and shapes as the manifest lists", expected.len());
     if found.files.len() > 1 {
         detail.push_str(&format!(" ({} shards)", found.files.len() - 1));
     }
