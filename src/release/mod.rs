@@ -6,6 +6,7 @@
 //! This layer reads files and safetensors headers only: it never loads weights, and the serving
 //! path asks it nothing but the release's name, description, date and recipe.
 
+pub mod cli;
 mod headers;
 pub mod lock;
 pub mod manifest;
