@@ -285,7 +285,7 @@ fn compare_tensors(c: &Component, set: &super::manifest::WeightSet, found: &Weig
         match found.tensors.get(&t.name) {
             None => problems.push(format!("{} is missing", t.name)),
             Some(h) => {
-                if !t.dtypes.iter().any(|d| *d == h.dtype) {
+                if !t.dtypes.contains(&h.dtype) {
                     problems.push(format!("{} in {} is {}, the manifest says {}", t.name, h.file, h.dtype, t.dtypes.join(" or ")));
                 }
                 if h.shape != t.shape {
