@@ -126,22 +126,6 @@ pub enum Dtypes {
     Any(Vec<String>),
 }
 
-impl Dtypes {
-    pub fn allows(&self, dtype: &str) -> bool {
-        match self {
-            Dtypes::One(d) => d == dtype,
-            Dtypes::Any(v) => v.iter().any(|d| d == dtype),
-        }
-    }
-
-    pub fn describe(&self) -> String {
-        match self {
-            Dtypes::One(d) => d.clone(),
-            Dtypes::Any(v) => v.join(" or "),
-        }
-    }
-}
-
 /// A tensor the manifest requires, after expanding its placeholder.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpectedTensor {
