@@ -9,7 +9,7 @@
 //!   dequantises every weight to f32: ~18 GB of RAM).
 
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::engine::synth::{self, SynthDtype};
+use imajev_serve::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
 use serde_json::json;
 use std::path::PathBuf;

@@ -2,7 +2,7 @@
 //! Output contracts here are relied upon by other tools; change them only with care.
 
 use crate::backend::cpu::CpuBackend;
-use crate::engine::synth::{self, SynthDtype};
+use crate::synth::{self, SynthDtype};
 use crate::backend::Backend;
 use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};

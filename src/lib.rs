@@ -11,3 +11,5 @@ pub mod cli;
 pub mod decision;
 pub mod worker;
 pub mod serve;
+pub mod synth;
+pub mod weights;

@@ -6,7 +6,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use crate::engine::adapter::{readout_path, ReadoutFile};
-use crate::engine::synth::{self, SynthDtype};
+use crate::synth::{self, SynthDtype};
 use crate::engine::{ModelConfig, Qwen35};
 use crate::image::ImageProcessorConfig;
 use crate::tokenizer::QwenTokenizer;

@@ -7,7 +7,7 @@ use common::TinyModel;
 use imajev_serve::api::{build_app_state, serve, ServerConfig};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings, Plan};
-use imajev_serve::engine::synth::{self, SynthDtype};
+use imajev_serve::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;

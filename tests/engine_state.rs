@@ -7,7 +7,7 @@ use common::{fixtures, rel_err, tiny};
 use imajev_serve::backend::cpu::kernels::{delta_rule_chunked, delta_rule_recurrent, DeltaRuleInputs};
 use imajev_serve::backend::cpu::{CpuBackend, DeltaRuleMode};
 use imajev_serve::backend::Backend;
-use imajev_serve::engine::synth::SynthDtype;
+use imajev_serve::synth::SynthDtype;
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;

@@ -22,8 +22,8 @@ use imajev_serve::backend::{
     AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
     LoraPair,
 };
-use imajev_serve::engine::synth::{self, SynthDtype};
-use imajev_serve::engine::weights::{dequantize_fp8_blocks, ScaleRef, StoredDtype, TensorRef};
+use imajev_serve::synth::{self, SynthDtype};
+use imajev_serve::weights::{dequantize_fp8_blocks, ScaleRef, StoredDtype, TensorRef};
 use imajev_serve::engine::{positions, Qwen35};
 use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig};
 use imajev_serve::tokenizer::QwenTokenizer;

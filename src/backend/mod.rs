@@ -14,7 +14,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use crate::engine::weights::TensorRef;
+use crate::weights::TensorRef;
 use anyhow::Result;
 use std::ops::Range;
 

@@ -6,7 +6,7 @@
 //! Every pair in the file must land on a projection of the model; anything the loader cannot
 //! place is an error, never silently dropped.
 
-use super::weights::{StoredDtype, TensorRef, WeightStore};
+use crate::weights::{StoredDtype, TensorRef, WeightStore};
 use crate::backend::LoraPair;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;

@@ -7,7 +7,7 @@ use super::adapter::{readout_path, LoraAdapter, ReadoutFile};
 use super::config::{LayerKind, ModelConfig, TextRope};
 use super::positions::{self, SequenceLayout};
 use super::progress::LoadProgress;
-use super::weights::{TensorRef, WeightStore};
+use crate::weights::{TensorRef, WeightStore};
 use crate::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
 use crate::image::PatchedImage;
 use anyhow::{anyhow, bail, ensure, Context, Result};

@@ -1,7 +1,7 @@
 //! Shared test helpers: synthetic checkpoints in temporary folders.
 #![allow(dead_code)]
 
-use imajev_serve::engine::synth::{self, SynthDtype};
+use imajev_serve::synth::{self, SynthDtype};
 use std::path::{Path, PathBuf};
 
 pub struct TinyModel {

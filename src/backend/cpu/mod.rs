@@ -7,7 +7,7 @@
 pub mod kernels;
 
 use super::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
-use crate::engine::weights::TensorRef;
+use crate::weights::TensorRef;
 use anyhow::{bail, ensure, Result};
 use kernels::DeltaRuleInputs;
 use std::ops::Range;

@@ -348,7 +348,7 @@ impl Blas {
         )?;
         let m_ref = if narrow { M_REF_NARROW } else { M_REF };
         let m_ref = match g.kind {
-            GemmKind::Fp8Block => super::host::fp8_rows(m_ref),
+            GemmKind::Fp8Block => crate::weights::fp8::fp8_rows(m_ref),
             GemmKind::Bf16 => m_ref,
         };
         plan.algo = self.heuristic(&plan, g, m_ref)?;

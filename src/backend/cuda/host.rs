@@ -4,67 +4,12 @@
 //! unit-tested on CPU-only machines; the kernels that consume these layouts are tested on the GPU
 //! (`tests/gpu.rs`).
 
-use crate::engine::weights::StoredDtype;
+use crate::weights::fp8::FP8_BLOCK;
+use crate::weights::StoredDtype;
 use std::ops::Range;
 
-/// Side of a block-FP8 scale block (1×128 for activations, 128×128 for weights).
-pub const FP8_BLOCK: usize = 128;
-/// Largest finite E4M3 value.
-pub const FP8_MAX: f32 = 448.0;
-/// FP8 GEMMs run on a row count padded to this multiple (pad rows are zero with scale 1).
-pub const FP8_ROW_ALIGN: usize = 16;
 /// Tokens per chunk of the chunked gated delta rule (the kernels are written for 64).
 pub const DELTA_CHUNK: usize = 64;
-
-/// Rows an FP8 GEMM with `m` activation rows is run on.
-pub fn fp8_rows(m: usize) -> usize {
-    m.div_ceil(FP8_ROW_ALIGN).max(1) * FP8_ROW_ALIGN
-}
-
-/// Index of the scale of activation row `m`, 128-block `kb`, in the `[K/128][mpad]` layout that
-/// cuBLASLt's `VEC128_32F` B-scale mode reads (rows contiguous per k-block).
-#[inline]
-pub fn act_scale_index(m: usize, kb: usize, mpad: usize) -> usize {
-    kb * mpad + m
-}
-
-/// CPU twin of `quant_act_1x128` (kernels/quant.cu): per row and 128-wide block,
-/// `s = max|x| / 448` (1 for an all-zero block), `q = e4m3(x / s)` round-to-nearest-even.
-/// `x` is `[m, k]` (already bf16-representable values); returns `q` `[mpad, k]` and the scales
-/// `[k/128][mpad]`, with `mpad = fp8_rows(m)` and zero pad rows.
-pub fn quantize_act_1x128(x: &[f32], m: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
-    assert_eq!(x.len(), m * k);
-    assert_eq!(k % FP8_BLOCK, 0, "K must be a multiple of 128");
-    let mpad = fp8_rows(m);
-    let kb_n = k / FP8_BLOCK;
-    let mut q = vec![0u8; mpad * k];
-    let mut s = vec![1f32; kb_n * mpad];
-    for r in 0..m {
-        for kb in 0..kb_n {
-            let blk = &x[r * k + kb * FP8_BLOCK..r * k + (kb + 1) * FP8_BLOCK];
-            let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let sc = if amax > 0.0 { amax / FP8_MAX } else { 1.0 };
-            s[act_scale_index(r, kb, mpad)] = sc;
-            for (j, &v) in blk.iter().enumerate() {
-                q[r * k + kb * FP8_BLOCK + j] = float8::F8E4M3::from_f32(v / sc).to_bits();
-            }
-        }
-    }
-    (q, s)
-}
-
-/// `x[r, c] = e4m3(q[r, c]) · s[c/128][r]` for the first `m` rows.
-pub fn dequantize_act_1x128(q: &[u8], s: &[f32], m: usize, mpad: usize, k: usize) -> Vec<f32> {
-    let lut = crate::engine::weights::fp8_e4m3_table();
-    let mut out = vec![0f32; m * k];
-    for r in 0..m {
-        for c in 0..k {
-            out[r * k + c] =
-                lut[q[r * k + c] as usize] * s[act_scale_index(r, c / FP8_BLOCK, mpad)];
-        }
-    }
-    out
-}
 
 /// How one row block of a projection is stored on the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,81 +168,6 @@ pub fn ptr_alignment(addr: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fp8_rows_pad_to_sixteen() {
-        assert_eq!(fp8_rows(0), 16);
-        assert_eq!(fp8_rows(1), 16);
-        assert_eq!(fp8_rows(16), 16);
-        assert_eq!(fp8_rows(17), 32);
-        assert_eq!(fp8_rows(1000), 1008);
-    }
-
-    #[test]
-    fn activation_scales_are_k_block_major() {
-        // Row r, block kb lives at kb·mpad + r: all rows of one k-block are contiguous.
-        let (m, k) = (3, 256);
-        let mpad = fp8_rows(m);
-        let mut x = vec![0f32; m * k];
-        for r in 0..m {
-            for c in 0..k {
-                // A different magnitude in every (row, block), so a transposed read would be wrong.
-                x[r * k + c] = (1 + r * 2 + c / 128) as f32 * if c % 2 == 0 { 1.0 } else { -0.5 };
-            }
-        }
-        let (q, s) = quantize_act_1x128(&x, m, k);
-        assert_eq!(s.len(), 2 * mpad);
-        for r in 0..m {
-            for kb in 0..2 {
-                let want = (1 + r * 2 + kb) as f32 / FP8_MAX;
-                assert_eq!(s[kb * mpad + r], want, "scale of row {r} block {kb}");
-            }
-        }
-        // Pad rows: zero bytes, unit scale.
-        assert!(q[m * k..].iter().all(|&b| b == 0));
-        assert!((m..mpad).all(|r| s[r] == 1.0 && s[mpad + r] == 1.0));
-        // Each block's largest value maps to ±448 exactly.
-        let back = dequantize_act_1x128(&q, &s, m, mpad, k);
-        for r in 0..m {
-            for c in [0, 128] {
-                assert_eq!(q[r * k + c], float8::F8E4M3::from_f32(448.0).to_bits());
-                assert!((back[r * k + c] - x[r * k + c]).abs() <= 1e-6 * x[r * k + c].abs());
-            }
-        }
-    }
-
-    #[test]
-    fn activation_quantisation_error_is_e4m3_sized() {
-        let (m, k) = (5, 384);
-        let x: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 << (i % 5)) as f32)
-            .collect();
-        let (q, s) = quantize_act_1x128(&x, m, k);
-        let back = dequantize_act_1x128(&q, &s, m, fp8_rows(m), k);
-        for r in 0..m {
-            for kb in 0..k / 128 {
-                let blk = r * k + kb * 128..r * k + (kb + 1) * 128;
-                let amax = x[blk.clone()].iter().fold(0f32, |a, v| a.max(v.abs()));
-                for i in blk {
-                    // 3 mantissa bits: half an ulp is ≤ 1/16 relative, plus subnormal spacing near 0.
-                    let tol = x[i].abs() / 16.0 + amax / 448.0 * 2f32.powi(-9);
-                    assert!(
-                        (back[i] - x[i]).abs() <= tol * 1.0001,
-                        "x {} back {}",
-                        x[i],
-                        back[i]
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn zero_block_gets_unit_scale() {
-        let (q, s) = quantize_act_1x128(&[0f32; 128], 1, 128);
-        assert!(q.iter().all(|&b| b == 0));
-        assert_eq!(s[0], 1.0);
-    }
 
     #[test]
     fn formats_follow_dtype_alignment_and_option() {

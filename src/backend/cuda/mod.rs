@@ -31,7 +31,7 @@ pub mod kprof;
 use super::{
     AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
 };
-use crate::engine::weights::{StoredDtype, TensorRef};
+use crate::weights::{fp8, StoredDtype, TensorRef};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
@@ -161,7 +161,7 @@ pub struct CudaTensor {
 }
 
 /// FP8 activations of `m` rows of width `k`: E4M3 codes `[mpad, k]`, scales `[k/128][mpad]`
-/// (`mpad = host::fp8_rows(m)`, rows `m..mpad` zero with scale 1); the layout of `quant_act_1x128`.
+/// (`mpad = fp8::fp8_rows(m)`, rows `m..mpad` zero with scale 1); the layout of `quant_act_1x128`.
 struct ActFp8 {
     q: CudaSlice<u8>,
     s: CudaSlice<f32>,
@@ -447,7 +447,7 @@ fn fp8_part(t: &TensorRef) -> Result<(Vec<u8>, Vec<f32>)> {
     let w = t.to_f32()?;
     let stripes: Vec<(Vec<u8>, Vec<f32>)> = w
         .par_chunks(128 * i)
-        .map(|s| crate::engine::synth::quantize_fp8_blocks(s, s.len() / i, i))
+        .map(|s| crate::weights::fp8::quantize_fp8_blocks(s, s.len() / i, i))
         .collect();
     let mut q = Vec::with_capacity(o * i);
     let mut sc = Vec::with_capacity(o / 128 * (i / 128));
@@ -860,13 +860,13 @@ impl CudaBackend {
     /// fills them writes every byte and scale, padding rows included).
     fn alloc_act_fp8(&self, m: usize, k: usize) -> Result<ActFp8> {
         ensure!(
-            k % host::FP8_BLOCK == 0,
+            k % fp8::FP8_BLOCK == 0,
             "FP8 activations need K to be a multiple of 128, got {k}"
         );
-        let mpad = host::fp8_rows(m);
+        let mpad = fp8::fp8_rows(m);
         // SAFETY: every caller launches a kernel that writes all mpad·k bytes and all scales.
         let q = unsafe { self.inner.stream.alloc::<u8>(mpad * k) }?;
-        let s = self.alloc_f32(mpad * k / host::FP8_BLOCK)?;
+        let s = self.alloc_f32(mpad * k / fp8::FP8_BLOCK)?;
         Ok(ActFp8 { q, s, mpad })
     }
 
@@ -875,7 +875,7 @@ impl CudaBackend {
     /// unless `unfused_act_quant` is set.
     fn fuse_act_quant(&self, k: usize) -> bool {
         k > 0
-            && k % host::FP8_BLOCK == 0
+            && k % fp8::FP8_BLOCK == 0
             && !self.inner.options.unfused_act_quant
             && self.inner.fp8_linears.load(Ordering::Relaxed)
     }
@@ -923,7 +923,7 @@ impl CudaBackend {
     /// Per-token 1×128 FP8 quantisation of `x` `[m, k]` (`quant_act_1x128`).
     fn quantize(&self, x: &CudaSlice<bf16>, m: usize, k: usize) -> Result<ActFp8> {
         let a = self.alloc_act_fp8(m, k)?;
-        let warps = a.mpad * (k / host::FP8_BLOCK);
+        let warps = a.mpad * (k / fp8::FP8_BLOCK);
         self.launch(
             "quant_act_1x128",
             cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
@@ -1101,7 +1101,7 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let y = self.alloc_bf16(n * heads * d)?;
         let mut args = vec![A::P(self.p(core)), A::P(z_ptr), A::L(z_ld), A::I(heads as i32), A::P(self.p(w)), A::P(self.p(&y))];
-        let (name, rows, fp8) = if n > 0 && d == host::FP8_BLOCK && self.fuse_act_quant(heads * d) {
+        let (name, rows, fp8) = if n > 0 && d == fp8::FP8_BLOCK && self.fuse_act_quant(heads * d) {
             let a = self.alloc_act_fp8(n, heads * d)?;
             args.extend([A::P(self.p(&a.q)), A::P(self.p(&a.s)), A::I(n as i32), A::I(a.mpad as i32)]);
             ("rms_norm_gated_quant", a.mpad * heads, Some(a))
@@ -1703,7 +1703,7 @@ impl Backend for CudaBackend {
         let own;
         let fp8 = match &x.fp8 {
             Some(a) => {
-                ensure!(a.mpad == host::fp8_rows(m), "attached FP8 activations of another row count");
+                ensure!(a.mpad == fp8::fp8_rows(m), "attached FP8 activations of another row count");
                 a
             }
             None => {
@@ -1844,7 +1844,7 @@ impl Backend for CudaBackend {
     fn swiglu_matmul(&self, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
         let (m, d2) = gate_up.rows_cols();
         let k = d2 / 2;
-        if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || k % host::FP8_BLOCK != 0 {
+        if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || k % fp8::FP8_BLOCK != 0 {
             // Nothing to fuse (BF16 projection), or a shape the unfused path reports.
             return self.matmul(&self.swiglu(gate_up)?, w);
         }
@@ -1852,7 +1852,7 @@ impl Backend for CudaBackend {
         let xs = self.alloc_bf16(m * k)?;
         // The kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
         let a = self.alloc_act_fp8(m, k)?;
-        let warps = a.mpad * (k / host::FP8_BLOCK);
+        let warps = a.mpad * (k / fp8::FP8_BLOCK);
         self.launch(
             "swiglu_quant_1x128",
             cfg((grid1(warps * 32, 256), 1, 1), 256, 0),
