@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One short device call between optimisations: the GPU service test (and with GPU_TEST=1 the kernel
-# checks of tests/gpu.rs), a per-kernel profile of the
-# 256-token benchmark request (IMAJEV_PROFILE=kernels), and our side of bench/gpu_bench.py (no
-# peer, no fidelity) so speed can be compared with the last committed run. Needs .gpu/ as in
-# bench/h200_run.sh. Writes under $OUT.
+# checks of tests/gpu/, with GPU_OPS=1 the single-op timings of bench/gpu_ops.rs incl. the long
+# shapes), a per-kernel profile of the 256-token benchmark request (IMAJEV_PROFILE=kernels), and
+# our side of bench/gpu_bench.py (no peer, no fidelity) so speed can be compared with the last
+# committed run. Needs .gpu/ as in bench/h200_run.sh (.gpu/gpu-ops for GPU_OPS=1). Writes at most
+# 8 files under $OUT.
 set -uo pipefail
 source bench/device_env.sh
 if [ -x .gpu/gpu-service ]; then
@@ -12,7 +13,11 @@ if [ -x .gpu/gpu-service ]; then
 fi
 if [ "${GPU_TEST:-0}" = 1 ]; then
   timeout 240 ./.gpu/gpu-test --nocapture --test-threads 1 >"$OUT/gpu-test.log" 2>&1
-  echo "gpu-test exit $?" | tee -a "$OUT/gpu-test.log"; grep -E "checks,|FAIL" "$OUT/gpu-test.log" | head -20
+  echo "gpu-test exit $?" | tee -a "$OUT/gpu-test.log"; grep -E "checks,|FAIL|test result" "$OUT/gpu-test.log" | head -20
+fi
+if [ "${GPU_OPS:-0}" = 1 ]; then
+  timeout 200 ./.gpu/gpu-ops --long --json "$OUT/ops.json" >"$OUT/ops.log" 2>&1
+  echo "gpu-ops exit $?" | tee -a "$OUT/ops.log"; grep -E "attention|delta_net" "$OUT/ops.log"
 fi
 W=/tmp/bench; mkdir -p $W
 PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --bin .gpu/imajev-serve --work $W --out "$OUT" --phase ours \

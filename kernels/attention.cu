@@ -1,6 +1,7 @@
 // Softmax attention for the Qwen3.5 gated full-attention layers and the vision tower.
-// CPU twins: CpuBackend::{gated_attention, vision_attention} and kernels::{rms_norm,
-// rotate_half_inplace, attention} (src/backend/cpu).
+// Rust binding: src/backend/cuda/attention.rs. CPU twins: cpu::attention::{gated_attention,
+// vision_attention, rotate_half_inplace, attention_parts} and cpu::norm::rms_norm
+// (src/backend/cpu/).
 //
 // Segment table, SEG = 8 x i64 per sequence of the packed batch:
 //   [q_start, nq, k_shared, v_shared, shared_len, k_own, v_own, own_len]

@@ -1,6 +1,7 @@
 // Gated DeltaNet (the Qwen3.5 linear-attention mixer), everything after the input projection.
-// CPU twin: CpuBackend::gated_delta_net with kernels::{causal_conv_silu, l2_normalize_rows,
-// delta_rule_chunked, rms_norm_gated} (src/backend/cpu).
+// Rust binding: src/backend/cuda/deltanet.rs. CPU twin: cpu::deltanet::{gated_delta_net,
+// causal_conv_silu, l2_normalize_rows, delta_rule_chunked} and cpu::norm::rms_norm_gated
+// (src/backend/cpu/).
 //
 // Conv segment table, 4 x i64 per sequence: [row_start, len, hist_in, hist_out]; a history is the
 // sequence's conv history [kernel-1, C] f32 (oldest first), read from hist_in and the updated one

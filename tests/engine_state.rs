@@ -4,25 +4,19 @@
 mod common;
 
 use common::{fixtures, rel_err, tiny};
-use imajev_serve::backend::cpu::kernels::{delta_rule_chunked, delta_rule_recurrent, DeltaRuleInputs};
+use imajev_serve::backend::cpu::deltanet::{delta_rule_chunked, delta_rule_recurrent, DeltaRuleInputs};
 use imajev_serve::backend::cpu::{CpuBackend, DeltaRuleMode};
 use imajev_serve::backend::Backend;
+use imajev_serve::synth::rng::SplitMix;
 use imajev_serve::synth::SynthDtype;
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;
 
-/// A small deterministic pseudo-random stream for test inputs.
+/// `n` test inputs uniform in (−1, 1), from the project's generator.
 fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    let mut rng = SplitMix::new(seed);
+    (0..n).map(|_| rng.uniform() * 2.0 - 1.0).collect()
 }
 
 fn normalize_rows(x: &mut [f32], d: usize, scale: f32) {

@@ -146,6 +146,20 @@ pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Tree>
     Ok(tree)
 }
 
+/// Checks that `segments` tile the `n` rows of a packed batch in order.
+pub fn check_tiling(segments: &[Range<usize>], n: usize) -> Result<()> {
+    let mut at = 0;
+    for s in segments {
+        anyhow::ensure!(
+            s.start == at && s.end >= s.start,
+            "segments must tile the batch rows in order; got {segments:?} for {n} rows"
+        );
+        at = s.end;
+    }
+    anyhow::ensure!(at == n, "segments {segments:?} do not cover the {n} batch rows");
+    Ok(())
+}
+
 /// The operations of a Qwen3.5 prefill.
 pub trait Backend: Send + Sync + 'static {
     /// A dense activation or parameter tensor.

@@ -5,6 +5,7 @@
 //! still accepts (`rope_scaling` + `rope_theta`, `full_attention_interval`, `mamba`/`attention`
 //! layer types) are normalised here so the rest of the engine sees one shape.
 
+use crate::backend::{AttentionDims, DeltaNetDims};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -285,6 +286,29 @@ impl TextConfig {
                     })
                     .collect())
             }
+        }
+    }
+
+    /// The shapes of the gated-attention layers.
+    pub fn attention_dims(&self) -> Result<AttentionDims> {
+        Ok(AttentionDims {
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            rotary_dim: self.rope()?.rotary_dim,
+            norm_eps: self.rms_norm_eps as f32,
+        })
+    }
+
+    /// The shapes of the Gated DeltaNet layers.
+    pub fn deltanet_dims(&self) -> DeltaNetDims {
+        DeltaNetDims {
+            key_heads: self.linear_num_key_heads,
+            value_heads: self.linear_num_value_heads,
+            key_dim: self.linear_key_head_dim,
+            value_dim: self.linear_value_head_dim,
+            conv_kernel: self.linear_conv_kernel_dim,
+            norm_eps: self.rms_norm_eps as f32,
         }
     }
 

@@ -220,21 +220,8 @@ impl<B: Backend> Qwen35<B> {
         let b = &backend;
         let (h, inter) = (t.hidden_size, t.intermediate_size);
         let embed = ld.param(b, &format!("{prefix}embed_tokens.weight"), &[t.vocab_size, h])?;
-        let attn_dims = AttentionDims {
-            heads: t.num_attention_heads,
-            kv_heads: t.num_key_value_heads,
-            head_dim: t.head_dim,
-            rotary_dim: rope.rotary_dim,
-            norm_eps: eps,
-        };
-        let delta_dims = DeltaNetDims {
-            key_heads: t.linear_num_key_heads,
-            value_heads: t.linear_num_value_heads,
-            key_dim: t.linear_key_head_dim,
-            value_dim: t.linear_value_head_dim,
-            conv_kernel: t.linear_conv_kernel_dim,
-            norm_eps: eps,
-        };
+        let attn_dims = t.attention_dims()?;
+        let delta_dims = t.deltanet_dims();
         let mut layers = Vec::with_capacity(kinds.len());
         for (i, kind) in kinds.iter().enumerate() {
             let p = format!("{prefix}layers.{i}.");

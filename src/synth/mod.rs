@@ -13,6 +13,7 @@
 //! Only tests, benchmarks, the `synth` command and the built-in demo model use this module; the
 //! serving path never does (FP8 quantisation at load lives in [`crate::weights::fp8`]).
 
+pub mod memory;
 pub mod rng;
 pub mod tensors;
 pub mod writer;

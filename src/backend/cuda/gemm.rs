@@ -17,7 +17,7 @@
 //! M we fall back to that M's heuristic and count it (`fallbacks`); `tests/gpu.rs` checks
 //! bitwise row invariance across M on the device.
 
-use super::host::ptr_alignment;
+use super::layout::ptr_alignment;
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};

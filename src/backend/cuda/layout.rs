@@ -1,8 +1,8 @@
-//! Host-side bookkeeping of the CUDA backend that needs no GPU: the CPU twin of the FP8
-//! activation quantiser and its scale layout, how a fused projection's parts map to FP8 and BF16
-//! GEMMs, the delta-rule chunk table, KV-cache growth, and the NVRTC target name. All of it is
-//! unit-tested on CPU-only machines; the kernels that consume these layouts are tested on the GPU
-//! (`tests/gpu.rs`).
+//! Layout planning of the CUDA backend that needs no GPU: how a fused projection's parts map to
+//! FP8 and BF16 GEMMs, the delta-rule chunk table, KV-cache growth, the kernels' shared-memory
+//! sizes, and the NVRTC target name. All of it is unit-tested on CPU-only machines; the kernels
+//! that consume these layouts are tested on the GPU (`tests/gpu/`).
+
 
 use crate::weights::fp8::FP8_BLOCK;
 use crate::weights::StoredDtype;
@@ -135,26 +135,37 @@ pub fn attention_head_dim(hd: usize) -> Option<usize> {
 }
 
 /// Dynamic shared memory of `attn_fwd_<hdp>`: Q, K and V tiles of 64 rows, row stride hdp + 8.
-pub fn attention_smem_bytes(hdp: usize) -> usize {
+pub const fn attention_smem_bytes(hdp: usize) -> usize {
     3 * 64 * (hdp + 8) * 2
+}
+
+const fn max(a: usize, b: usize) -> usize {
+    if a > b {
+        a
+    } else {
+        b
+    }
 }
 
 /// Dynamic shared memory of `gdn_chunk_scan_tc_<dk>` (kernels/deltanet.cu): k [dk][68], q [dk][68]
 /// reused for T and P [2][64][68], S [dk][40], R and Vn [64][40], gamma, beta, decay factors [64].
-pub fn delta_tc_smem_bytes(dk: usize) -> usize {
+pub const fn delta_tc_smem_bytes(dk: usize) -> usize {
     let c = DELTA_CHUNK;
-    (dk * (c + 4) + (dk * (c + 4)).max(2 * c * (c + 4)) + dk * 40 + 2 * c * 40 + 3 * c) * 4
+    (dk * (c + 4) + max(dk * (c + 4), 2 * c * (c + 4)) + dk * 40 + 2 * c * 40 + 3 * c) * 4
 }
 
-/// Dynamic shared memory of `gdn_chunk_prep_<dk>` and `gdn_chunk_scan_<dk>` (kernels/deltanet.cu).
-pub fn delta_smem_bytes(dk: usize) -> (usize, usize) {
+/// Dynamic shared memory of `gdn_chunk_prep_<dk>` (kernels/deltanet.cu): max(q and k staged
+/// [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
+pub const fn delta_prep_smem_bytes(dk: usize) -> usize {
     let c = DELTA_CHUNK;
-    // prep: max(q and k staged [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
-    let prep = ((2 * dk * (c + 4)).max(2 * c * (c + 1)) + 4 * c) * 4;
-    // scan: k [dk][68], q [dk][68] reused for T and P [2][64][64], S [dk][32], R and Vn [64][32],
-    // gamma, beta, decay factors [64].
-    let scan = (dk * (c + 4) + (dk * (c + 4)).max(2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4;
-    (prep, scan)
+    (max(2 * dk * (c + 4), 2 * c * (c + 1)) + 4 * c) * 4
+}
+
+/// Dynamic shared memory of `gdn_chunk_scan_<dk>` (kernels/deltanet.cu): k [dk][68], q [dk][68]
+/// reused for T and P [2][64][64], S [dk][32], R and Vn [64][32], gamma, beta, decay factors [64].
+pub const fn delta_scan_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (dk * (c + 4) + max(dk * (c + 4), 2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4
 }
 
 /// Largest power of two (≤ 256) dividing a device address: the alignment cuBLASLt is told about.
@@ -271,7 +282,7 @@ mod tests {
         assert_eq!(attention_head_dim(256), Some(256));
         assert_eq!(attention_head_dim(257), None);
         assert_eq!(attention_smem_bytes(256), 101_376);
-        let (prep, scan) = delta_smem_bytes(128);
+        let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
         // Two scan blocks per SM (228 KiB, 1 KiB reserved per block) for either kernel.
         assert!(2 * (scan + 1024) <= 228 * 1024, "{scan}");

@@ -1,0 +1,430 @@
+//! Softmax attention: the decoder's gated attention over per-sequence KV caches (q/k norm,
+//! rotary, append, causal GQA, output gate), shared KV prefixes for forks, and the vision tower's
+//! bidirectional attention. Kernels: kernels/attention.cu (`attn_prep`, `attn_fwd_<head dim>`);
+//! CPU twin: src/backend/cpu/attention.rs.
+
+use super::launch::{launch_config, Arg};
+use super::layout;
+use super::tensor::CudaTensor;
+use super::CudaBackend;
+use crate::backend::{check_parents, check_tiling, AttentionDims, AttentionInputs, Tree};
+use anyhow::{anyhow, ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Keys and values of one attention layer of one sequence: an optional immutable shared prefix
+/// (made by `share_kv`, referenced by every fork), then the sequence's own rows
+/// `[capacity, kv_heads·head_dim]` BF16, grown geometrically. `clone()` shares the prefix and
+/// deep-copies the own rows on the GPU.
+pub struct CudaKvCache {
+    shared: Option<Arc<SharedKv>>,
+    k: Option<CudaSlice<bf16>>,
+    v: Option<CudaSlice<bf16>>,
+    pub(super) width: usize,
+    cap: usize,
+    len: usize,
+}
+
+struct SharedKv {
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    len: usize,
+}
+
+impl CudaKvCache {
+    /// Rows the own buffers can hold before they are reallocated.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+    /// Rows in the shared (immutable) prefix.
+    pub fn shared_len(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.len)
+    }
+}
+
+/// A new buffer of `cap` elements whose first `n` are copied from `src`.
+fn copy_prefix<T>(src: &CudaSlice<T>, cap: usize, n: usize) -> Result<CudaSlice<T>>
+where
+    T: cudarc::driver::DeviceRepr,
+{
+    let stream = src.stream().clone();
+    // SAFETY: the first n elements are written below; the rest is unused capacity.
+    let mut dst = unsafe { stream.alloc::<T>(cap.max(1)) }?;
+    if n > 0 {
+        stream.memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?;
+    }
+    Ok(dst)
+}
+
+impl Clone for CudaKvCache {
+    fn clone(&self) -> Self {
+        let copy = |s: &Option<CudaSlice<bf16>>| {
+            s.as_ref().map(|s| {
+                copy_prefix(s, self.cap * self.width, self.len * self.width)
+                    .expect("copying a KV cache on the GPU")
+            })
+        };
+        CudaKvCache {
+            shared: self.shared.clone(),
+            k: copy(&self.k),
+            v: copy(&self.v),
+            width: self.width,
+            cap: self.cap,
+            len: self.len,
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Grows the own buffers of `c` to hold `needed` rows (see `layout::kv_capacity`).
+    pub(super) fn reserve_kv(&self, c: &mut CudaKvCache, needed: usize) -> Result<()> {
+        if c.k.is_some() && needed <= c.cap {
+            return Ok(());
+        }
+        let cap = layout::kv_capacity(c.cap, needed);
+        let (n, total) = (c.len * c.width, cap * c.width);
+        let grow = |old: &Option<CudaSlice<bf16>>| -> Result<CudaSlice<bf16>> {
+            match old {
+                Some(s) => copy_prefix(s, total, n),
+                None => self.alloc_bf16(total),
+            }
+        };
+        let k = grow(&c.k)?;
+        let v = grow(&c.v)?;
+        c.k = Some(k);
+        c.v = Some(v);
+        c.cap = cap;
+        Ok(())
+    }
+
+    /// The attention kernel over the segment table `meta` (see kernels/attention.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_core(
+        &self,
+        q: &CudaSlice<bf16>,
+        meta: &CudaSlice<i64>,
+        segments: &[Range<usize>],
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+        causal: bool,
+        gate: Option<(u64, usize, usize)>,
+        out: &CudaSlice<bf16>,
+    ) -> Result<()> {
+        let hdp = layout::attention_head_dim(hd)
+            .ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
+        let tiles = segments
+            .iter()
+            .map(|s| s.len().div_ceil(64))
+            .max()
+            .unwrap_or(0);
+        if tiles == 0 {
+            return Ok(());
+        }
+        let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        let (gp, grow, ghead) = gate.unwrap_or((0, 0, 0));
+        self.launch(
+            &format!("attn_fwd_{hdp}"),
+            launch_config(
+                (tiles as u32, heads as u32, segments.len() as u32),
+                128,
+                layout::attention_smem_bytes(hdp),
+            ),
+            &[
+                Arg::Ptr(self.p(q)),
+                Arg::Ptr(self.p(meta)),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(causal as i32),
+                Arg::F32(scale_log2),
+                Arg::Ptr(gp),
+                Arg::I64(grow as i64),
+                Arg::I32(ghead as i32),
+                Arg::Ptr(self.p(out)),
+            ],
+        )
+    }
+}
+
+/// `Backend::new_kv_cache` (the trait documents the contract).
+pub(super) fn new_kv_cache(dims: &AttentionDims) -> Result<CudaKvCache> {
+    Ok(CudaKvCache {
+        shared: None,
+        k: None,
+        v: None,
+        width: dims.kv_heads * dims.head_dim,
+        cap: 0,
+        len: 0,
+    })
+}
+
+
+/// Rows in the cache: the shared prefix and the own rows.
+pub(super) fn kv_len(cache: &CudaKvCache) -> usize {
+    cache.shared_len() + cache.len
+}
+
+/// `Backend::share_kv` (the trait documents the contract).
+pub(super) fn share_kv(
+    be: &CudaBackend, c: &mut CudaKvCache) -> Result<()> {
+    if c.len == 0 {
+        return Ok(());
+    }
+    // New shared prefix = old shared rows + own rows, exactly sized; the own buffers are
+    // dropped so forks start with none.
+    let (old, own) = (c.shared_len() * c.width, c.len * c.width);
+    let k = be.alloc_bf16(old + own)?;
+    let v = be.alloc_bf16(old + own)?;
+    for (dst, sh, mine) in [
+        (&k, c.shared.as_ref().map(|s| &s.k), &c.k),
+        (&v, c.shared.as_ref().map(|s| &s.v), &c.v),
+    ] {
+        if let Some(sh) = sh {
+            be.dtod_bytes(be.p(dst), be.p(sh), 2 * old)?;
+        }
+        let mine = mine
+            .as_ref()
+            .ok_or_else(|| anyhow!("KV cache has rows but no buffer"))?;
+        be.dtod_bytes(be.p(dst) + 2 * old as u64, be.p(mine), 2 * own)?;
+    }
+    c.shared = Some(Arc::new(SharedKv {
+        k,
+        v,
+        len: c.shared_len() + c.len,
+    }));
+    c.k = None;
+    c.v = None;
+    c.cap = 0;
+    c.len = 0;
+    Ok(())
+}
+
+/// `Backend::gated_attention` (the trait documents the contract).
+pub(super) fn gated_attention(
+    be: &CudaBackend,
+    x: &AttentionInputs<CudaTensor>,
+    dims: &AttentionDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    caches: &mut [&mut CudaKvCache],
+) -> Result<CudaTensor> {
+    let AttentionDims {
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        rotary_dim: rot,
+        norm_eps,
+    } = *dims;
+    ensure!(segments.len() == caches.len(), "one cache per segment");
+    let Tree { parent, is_parent } = check_parents(parents, segments.len())?;
+    let (n, width) = x.qkv.rows_cols();
+    ensure!(
+        width == dims.qkv_width(),
+        "attention input width {width} != {}",
+        dims.qkv_width()
+    );
+    ensure!(
+        x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot),
+        "rotary table shapes"
+    );
+    ensure!(
+        kvh > 0 && heads % kvh == 0,
+        "{heads} heads do not group over {kvh} kv heads"
+    );
+    ensure!(
+        hd <= 256 && rot <= hd && rot % 2 == 0,
+        "head_dim {hd} / rotary_dim {rot} not supported (head_dim ≤ 256)"
+    );
+    ensure!(
+        x.q_norm.numel() == hd && x.k_norm.numel() == hd,
+        "q/k norm weights must have {hd} values"
+    );
+    check_tiling(segments, n)?;
+    for c in caches.iter() {
+        ensure!(
+            c.width == kvh * hd,
+            "KV cache width {} does not match {kvh}×{hd}",
+            c.width
+        );
+    }
+    if n == 0 {
+        return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, heads * hd]));
+    }
+    // The blocks of the fused projection [query/gate | key | value], read in place: base
+    // pointers offset by each block's first column (bf16: 2 bytes per element), row stride
+    // `width` elements.
+    let qkv = be.bf16_of(x.qkv)?;
+    let qg_ptr = be.p(qkv.s());
+    let k_ptr = qg_ptr + 2 * (heads * 2 * hd) as u64;
+    let v_ptr = k_ptr + 2 * (kvh * hd) as u64;
+    let row = width as i64;
+    let (qw, kw) = (be.f32_of(x.q_norm)?, be.f32_of(x.k_norm)?);
+    let (cos, sin) = (be.f32_of(x.cos)?, be.f32_of(x.sin)?);
+    let mut meta = Vec::with_capacity(8 * segments.len());
+    for (si, seg) in segments.iter().enumerate() {
+        if let Some(p) = parent[si] {
+            // A fork of the parent, whose rows (all of them shared, see below) the prep
+            // launch writes before the attention launch reads them.
+            let shared = caches[p].shared.clone();
+            let c = &mut *caches[si];
+            *c = CudaKvCache { shared, k: None, v: None, width: c.width, cap: 0, len: 0 };
+        }
+        let c = &mut *caches[si];
+        be.reserve_kv(c, c.len + seg.len())?;
+        if is_parent[si] {
+            // The parent's own rows, this call's included, become the immutable prefix its
+            // children read: the own buffers move into the shared part as they are (the
+            // prep launch writes this call's rows into them), so nothing is copied.
+            ensure!(
+                c.shared.is_none(),
+                "a parent's KV cache must not continue a shared cache"
+            );
+            let (k, v) = (c.k.take().expect("reserved"), c.v.take().expect("reserved"));
+            let (kp, vp, before) = (be.p(&k), be.p(&v), c.len);
+            c.shared = Some(Arc::new(SharedKv { k, v, len: before + seg.len() }));
+            (c.cap, c.len) = (0, 0);
+            meta.extend([seg.start as i64, seg.len() as i64, 0, 0, 0, kp as i64, vp as i64, before as i64]);
+            continue;
+        }
+        let (sk, sv, sl) = match &c.shared {
+            Some(s) => (be.p(&s.k), be.p(&s.v), s.len),
+            None => (0, 0, 0),
+        };
+        let (kc, vc) = (
+            c.k.as_ref().expect("reserved"),
+            c.v.as_ref().expect("reserved"),
+        );
+        meta.extend([
+            seg.start as i64,
+            seg.len() as i64,
+            sk as i64,
+            sv as i64,
+            sl as i64,
+            be.p(kc) as i64,
+            be.p(vc) as i64,
+            c.len as i64,
+        ]);
+    }
+    let meta = be.htod(&meta)?;
+    let q = be.alloc_bf16(n * heads * hd)?;
+    be.launch(
+        "attn_prep",
+        launch_config((n as u32, 1, 1), 128, 0),
+        &[
+            Arg::Ptr(qg_ptr),
+            Arg::I64(row),
+            Arg::I32((2 * hd) as i32),
+            Arg::Ptr(k_ptr),
+            Arg::I64(row),
+            Arg::Ptr(v_ptr),
+            Arg::I64(row),
+            Arg::Ptr(be.p(qw.s())),
+            Arg::Ptr(be.p(kw.s())),
+            Arg::I32(1),
+            Arg::F32(norm_eps),
+            Arg::Ptr(be.p(cos.s())),
+            Arg::Ptr(be.p(sin.s())),
+            Arg::I32(rot as i32),
+            Arg::Ptr(be.p(&meta)),
+            Arg::I32(segments.len() as i32),
+            Arg::Ptr(be.p(&q)),
+            Arg::I32(heads as i32),
+            Arg::I32(kvh as i32),
+            Arg::I32(hd as i32),
+        ],
+    )?;
+    for ((seg, c), parent) in segments.iter().zip(caches.iter_mut()).zip(&is_parent) {
+        if !parent {
+            c.len += seg.len();
+        }
+    }
+    let out = be.alloc_bf16(n * heads * hd)?;
+    // The gate of head h, dim c, row t is qkv[t, h·2·hd + hd + c] (offset hd elements).
+    let gate = (qg_ptr + 2 * hd as u64, width, 2 * hd);
+    be.attention_core(&q, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
+    Ok(be.bf16_tensor(out, &[n, heads * hd]))
+}
+
+/// `Backend::vision_attention` (the trait documents the contract).
+pub(super) fn vision_attention(
+    be: &CudaBackend,
+    qkv: &CudaTensor,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+    heads: usize,
+    segments: &[Range<usize>],
+) -> Result<CudaTensor> {
+    let (n, w) = qkv.rows_cols();
+    ensure!(
+        heads > 0 && w % (3 * heads) == 0,
+        "vision qkv width {w} is not 3·heads·head_dim"
+    );
+    let hd = w / (3 * heads);
+    let d = heads * hd;
+    ensure!(
+        hd <= 256 && hd % 2 == 0,
+        "vision head_dim {hd} not supported"
+    );
+    ensure!(
+        cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd),
+        "vision rotary shapes"
+    );
+    check_tiling(segments, n)?;
+    if n == 0 {
+        return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, d]));
+    }
+    let x = be.bf16_of(qkv)?;
+    let (cs, sn) = (be.f32_of(cos)?, be.f32_of(sin)?);
+    let q = be.alloc_bf16(n * d)?;
+    let kb = be.alloc_bf16(n * d)?;
+    let vb = be.alloc_bf16(n * d)?;
+    let mut meta = Vec::with_capacity(8 * segments.len());
+    for s in segments {
+        let off = 2 * (s.start * d) as u64;
+        meta.extend([
+            s.start as i64,
+            s.len() as i64,
+            0,
+            0,
+            0,
+            (be.p(&kb) + off) as i64,
+            (be.p(&vb) + off) as i64,
+            0,
+        ]);
+    }
+    let meta = be.htod(&meta)?;
+    let xp = be.p(x.s());
+    let row = (3 * d) as i64;
+    be.launch(
+        "attn_prep",
+        launch_config((n as u32, 1, 1), 128, 0),
+        &[
+            Arg::Ptr(xp),
+            Arg::I64(row),
+            Arg::I32(hd as i32),
+            Arg::Ptr(xp + 2 * d as u64),
+            Arg::I64(row),
+            Arg::Ptr(xp + 4 * d as u64),
+            Arg::I64(row),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(0),
+            Arg::F32(0.0),
+            Arg::Ptr(be.p(cs.s())),
+            Arg::Ptr(be.p(sn.s())),
+            Arg::I32(hd as i32),
+            Arg::Ptr(be.p(&meta)),
+            Arg::I32(segments.len() as i32),
+            Arg::Ptr(be.p(&q)),
+            Arg::I32(heads as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(hd as i32),
+        ],
+    )?;
+    let out = be.alloc_bf16(n * d)?;
+    be.attention_core(&q, &meta, segments, heads, heads, hd, false, None, &out)?;
+    Ok(be.bf16_tensor(out, &[n, d]))
+}
