@@ -301,6 +301,30 @@ pub fn invariance(
     Ok(())
 }
 
+/// Rows of the GEMMs a 46K-token request runs (past the 30K rows where cuBLASLt once rejected a
+/// fixed algorithm) equal the rows of small batches, bitwise: the LoRA A shape (BF16, N = 64,
+/// split K), in_proj b/a (BF16, N = 32) and the FP8 down projection; no GEMM left its algorithm.
+pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let m = 46_000;
+    let before = g.gemm_fallbacks();
+    for (name, n, k, fp8) in [("bf16 LoRA A", 64usize, 2560usize, false), ("bf16 in_proj b", 32, 2560, false), ("fp8 down", 2560, 9216, true)] {
+        let v = rng.bf16_normals(n * k, 0.02);
+        let w = if fp8 { MemoryTensor::fp8("w", &[n, k], &v) } else { MemoryTensor::bf16("w", &[n, k], &v) };
+        let l = g.linear(&[part(&w)])?;
+        let x = rng.bf16_normals(m * k, 1.0);
+        let full = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &l)?)?;
+        let mut bad = 0usize;
+        // The first rows alone, and the last rows alone (they sit in the last row block).
+        for (first, rows) in [(0usize, 1usize), (0, 129), (m - 77, 77)] {
+            let y = g.download(&g.matmul(&g.upload(&x[first * k..(first + rows) * k], &[rows, k])?, &l)?)?;
+            bad += y.iter().zip(&full[first * n..(first + rows) * n]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        }
+        rep.check("gemm", format!("{name} N={n} K={k}: rows of M=46000 ≠ the same rows alone (bitwise count)"), bad as f64, 0.0);
+    }
+    rep.check("gemm", "GEMM calls that left their fixed algorithm at M=46000", (g.gemm_fallbacks() - before) as f64, 0.0);
+    Ok(())
+}
+
 /// SwiGLU fused with the FP8 activation quantisation, bitwise against the unfused path.
 pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let p = "gemm";

@@ -31,6 +31,11 @@ pub const M_REF: usize = 4096;
 pub const NARROW_N: usize = 256;
 /// The M narrow shapes are planned for (a request's suffix batch).
 pub const M_REF_NARROW: usize = 256;
+/// BF16 GEMMs with more rows run as row blocks of this many (each with the shape's fixed
+/// algorithm): past ~30K rows cuBLASLt rejects some fixed algorithms (the split-K LoRA A shapes),
+/// and a per-M fallback would make rows depend on the batch. FP8 GEMMs cannot be split this way
+/// (their activation scales are `[K/128][M]`), and need not be: their algorithms take any M.
+pub const BF16_M_BLOCK: usize = 16384;
 const WORKSPACE: usize = 32 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -360,8 +365,24 @@ impl Blas {
         Ok(plan)
     }
 
-    /// Enqueues one GEMM on the stream.
+    /// Enqueues one GEMM on the stream (a BF16 GEMM of more than [`BF16_M_BLOCK`] rows as
+    /// several, one per block of rows: the same algorithm, so the same bits per row).
     pub fn run(&self, g: &Gemm) -> Result<()> {
+        if g.kind == GemmKind::Bf16 && g.m > BF16_M_BLOCK {
+            let mut at = 0;
+            while at < g.m {
+                let rows = (g.m - at).min(BF16_M_BLOCK);
+                let x = g.x + 2 * (at * g.ldx) as u64;
+                let y = g.y + 2 * (at * g.ldy) as u64;
+                self.run_one(&Gemm { m: rows, x, y, ..*g })?;
+                at += rows;
+            }
+            return Ok(());
+        }
+        self.run_one(g)
+    }
+
+    fn run_one(&self, g: &Gemm) -> Result<()> {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
