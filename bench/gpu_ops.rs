@@ -8,7 +8,7 @@
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
-//!   prefix, TFLOP/s counted over the causal half;
+//!   prefix, TFLOP/s counted over the causal half; the 128-row kernel beside the 64-row one;
 //! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens;
 //! * the cuBLASLt algorithm fixed for each large GEMM shape.
 
@@ -113,8 +113,7 @@ impl Bench<'_> {
 
     /// Causal attention of one sequence of `m` tokens, and 11 passes of 73 tokens over a shared
     /// prefix of `m` tokens (as the benchmark request's passes).
-    fn attention(&mut self, dims: AttentionDims, m: usize) -> Result<()> {
-        let g = self.g;
+    fn attention(&mut self, g: &CudaBackend, kernel: &str, dims: AttentionDims, m: usize) -> Result<()> {
         let AttentionDims { heads, head_dim: hd, rotary_dim: rot, .. } = dims;
         let per_pair = 4.0 * (heads * hd) as f64; // q·k and p·v, 2 FLOP each per (query, key, dim)
         let nw = g.upload(&self.rng.bf16_normals(hd, 0.1), &[hd])?;
@@ -131,7 +130,7 @@ impl Bench<'_> {
             let mut c = g.new_kv_cache(&dims)?;
             g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut c]).map(|_| ())
         })?;
-        self.push(format!("gated_attention 4B, 1×{m} tokens causal"), ms, Some(per_pair * (m * m) as f64 / 2.0));
+        self.push(format!("gated_attention 4B, 1×{m} tokens causal, {kernel}"), ms, Some(per_pair * (m * m) as f64 / 2.0));
         // The prefix's cache, shared; 11 forks continue it by 73 tokens each.
         let mut prefix = g.new_kv_cache(&dims)?;
         g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut prefix])?;
@@ -147,7 +146,19 @@ impl Bench<'_> {
             g.gated_attention(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
         })?;
         let pairs: f64 = lens.iter().map(|&l| (l * m) as f64 + (l * l) as f64 / 2.0).sum();
-        self.push(format!("gated_attention 4B, 11 passes × 73 over a {m}-token prefix"), ms, Some(per_pair * pairs));
+        self.push(format!("gated_attention 4B, 11 passes × 73 over a {m}-token prefix, {kernel}"), ms, Some(per_pair * pairs));
+        Ok(())
+    }
+
+    /// The vision tower's bidirectional attention over one image of `m` patches (16 heads of 64).
+    fn vision(&mut self, g: &CudaBackend, kernel: &str, m: usize) -> Result<()> {
+        let (heads, hd) = (16usize, 64usize);
+        let qkv = bf16_input(g, &mut self.rng, &[m, 3 * heads * hd])?;
+        let ang: Vec<f32> = (0..m * hd).map(|i| (i % 977) as f32 * 0.01).collect();
+        let cos = g.upload(&ang.iter().map(|a| a.cos()).collect::<Vec<_>>(), &[m, hd])?;
+        let sin = g.upload(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>(), &[m, hd])?;
+        let ms = time_ms(g, 3, &mut || g.vision_attention(&qkv, &cos, &sin, heads, &tiling(&[m])).map(|_| ()))?;
+        self.push(format!("vision_attention 16×64, 1×{m} patches, {kernel}"), ms, Some(4.0 * (heads * hd) as f64 * (m * m) as f64));
         Ok(())
     }
 
@@ -193,8 +204,14 @@ fn main() -> Result<()> {
     b.gemms()?;
     b.norms()?;
     let lengths: &[usize] = if long { &[2048, 4096, 16384] } else { &[2048] };
+    let q64 = CudaBackend::new(0, CudaOptions { attention_q64: true, ..g.options().clone() })?;
     for &m in lengths {
-        b.attention(attn, m)?;
+        b.attention(&g, "128-row tiles", attn, m)?;
+        b.attention(&q64, "64-row tiles", attn, m)?;
+    }
+    for &m in lengths {
+        b.vision(&g, "128-row tiles", m)?;
+        b.vision(&q64, "64-row tiles", m)?;
     }
     for &m in lengths {
         b.deltanet(delta, m, m == 2048)?;

@@ -258,3 +258,219 @@ ATTN_ENTRY(32)
 ATTN_ENTRY(64)
 ATTN_ENTRY(128)
 ATTN_ENTRY(256)
+
+// ---------------------------------------------------------------------------------------------
+// attn_fwd_q128_<HDP>: the same attention (same segment table, masks, gate and output) for long
+// sequences. A block is 8 warps = 128 query rows of one head (twice attn_fwd's 64, so every key/
+// value tile read from L2 serves twice the rows); key/value tiles of BK rows are double-buffered
+// in shared memory with cp.async (tile j+1 loads while tile j is multiplied); all mma operands come
+// from shared memory through ldmatrix (x4; .trans for V), four times fewer shared-memory
+// instructions than attn_fwd's scalar loads. BK = 32 for HDP 256 (Q 66 KB + 2 x (K + V) 66 KB: one
+// block per SM), 64 otherwise. Blocks run heads fastest (blockIdx.x), so the heads of a kv group
+// read a key tile from L2 at about the same time, and the last query tiles of a causal sequence
+// (the longest) first. Only the tiles a causal diagonal or the sequence end cuts are masked.
+// A row's arithmetic depends only on its own query, keys and BK, never on the other rows of the
+// batch. CPU twin: as attn_fwd.
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all_groups() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Issues (does not wait for) the copies of `rows` rows x HDP columns into dst (leading dimension
+// LD), zero-filling rows past `valid` and columns past hd; row r is row j0 + r of a sequence stored
+// as `alen` rows at `a` followed by rows at `b` (both with row stride `stride`). hd % 8 == 0.
+template <int HDP, int LD>
+__device__ __forceinline__ void issue_tile(bf16* dst, const bf16* a, int alen, const bf16* b, i64 stride, int j0,
+                                           int valid, int hd, int rows) {
+  constexpr int V = HDP / 8;
+  for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
+    int r = i / V, c = (i % V) * 8, j = j0 + r;
+    bool ok = r < valid && c < hd;
+    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + c : b + (i64)(j - alen) * stride + c;
+    cp_async16(dst + r * LD + c, src, ok);
+  }
+}
+
+template <int HDP, int BK>
+__device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
+                              float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  constexpr int BQ = 128, LD = HDP + 8, NT = HDP / 8, ST = BK / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Qs = (bf16*)smem_raw;
+  bf16* Ks = Qs + BQ * LD;           // [2][BK][LD]
+  bf16* Vs = Ks + 2 * BK * LD;       // [2][BK][LD]
+  const int h = blockIdx.x;
+  const i64* sg = segs + SEG * blockIdx.z;
+  const i64 q_start = sg[0];
+  const int nq = (int)sg[1];
+  const int tiles = (nq + BQ - 1) / BQ;
+  const int tile = tiles - 1 - (int)blockIdx.y;  // longest (last) tiles first
+  if (tile < 0) return;
+  const int shared_len = (int)sg[4];
+  const int kvlen = shared_len + (int)sg[7] + nq;
+  const int g = h / (heads / kvh);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  const int qbase = tile * BQ;
+  const int offset = kvlen - nq;
+  const int qlast = min(nq, qbase + BQ) - 1;
+  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
+  // Keys below `clean` are visible to every row of the block: tiles entirely below need no mask.
+  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
+  const int ntiles = (klimit + BK - 1) / BK;
+
+  const i64 kstride = (i64)kvh * hd;
+  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
+  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
+  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
+  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
+  issue_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
+  if (ntiles > 0) {
+    issue_tile<HDP, LD>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
+    issue_tile<HDP, LD>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd, BK);
+  }
+  cp_async_commit();
+
+  float o[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const int r0 = warp * 16 + gr;  // this thread's two rows in the tile: r0 and r0 + 8
+  const int qi0 = qbase + r0, qi1 = qi0 + 8;
+  // ldmatrix row addresses of this lane: A (Q) rows 0..15 of the warp at column +0 / +8; B (K)
+  // keys of two 8-key groups at column +0 / +8; V (trans) keys +0..7 / +8..15 at dims +0 / +8.
+  const bf16* qa_base = Qs + (warp * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+  const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_col = ((lane >> 3) & 1) * 8;
+  const int vb_row = (lane & 7) + (((lane >> 3) & 1) << 3), vb_col = (lane >> 4) * 8;
+
+  for (int kt = 0; kt < ntiles; kt++) {
+    cp_async_wait_all_groups();
+    __syncthreads();  // tile kt (and Q) landed for all threads; everyone is done with tile kt - 1
+    const int buf = kt & 1;
+    if (kt + 1 < ntiles) {
+      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+      issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+      issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+    }
+    cp_async_commit();
+    const bf16* Kt = Ks + buf * BK * LD;
+    const bf16* Vt = Vs + buf * BK * LD;
+
+    // S = Q K^T: 16 rows x BK keys per warp.
+    float sacc[ST][4];
+#pragma unroll
+    for (int nt = 0; nt < ST; nt++) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ks++) {
+      unsigned a[4];
+      ldsm_x4(a, qa_base + ks * 16);
+#pragma unroll
+      for (int nt = 0; nt < ST; nt += 2) {
+        unsigned b[4];
+        ldsm_x4(b, Kt + (nt * 8 + kb_row) * LD + ks * 16 + kb_col);
+        mma_bf16_16816(sacc[nt], a, b);
+        mma_bf16_16816(sacc[nt + 1], a, b + 2);
+      }
+    }
+    const bool masked = (kt + 1) * BK > clean;
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < ST; nt++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float v = sacc[nt][e] * scale_log2;
+        if (masked) {
+          int col = kt * BK + nt * 8 + tg * 2 + (e & 1);
+          int qi = e < 2 ? qi0 : qi1;
+          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+        }
+        sacc[nt][e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+    const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < ST; nt++) {
+      sacc[nt][0] = exp2f(sacc[nt][0] - base0);
+      sacc[nt][1] = exp2f(sacc[nt][1] - base0);
+      sacc[nt][2] = exp2f(sacc[nt][2] - base1);
+      sacc[nt][3] = exp2f(sacc[nt][3] - base1);
+      ps0 += sacc[nt][0] + sacc[nt][1];
+      ps1 += sacc[nt][2] + sacc[nt][3];
+    }
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+    l0 = l0 * c0 + ps0;
+    l1 = l1 * c1 + ps1;
+    m0 = mn0;
+    m1 = mn1;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
+    // O += P V: the score accumulators are already laid out as the A operand.
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      unsigned a[4] = {pack_f32(sacc[2 * kk][0], sacc[2 * kk][1]), pack_f32(sacc[2 * kk][2], sacc[2 * kk][3]),
+                       pack_f32(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]),
+                       pack_f32(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3])};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
+        unsigned b[4];
+        ldsm_x4_trans(b, Vt + (kk * 16 + vb_row) * LD + nt * 8 + vb_col);
+        mma_bf16_16816(o[nt], a, b);
+        mma_bf16_16816(o[nt + 1], a, b + 2);
+      }
+    }
+  }
+  cp_async_wait_all_groups();  // nothing may be in flight into shared memory when the block exits
+
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+      const int qi = hr == 0 ? qi0 : qi1;
+      const int col = nt * 8 + tg * 2;
+      if (qi >= nq || col >= hd) continue;
+      const float inv = hr == 0 ? inv0 : inv1;
+      float v0 = o[nt][2 * hr] * inv, v1 = o[nt][2 * hr + 1] * inv;
+      const i64 row = q_start + qi;
+      if (gate) {
+        const bf16* gp = gate + row * gate_row + (i64)h * gate_head + col;
+        v0 *= sigmoid_f(bf(gp[0]));
+        v1 *= sigmoid_f(bf(gp[1]));
+      }
+      bf16* dst = out + (row * heads + h) * hd + col;
+      dst[0] = to_bf(v0);
+      dst[1] = to_bf(v1);
+    }
+  }
+}
+
+#define ATTN_Q128_ENTRY(HDP, BK, MINB)                                                                     \
+  extern "C" __global__ void __launch_bounds__(256, MINB) attn_fwd_q128_##HDP(                              \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    attn_fwd_q128<HDP, BK>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);   \
+  }
+ATTN_Q128_ENTRY(64, 64, 2)
+ATTN_Q128_ENTRY(128, 64, 1)
+ATTN_Q128_ENTRY(256, 32, 1)

@@ -2,7 +2,7 @@
 //! across calls and fork through shared prefixes (also inside one call: a parent and its
 //! children), every GQA head of a group, and the vision tower's bidirectional attention.
 
-use super::harness::{cat_cols, rel, tiling, tree_note, Report};
+use super::harness::{cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::cuda::CudaBackend;
@@ -42,6 +42,15 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
         &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]],
         &[None, Some(0), Some(0), None, Some(3)],
     )?;
+    // The lengths around the 64- and 128-row tiles and the 32/64-key tiles, a long one, then every
+    // cache continues; a 2-token parent with two children; one 16K-token sequence. The same with
+    // the 64-row kernel (the reference the 128-row one replaced).
+    let lengths: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]];
+    attention_case(g, c, rep, rng, "4B", d4b, lengths, &[])?;
+    attention_case(g, c, rep, rng, "4B", d4b, &[&[2, 5, 70], &[1, 1, 1]], &[None, Some(0), Some(0)])?;
+    attention_case(g, c, rep, rng, "4B", d4b, &[&[16384]], &[])?;
+    let q64 = variant(g, |o| o.attention_q64 = true)?;
+    attention_case(&q64, c, rep, rng, "4B, 64-row kernel", d4b, lengths, &[])?;
     let tiny = AttentionDims {
         heads: 4,
         kv_heads: 2,
@@ -59,6 +68,8 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     };
     attention_case(g, c, rep, rng, "alt", alt, &[&[50], &[20]], &[])?;
     vision_case(g, c, rep, rng, 16, 64, &[100, 64, 256])?;
+    vision_case(g, c, rep, rng, 16, 64, &[1, 127, 4097])?;
+    vision_case(&q64, c, rep, rng, 16, 64, &[100, 64, 256])?;
     vision_case(g, c, rep, rng, 2, 16, &[16, 64])?;
     Ok(())
 }

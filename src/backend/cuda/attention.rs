@@ -115,23 +115,25 @@ impl CudaBackend {
     ) -> Result<()> {
         let hdp = layout::attention_head_dim(hd)
             .ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
-        let tiles = segments
-            .iter()
-            .map(|s| s.len().div_ceil(64))
-            .max()
-            .unwrap_or(0);
-        if tiles == 0 {
+        let longest = segments.iter().map(|s| s.len()).max().unwrap_or(0);
+        if longest == 0 {
             return Ok(());
         }
+        // The kernel depends on the head dim and the options only, never on the batch, so a row's
+        // arithmetic is the same whatever shares the call.
+        let q128 = layout::attention_q128_serves(hd) && !self.state.options.attention_q64;
+        let (name, grid, block, smem) = if q128 {
+            let grid = (heads as u32, longest.div_ceil(128) as u32, segments.len() as u32);
+            (format!("attn_fwd_q128_{hdp}"), grid, 256, layout::attention_q128_smem_bytes(hdp))
+        } else {
+            let grid = (longest.div_ceil(64) as u32, heads as u32, segments.len() as u32);
+            (format!("attn_fwd_{hdp}"), grid, 128, layout::attention_smem_bytes(hdp))
+        };
         let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
         let (gp, grow, ghead) = gate.unwrap_or((0, 0, 0));
         self.launch(
-            &format!("attn_fwd_{hdp}"),
-            launch_config(
-                (tiles as u32, heads as u32, segments.len() as u32),
-                128,
-                layout::attention_smem_bytes(hdp),
-            ),
+            &name,
+            launch_config(grid, block, smem),
             &[
                 Arg::Ptr(self.p(q)),
                 Arg::Ptr(self.p(meta)),

@@ -81,6 +81,9 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("attn_fwd_64", layout::attention_smem_bytes(64)),
             k_smem("attn_fwd_128", layout::attention_smem_bytes(128)),
             k_smem("attn_fwd_256", layout::attention_smem_bytes(256)),
+            k_smem("attn_fwd_q128_64", layout::attention_q128_smem_bytes(64)),
+            k_smem("attn_fwd_q128_128", layout::attention_q128_smem_bytes(128)),
+            k_smem("attn_fwd_q128_256", layout::attention_q128_smem_bytes(256)),
         ],
     },
     KernelFile {

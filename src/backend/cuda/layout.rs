@@ -139,6 +139,27 @@ pub const fn attention_smem_bytes(hdp: usize) -> usize {
     3 * 64 * (hdp + 8) * 2
 }
 
+/// Key/value rows per tile of `attn_fwd_q128_<hdp>` (kernels/attention.cu).
+pub const fn attention_q128_key_tile(hdp: usize) -> usize {
+    if hdp > 128 {
+        32
+    } else {
+        64
+    }
+}
+
+/// Dynamic shared memory of `attn_fwd_q128_<hdp>`: a Q tile of 128 rows and double-buffered K and
+/// V tiles, row stride hdp + 8.
+pub const fn attention_q128_smem_bytes(hdp: usize) -> usize {
+    (128 + 4 * attention_q128_key_tile(hdp)) * (hdp + 8) * 2
+}
+
+/// Whether `attn_fwd_q128` serves a head dim: instantiated for 64, 128 and 256, and its 16-byte
+/// copies need head dims that are multiples of 8.
+pub fn attention_q128_serves(hd: usize) -> bool {
+    hd % 8 == 0 && matches!(attention_head_dim(hd), Some(64 | 128 | 256))
+}
+
 const fn max(a: usize, b: usize) -> usize {
     if a > b {
         a
@@ -282,6 +303,12 @@ mod tests {
         assert_eq!(attention_head_dim(256), Some(256));
         assert_eq!(attention_head_dim(257), None);
         assert_eq!(attention_smem_bytes(256), 101_376);
+        // The 128-row kernel: one block per SM at head dim 256, two at 64.
+        assert_eq!(attention_q128_smem_bytes(256), 135_168);
+        assert!(attention_q128_smem_bytes(256) + 1024 <= 228 * 1024);
+        assert!(2 * (attention_q128_smem_bytes(64) + 1024) <= 228 * 1024);
+        assert!(attention_q128_serves(256) && attention_q128_serves(64) && attention_q128_serves(120));
+        assert!(!attention_q128_serves(32) && !attention_q128_serves(250) && !attention_q128_serves(16));
         let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
         // Two scan blocks per SM (228 KiB, 1 KiB reserved per block) for either kernel.

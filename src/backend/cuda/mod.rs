@@ -75,6 +75,10 @@ pub struct CudaOptions {
     /// path is tested against (same bits), and a switch for profiling. Default:
     /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
     pub unfused_act_quant: bool,
+    /// Run every attention with the 64-query-row kernel (`attn_fwd`) instead of the 128-row
+    /// pipelined one (`attn_fwd_q128`, head dims 64, 128 and 256): the reference the new kernel is
+    /// compared with, and a switch for profiling. Default: `IMAJEV_ATTN_Q64=1` in the environment.
+    pub attention_q64: bool,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -126,6 +130,9 @@ impl CudaBackend {
         let mut options = options;
         if std::env::var("IMAJEV_GDN_FFMA").is_ok_and(|v| v == "1") {
             options.gdn_ffma = true;
+        }
+        if std::env::var("IMAJEV_ATTN_Q64").is_ok_and(|v| v == "1") {
+            options.attention_q64 = true;
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
