@@ -66,12 +66,14 @@ def make_image(path, seed, size=640):
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     base = np.stack([127 + 100 * np.sin(xx / (9 + seed)), 127 + 100 * np.cos(yy / 13.0), (xx + 2 * yy) % 256], -1)
-    img = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
-    Image.fromarray(img, "RGB").save(path)
+    noise = 20 if size <= 1024 else 6  # a large photo stays a few MB as JPEG
+    img = np.clip(base + rng.normal(0, noise, base.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(img, "RGB").save(path, quality=90)  # PNG, or JPEG by the path's suffix
 
 
 def data_url(path):
-    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
+    kind = "jpeg" if Path(path).suffix == ".jpg" else "png"
+    return f"data:image/{kind};base64," + base64.b64encode(Path(path).read_bytes()).decode()
 
 
 def state_text(n_words, seed):
@@ -236,7 +238,8 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")]
     counts = [int(s) for s in args.images.split(",")]
     images = [work / f"img{i}.png" for i in range(2)]
-    big_images = [work / f"big{i}.png" for i in range(2)]
+    # As JPEG: a 4096² photo-like PNG is ~40 MB, over the server's 20 MiB image limit.
+    big_images = [work / f"big{i}.jpg" for i in range(2)]
     long_counts = [int(s) for s in args.long.split(",") if s]
     # (target state tokens, image count, photo side); the long bucket's photos are 4096².
     grid = [(n, k, 640) for n in sizes for k in counts] + [(LONG_STATE_TOKENS, k, 4096) for k in long_counts]
