@@ -302,7 +302,10 @@ __device__ __forceinline__ void issue_tile(bf16* dst, const bf16* a, int alen, c
   }
 }
 
-template <int HDP, int BK>
+// MT m-tiles of 16 rows per warp: each K/V fragment read from shared memory then serves 16·MT rows.
+// MT = 2 where the accumulators fit the registers (head dim 64: 4 warps of 32 rows): half the
+// shared-memory traffic per FLOP of MT = 1 (8 warps of 16 rows), which bounds the kernel.
+template <int HDP, int BK, int MT>
 __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                               float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   constexpr int BQ = 128, LD = HDP + 8, NT = HDP / 8, ST = BK / 8;
@@ -341,15 +344,20 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   }
   cp_async_commit();
 
-  float o[NT][4];
+  float o[MT][NT][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int nt = 0; nt < NT; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
-  const int r0 = warp * 16 + gr;  // this thread's two rows in the tile: r0 and r0 + 8
-  const int qi0 = qbase + r0, qi1 = qi0 + 8;
-  // ldmatrix row addresses of this lane: A (Q) rows 0..15 of the warp at column +0 / +8; B (K)
+  for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+    m[mt][0] = m[mt][1] = NEG_INF;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+  // Row of the tile held by (m-tile mt, half hr) of this thread: warp·16·MT + 16·mt + gr + 8·hr.
+  const int wrow = warp * 16 * MT + gr;
+  // ldmatrix row addresses of this lane: A (Q) rows 0..15 of an m-tile at column +0 / +8; B (K)
   // keys of two 8-key groups at column +0 / +8; V (trans) keys +0..7 / +8..15 at dims +0 / +8.
-  const bf16* qa_base = Qs + (warp * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+  const bf16* qa_base = Qs + (warp * 16 * MT + (lane & 15)) * LD + (lane >> 4) * 8;
   const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_col = ((lane >> 3) & 1) * 8;
   const int vb_row = (lane & 7) + (((lane >> 3) & 1) << 3), vb_col = (lane >> 4) * 8;
 
@@ -366,111 +374,136 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
     const bf16* Kt = Ks + buf * BK * LD;
     const bf16* Vt = Vs + buf * BK * LD;
 
-    // S = Q K^T: 16 rows x BK keys per warp.
-    float sacc[ST][4];
+    // S = Q K^T: 16·MT rows x BK keys per warp.
+    float sacc[MT][ST][4];
 #pragma unroll
-    for (int nt = 0; nt < ST; nt++) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < HDP / 16; ks++) {
-      unsigned a[4];
-      ldsm_x4(a, qa_base + ks * 16);
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) ldsm_x4(a[mt], qa_base + mt * 16 * LD + ks * 16);
 #pragma unroll
       for (int nt = 0; nt < ST; nt += 2) {
         unsigned b[4];
         ldsm_x4(b, Kt + (nt * 8 + kb_row) * LD + ks * 16 + kb_col);
-        mma_bf16_16816(sacc[nt], a, b);
-        mma_bf16_16816(sacc[nt + 1], a, b + 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16_16816(sacc[mt][nt], a[mt], b);
+          mma_bf16_16816(sacc[mt][nt + 1], a[mt], b + 2);
+        }
       }
     }
     const bool masked = (kt + 1) * BK > clean;
-    float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-    for (int nt = 0; nt < ST; nt++) {
+    for (int mt = 0; mt < MT; mt++) {
+      const int qi0 = qbase + wrow + 16 * mt, qi1 = qi0 + 8;
+      float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float v = sacc[nt][e] * scale_log2;
-        if (masked) {
-          int col = kt * BK + nt * 8 + tg * 2 + (e & 1);
-          int qi = e < 2 ? qi0 : qi1;
-          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+      for (int nt = 0; nt < ST; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          float v = sacc[mt][nt][e] * scale_log2;
+          if (masked) {
+            int col = kt * BK + nt * 8 + tg * 2 + (e & 1);
+            int qi = e < 2 ? qi0 : qi1;
+            if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+          }
+          sacc[mt][nt][e] = v;
+          if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
         }
-        sacc[nt][e] = v;
-        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+      const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+      const float c0 = exp2f(m[mt][0] - base0), c1 = exp2f(m[mt][1] - base1);
+      float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) {
+        sacc[mt][nt][0] = exp2f(sacc[mt][nt][0] - base0);
+        sacc[mt][nt][1] = exp2f(sacc[mt][nt][1] - base0);
+        sacc[mt][nt][2] = exp2f(sacc[mt][nt][2] - base1);
+        sacc[mt][nt][3] = exp2f(sacc[mt][nt][3] - base1);
+        ps0 += sacc[mt][nt][0] + sacc[mt][nt][1];
+        ps1 += sacc[mt][nt][2] + sacc[mt][nt][3];
+      }
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+      l[mt][0] = l[mt][0] * c0 + ps0;
+      l[mt][1] = l[mt][1] * c1 + ps1;
+      m[mt][0] = mn0;
+      m[mt][1] = mn1;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        o[mt][nt][0] *= c0;
+        o[mt][nt][1] *= c0;
+        o[mt][nt][2] *= c1;
+        o[mt][nt][3] *= c1;
       }
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
-    const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < ST; nt++) {
-      sacc[nt][0] = exp2f(sacc[nt][0] - base0);
-      sacc[nt][1] = exp2f(sacc[nt][1] - base0);
-      sacc[nt][2] = exp2f(sacc[nt][2] - base1);
-      sacc[nt][3] = exp2f(sacc[nt][3] - base1);
-      ps0 += sacc[nt][0] + sacc[nt][1];
-      ps1 += sacc[nt][2] + sacc[nt][3];
-    }
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-    l0 = l0 * c0 + ps0;
-    l1 = l1 * c1 + ps1;
-    m0 = mn0;
-    m1 = mn1;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
     // O += P V: the score accumulators are already laid out as the A operand.
 #pragma unroll
     for (int kk = 0; kk < BK / 16; kk++) {
-      unsigned a[4] = {pack_f32(sacc[2 * kk][0], sacc[2 * kk][1]), pack_f32(sacc[2 * kk][2], sacc[2 * kk][3]),
-                       pack_f32(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]),
-                       pack_f32(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3])};
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        a[mt][0] = pack_f32(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
+        a[mt][1] = pack_f32(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
+        a[mt][2] = pack_f32(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
+        a[mt][3] = pack_f32(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; nt += 2) {
         unsigned b[4];
         ldsm_x4_trans(b, Vt + (kk * 16 + vb_row) * LD + nt * 8 + vb_col);
-        mma_bf16_16816(o[nt], a, b);
-        mma_bf16_16816(o[nt + 1], a, b + 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16_16816(o[mt][nt], a[mt], b);
+          mma_bf16_16816(o[mt][nt + 1], a[mt], b + 2);
+        }
       }
     }
   }
   cp_async_wait_all_groups();  // nothing may be in flight into shared memory when the block exits
 
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
 #pragma unroll
-  for (int nt = 0; nt < NT; nt++) {
+  for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
-      const int qi = hr == 0 ? qi0 : qi1;
-      const int col = nt * 8 + tg * 2;
-      if (qi >= nq || col >= hd) continue;
-      const float inv = hr == 0 ? inv0 : inv1;
-      float v0 = o[nt][2 * hr] * inv, v1 = o[nt][2 * hr + 1] * inv;
-      const i64 row = q_start + qi;
-      if (gate) {
-        const bf16* gp = gate + row * gate_row + (i64)h * gate_head + col;
-        v0 *= sigmoid_f(bf(gp[0]));
-        v1 *= sigmoid_f(bf(gp[1]));
+      const int qi = qbase + wrow + 16 * mt + 8 * hr;
+      const float inv = l[mt][hr] > 0.f ? 1.f / l[mt][hr] : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        const int col = nt * 8 + tg * 2;
+        if (qi >= nq || col >= hd) continue;
+        float v0 = o[mt][nt][2 * hr] * inv, v1 = o[mt][nt][2 * hr + 1] * inv;
+        const i64 row = q_start + qi;
+        if (gate) {
+          const bf16* gp = gate + row * gate_row + (i64)h * gate_head + col;
+          v0 *= sigmoid_f(bf(gp[0]));
+          v1 *= sigmoid_f(bf(gp[1]));
+        }
+        bf16* dst = out + (row * heads + h) * hd + col;
+        dst[0] = to_bf(v0);
+        dst[1] = to_bf(v1);
       }
-      bf16* dst = out + (row * heads + h) * hd + col;
-      dst[0] = to_bf(v0);
-      dst[1] = to_bf(v1);
     }
   }
 }
 
-#define ATTN_Q128_ENTRY(HDP, BK, MINB)                                                                     \
-  extern "C" __global__ void __launch_bounds__(256, MINB) attn_fwd_q128_##HDP(                              \
+#define ATTN_Q128_ENTRY(HDP, BK, MT, MINB)                                                                 \
+  extern "C" __global__ void __launch_bounds__(128 / MT * 2, MINB) attn_fwd_q128_##HDP(                     \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    attn_fwd_q128<HDP, BK>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);   \
+    attn_fwd_q128<HDP, BK, MT>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out); \
   }
-ATTN_Q128_ENTRY(64, 64, 2)
-ATTN_Q128_ENTRY(128, 64, 1)
-ATTN_Q128_ENTRY(256, 32, 1)
+ATTN_Q128_ENTRY(64, 64, 2, 2)
+ATTN_Q128_ENTRY(128, 64, 1, 1)
+ATTN_Q128_ENTRY(256, 32, 1, 1)

@@ -124,7 +124,8 @@ impl CudaBackend {
         let q128 = layout::attention_q128_serves(hd) && !self.state.options.attention_q64;
         let (name, grid, block, smem) = if q128 {
             let grid = (heads as u32, longest.div_ceil(128) as u32, segments.len() as u32);
-            (format!("attn_fwd_q128_{hdp}"), grid, 256, layout::attention_q128_smem_bytes(hdp))
+            let threads = layout::attention_q128_threads(hdp);
+            (format!("attn_fwd_q128_{hdp}"), grid, threads, layout::attention_q128_smem_bytes(hdp))
         } else {
             let grid = (longest.div_ceil(64) as u32, heads as u32, segments.len() as u32);
             (format!("attn_fwd_{hdp}"), grid, 128, layout::attention_smem_bytes(hdp))

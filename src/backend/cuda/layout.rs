@@ -148,6 +148,16 @@ pub const fn attention_q128_key_tile(hdp: usize) -> usize {
     }
 }
 
+/// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows, or at head dim 64 4 warps of 32 rows
+/// (its `MT`).
+pub const fn attention_q128_threads(hdp: usize) -> u32 {
+    if hdp == 64 {
+        128
+    } else {
+        256
+    }
+}
+
 /// Dynamic shared memory of `attn_fwd_q128_<hdp>`: a Q tile of 128 rows and double-buffered K and
 /// V tiles, row stride hdp + 8.
 pub const fn attention_q128_smem_bytes(hdp: usize) -> usize {
