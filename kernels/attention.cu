@@ -302,12 +302,26 @@ __device__ __forceinline__ void issue_tile(bf16* dst, const bf16* a, int alen, c
   }
 }
 
+// out[row, h, col..col+1] = bf16(v · sigmoid(gate)) (no gate: bf16(v)).
+__device__ __forceinline__ void store_gated(bf16* out, const bf16* gate, i64 gate_row, int gate_head, i64 row,
+                                            int heads, int h, int hd, int col, float v0, float v1) {
+  if (gate) {
+    const bf16* gp = gate + row * gate_row + (i64)h * gate_head + col;
+    v0 *= sigmoid_f(bf(gp[0]));
+    v1 *= sigmoid_f(bf(gp[1]));
+  }
+  bf16* dst = out + (row * heads + h) * hd + col;
+  dst[0] = to_bf(v0);
+  dst[1] = to_bf(v1);
+}
+
 // MT m-tiles of 16 rows per warp: each K/V fragment read from shared memory then serves 16·MT rows.
 // MT = 2 where the accumulators fit the registers (head dim 64: 4 warps of 32 rows): half the
 // shared-memory traffic per FLOP of MT = 1 (8 warps of 16 rows), which bounds the kernel.
 template <int HDP, int BK, int MT>
 __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
-                              float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+                              float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out,
+                              int kv_split, int nsplit, float* part) {
   constexpr int BQ = 128, LD = HDP + 8, NT = HDP / 8, ST = BK / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Qs = (bf16*)smem_raw;
@@ -318,7 +332,8 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   const i64 q_start = sg[0];
   const int nq = (int)sg[1];
   const int tiles = (nq + BQ - 1) / BQ;
-  const int tile = tiles - 1 - (int)blockIdx.y;  // longest (last) tiles first
+  // Split mode (kv_split > 0, sequences of at most BQ rows): blockIdx.y is the key range.
+  const int tile = kv_split ? 0 : tiles - 1 - (int)blockIdx.y;  // longest (last) tiles first
   if (tile < 0) return;
   const int shared_len = (int)sg[4];
   const int kvlen = shared_len + (int)sg[7] + nq;
@@ -330,7 +345,12 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
   // Keys below `clean` are visible to every row of the block: tiles entirely below need no mask.
   const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
-  const int ntiles = (klimit + BK - 1) / BK;
+  // Key tiles [kt0, ntiles): all of them, or in split mode those of key range blockIdx.y
+  // (kv_split is a multiple of BK).
+  const int kbeg = kv_split ? (int)blockIdx.y * kv_split : 0;
+  const int kend = kv_split ? min(klimit, kbeg + kv_split) : klimit;
+  const int kt0 = kbeg / BK;
+  const int ntiles = kend > kbeg ? (kend + BK - 1) / BK : kt0;
 
   const i64 kstride = (i64)kvh * hd;
   const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
@@ -338,9 +358,10 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
   const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
   issue_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
-  if (ntiles > 0) {
-    issue_tile<HDP, LD>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
-    issue_tile<HDP, LD>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd, BK);
+  if (ntiles > kt0) {
+    const int j0 = kt0 * BK, nb = kt0 & 1;
+    issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+    issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
   }
   cp_async_commit();
 
@@ -361,7 +382,7 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_col = ((lane >> 3) & 1) * 8;
   const int vb_row = (lane & 7) + (((lane >> 3) & 1) << 3), vb_col = (lane >> 4) * 8;
 
-  for (int kt = 0; kt < ntiles; kt++) {
+  for (int kt = kt0; kt < ntiles; kt++) {
     cp_async_wait_all_groups();
     __syncthreads();  // tile kt (and Q) landed for all threads; everyone is done with tile kt - 1
     const int buf = kt & 1;
@@ -473,6 +494,29 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   }
   cp_async_wait_all_groups();  // nothing may be in flight into shared memory when the block exits
 
+  if (kv_split) {
+    // The range's unnormalised output and its (max, sum) per row, f32, for attn_split_combine:
+    // slot (sequence blockIdx.z, head, range) holds [BQ][HDP] then m [BQ] and l [BQ].
+    float* slot = part + (((i64)blockIdx.z * heads + h) * nsplit + blockIdx.y) * (BQ * HDP + 2 * BQ);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+      for (int hr = 0; hr < 2; hr++) {
+        const int r = wrow + 16 * mt + 8 * hr;
+        if (qbase + r >= nq) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const int col = nt * 8 + tg * 2;
+          *(float2*)(slot + r * HDP + col) = make_float2(o[mt][nt][2 * hr], o[mt][nt][2 * hr + 1]);
+        }
+        if (tg == 0) {
+          slot[BQ * HDP + r] = m[mt][hr];
+          slot[BQ * HDP + BQ + r] = l[mt][hr];
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
@@ -484,26 +528,67 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
         const int col = nt * 8 + tg * 2;
         if (qi >= nq || col >= hd) continue;
         float v0 = o[mt][nt][2 * hr] * inv, v1 = o[mt][nt][2 * hr + 1] * inv;
-        const i64 row = q_start + qi;
-        if (gate) {
-          const bf16* gp = gate + row * gate_row + (i64)h * gate_head + col;
-          v0 *= sigmoid_f(bf(gp[0]));
-          v1 *= sigmoid_f(bf(gp[1]));
-        }
-        bf16* dst = out + (row * heads + h) * hd + col;
-        dst[0] = to_bf(v0);
-        dst[1] = to_bf(v1);
+        store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, v0, v1);
       }
     }
   }
 }
 
+// Split over keys: a sequence of at most 128 query rows over a long cache (a pass over a long
+// prefix) has one query tile per head, so one block would walk all its keys alone. Instead, blocks
+// (head, key range of kv_split keys, sequence) write partial results, and attn_split_combine merges
+// the ranges of each row in range order. The ranges are fixed multiples of kv_split from key 0 and
+// a sequence is split by its own length and rows only, so its arithmetic never depends on the batch.
 #define ATTN_Q128_ENTRY(HDP, BK, MT, MINB)                                                                 \
   extern "C" __global__ void __launch_bounds__(128 / MT * 2, MINB) attn_fwd_q128_##HDP(                     \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
-      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    attn_fwd_q128<HDP, BK, MT>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out); \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out, int kv_split, int nsplit, float* part) {  \
+    attn_fwd_q128<HDP, BK, MT>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out, \
+                               kv_split, nsplit, part);                                                     \
   }
 ATTN_Q128_ENTRY(64, 64, 2, 2)
 ATTN_Q128_ENTRY(128, 64, 1, 1)
 ATTN_Q128_ENTRY(256, 32, 1, 1)
+
+// Merges the key ranges of split attention: one block of 64 threads per (row, head, sequence);
+// for a row, M = max of the ranges' maxima, L = sum l_j 2^(m_j - M), out = (sum o_j 2^(m_j - M)) / L
+// in range order j = 0, 1, ..., then the gate, as attn_fwd's epilogue. Ranges a row cannot see
+// (m = -inf, l = 0) add nothing.
+template <int HDP>
+__device__ void attn_split_combine(const float* part, const i64* segs, int heads, int hd, int nsplit,
+                                   const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  constexpr int BQ = 128;
+  const int r = blockIdx.x, h = blockIdx.y;
+  const i64* sg = segs + SEG * blockIdx.z;
+  if (r >= (int)sg[1]) return;
+  const float* slots = part + ((i64)blockIdx.z * heads + h) * nsplit * (BQ * HDP + 2 * BQ);
+  float M = NEG_INF;
+  for (int j = 0; j < nsplit; j++) M = fmaxf(M, slots[(i64)j * (BQ * HDP + 2 * BQ) + BQ * HDP + r]);
+  const float base = M == NEG_INF ? 0.f : M;
+  float L = 0.f;
+  for (int j = 0; j < nsplit; j++) {
+    const float* sl = slots + (i64)j * (BQ * HDP + 2 * BQ);
+    L += sl[BQ * HDP + BQ + r] * exp2f(sl[BQ * HDP + r] - base);
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  for (int col = 2 * threadIdx.x; col < hd; col += 2 * blockDim.x) {
+    float v0 = 0.f, v1 = 0.f;
+    for (int j = 0; j < nsplit; j++) {
+      const float* sl = slots + (i64)j * (BQ * HDP + 2 * BQ);
+      const float f = sl[BQ * HDP + BQ + r] > 0.f ? exp2f(sl[BQ * HDP + r] - base) : 0.f;
+      v0 += f * sl[r * HDP + col];
+      v1 += f * sl[r * HDP + col + 1];
+    }
+    store_gated(out, gate, gate_row, gate_head, sg[0] + r, heads, h, hd, col, v0 * inv, v1 * inv);
+  }
+}
+
+#define ATTN_COMBINE_ENTRY(HDP)                                                                            \
+  extern "C" __global__ void __launch_bounds__(64) attn_split_combine_##HDP(                               \
+      const float* part, const i64* segs, int heads, int hd, int nsplit, const bf16* gate, i64 gate_row,   \
+      int gate_head, bf16* out) {                                                                          \
+    attn_split_combine<HDP>(part, segs, heads, hd, nsplit, gate, gate_row, gate_head, out);                \
+  }
+ATTN_COMBINE_ENTRY(64)
+ATTN_COMBINE_ENTRY(128)
+ATTN_COMBINE_ENTRY(256)

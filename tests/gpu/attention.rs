@@ -48,7 +48,12 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     let lengths: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]];
     attention_case(g, c, rep, rng, "4B", d4b, lengths, &[])?;
     attention_case(g, c, rep, rng, "4B", d4b, &[&[2, 5, 70], &[1, 1, 1]], &[None, Some(0), Some(0)])?;
-    attention_case(g, c, rep, rng, "4B", d4b, &[&[16384]], &[])?;
+    attention_case(g, c, rep, rng, "4B", d4b, &[&[16384], &[73]], &[])?;
+    // Passes over long caches split their keys into 4096-key ranges (in the second call here:
+    // 2 ranges each), also beside their 9000-row parent in one call (3 ranges).
+    attention_case(g, c, rep, rng, "4B", d4b, &[&[4097, 4200, 5000], &[73, 1, 128]], &[])?;
+    let tree = [None, Some(0), Some(0), Some(0)];
+    attention_case(g, c, rep, rng, "4B", d4b, &[&[9000, 73, 128, 1], &[1, 2, 3, 4]], &tree)?;
     let q64 = variant(g, |o| o.attention_q64 = true)?;
     attention_case(&q64, c, rep, rng, "4B, 64-row kernel", d4b, lengths, &[])?;
     let tiny = AttentionDims {

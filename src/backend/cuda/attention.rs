@@ -99,11 +99,14 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The attention kernel over the segment table `meta` (see kernels/attention.cu).
+    /// The attention kernel over the segment table `meta` (see kernels/attention.cu; `meta_host`
+    /// is the same table on the host). Passes over long caches split their keys into ranges
+    /// (`attn_fwd_q128` in split mode, then `attn_split_combine`); the rest run as one launch.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_core(
         &self,
         q: &CudaSlice<bf16>,
+        meta_host: &[i64],
         meta: &CudaSlice<i64>,
         segments: &[Range<usize>],
         heads: usize,
@@ -115,34 +118,83 @@ impl CudaBackend {
     ) -> Result<()> {
         let hdp = layout::attention_head_dim(hd)
             .ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
-        let longest = segments.iter().map(|s| s.len()).max().unwrap_or(0);
-        if longest == 0 {
+        if segments.iter().all(|s| s.is_empty()) {
             return Ok(());
         }
-        // The kernel depends on the head dim and the options only, never on the batch, so a row's
-        // arithmetic is the same whatever shares the call.
-        let q128 = layout::attention_q128_serves(hd) && !self.state.options.attention_q64;
-        let (name, grid, block, smem) = if q128 {
-            let grid = (heads as u32, longest.div_ceil(128) as u32, segments.len() as u32);
-            let threads = layout::attention_q128_threads(hdp);
-            (format!("attn_fwd_q128_{hdp}"), grid, threads, layout::attention_q128_smem_bytes(hdp))
-        } else {
-            let grid = (longest.div_ceil(64) as u32, heads as u32, segments.len() as u32);
-            (format!("attn_fwd_{hdp}"), grid, 128, layout::attention_smem_bytes(hdp))
-        };
         let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
         let (gp, grow, ghead) = gate.unwrap_or((0, 0, 0));
-        self.launch(
-            &name,
-            launch_config(grid, block, smem),
-            &[
+        let args = |table: u64| {
+            vec![
                 Arg::Ptr(self.p(q)),
-                Arg::Ptr(self.p(meta)),
+                Arg::Ptr(table),
                 Arg::I32(heads as i32),
                 Arg::I32(kvh as i32),
                 Arg::I32(hd as i32),
                 Arg::I32(causal as i32),
                 Arg::F32(scale_log2),
+                Arg::Ptr(gp),
+                Arg::I64(grow as i64),
+                Arg::I32(ghead as i32),
+                Arg::Ptr(self.p(out)),
+            ]
+        };
+        let longest = |idx: &[usize]| idx.iter().map(|&si| segments[si].len()).max().unwrap_or(0);
+        // The kernel depends on the head dim and the options only, never on the batch, so a row's
+        // arithmetic is the same whatever shares the call.
+        if !layout::attention_q128_serves(hd) || self.state.options.attention_q64 {
+            let all: Vec<usize> = (0..segments.len()).collect();
+            let grid = (longest(&all).div_ceil(64) as u32, heads as u32, segments.len() as u32);
+            let cfg = launch_config(grid, 128, layout::attention_smem_bytes(hdp));
+            return self.launch(&format!("attn_fwd_{hdp}"), cfg, &args(self.p(meta)));
+        }
+        // Whether a sequence splits its keys depends on its own rows and cache length only.
+        let ranges: Vec<usize> = segments
+            .iter()
+            .enumerate()
+            .map(|(si, s)| {
+                let kvlen = (meta_host[8 * si + 4] + meta_host[8 * si + 7]) as usize + s.len();
+                layout::attention_key_ranges(s.len(), kvlen)
+            })
+            .collect();
+        let (split, whole): (Vec<usize>, Vec<usize>) = (0..segments.len()).partition(|&si| ranges[si] > 1);
+        let name = format!("attn_fwd_q128_{hdp}");
+        let (threads, smem) = (layout::attention_q128_threads(hdp), layout::attention_q128_smem_bytes(hdp));
+        let subset = |idx: &[usize]| -> Result<CudaSlice<i64>> {
+            self.htod(&idx.iter().flat_map(|&si| meta_host[8 * si..8 * si + 8].iter().copied()).collect::<Vec<_>>())
+        };
+        if !whole.is_empty() && longest(&whole) > 0 {
+            let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
+            let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
+            let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
+            let mut a = args(tp);
+            a.extend([Arg::I32(0), Arg::I32(0), Arg::Ptr(0)]);
+            self.launch(&name, launch_config(grid, threads, smem), &a)?;
+        }
+        if split.is_empty() {
+            return Ok(());
+        }
+        let table = subset(&split)?;
+        let nsplit = split.iter().map(|&si| ranges[si]).max().unwrap_or(1);
+        let slot = layout::attention_split_slot_floats(hdp);
+        let part = self.alloc_f32(split.len() * heads * nsplit * slot)?;
+        let mut a = args(self.p(&table));
+        a.extend([
+            Arg::I32(layout::ATTENTION_KEY_RANGE as i32),
+            Arg::I32(nsplit as i32),
+            Arg::Ptr(self.p(&part)),
+        ]);
+        let grid = (heads as u32, nsplit as u32, split.len() as u32);
+        self.launch(&name, launch_config(grid, threads, smem), &a)?;
+        let grid = (layout::ATTENTION_SPLIT_MAX_ROWS as u32, heads as u32, split.len() as u32);
+        self.launch(
+            &format!("attn_split_combine_{hdp}"),
+            launch_config(grid, 64, 0),
+            &[
+                Arg::Ptr(self.p(&part)),
+                Arg::Ptr(self.p(&table)),
+                Arg::I32(heads as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(nsplit as i32),
                 Arg::Ptr(gp),
                 Arg::I64(grow as i64),
                 Arg::I32(ghead as i32),
@@ -311,7 +363,8 @@ pub(super) fn gated_attention(
             c.len as i64,
         ]);
     }
-    let meta = be.htod(&meta)?;
+    let meta_host = meta;
+    let meta = be.htod(&meta_host)?;
     let q = be.alloc_bf16(n * heads * hd)?;
     be.launch(
         "attn_prep",
@@ -347,7 +400,7 @@ pub(super) fn gated_attention(
     let out = be.alloc_bf16(n * heads * hd)?;
     // The gate of head h, dim c, row t is qkv[t, h·2·hd + hd + c] (offset hd elements).
     let gate = (qg_ptr + 2 * hd as u64, width, 2 * hd);
-    be.attention_core(&q, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
+    be.attention_core(&q, &meta_host, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
     Ok(be.bf16_tensor(out, &[n, heads * hd]))
 }
 
@@ -398,7 +451,8 @@ pub(super) fn vision_attention(
             0,
         ]);
     }
-    let meta = be.htod(&meta)?;
+    let meta_host = meta;
+    let meta = be.htod(&meta_host)?;
     let xp = be.p(x.s());
     let row = (3 * d) as i64;
     be.launch(
@@ -428,6 +482,6 @@ pub(super) fn vision_attention(
         ],
     )?;
     let out = be.alloc_bf16(n * d)?;
-    be.attention_core(&q, &meta, segments, heads, heads, hd, false, None, &out)?;
+    be.attention_core(&q, &meta_host, &meta, segments, heads, heads, hd, false, None, &out)?;
     Ok(be.bf16_tensor(out, &[n, d]))
 }

@@ -148,6 +148,29 @@ pub const fn attention_q128_key_tile(hdp: usize) -> usize {
     }
 }
 
+/// Keys per range when a short sequence splits its keys (`attn_fwd_q128` in split mode; a multiple
+/// of every key tile).
+pub const ATTENTION_KEY_RANGE: usize = 4096;
+/// Sequences of at most this many query rows (one query tile) may split their keys.
+pub const ATTENTION_SPLIT_MAX_ROWS: usize = 128;
+
+/// Key ranges of a sequence of `rows` query rows over `kvlen` keys: more than one only for short
+/// sequences over long caches (passes over a long prefix). Depends on the sequence alone, so a
+/// row's arithmetic never depends on the batch.
+pub fn attention_key_ranges(rows: usize, kvlen: usize) -> usize {
+    if rows > 0 && rows <= ATTENTION_SPLIT_MAX_ROWS && kvlen > ATTENTION_KEY_RANGE {
+        kvlen.div_ceil(ATTENTION_KEY_RANGE)
+    } else {
+        1
+    }
+}
+
+/// f32 values of one (sequence, head, key range) slot of split attention: the unnormalised
+/// output `[128][hdp]`, then the row maxima and sums `[128]` each.
+pub const fn attention_split_slot_floats(hdp: usize) -> usize {
+    ATTENTION_SPLIT_MAX_ROWS * hdp + 2 * ATTENTION_SPLIT_MAX_ROWS
+}
+
 /// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows, or at head dim 64 4 warps of 32 rows
 /// (its `MT`).
 pub const fn attention_q128_threads(hdp: usize) -> u32 {
@@ -318,6 +341,10 @@ mod tests {
         assert!(attention_q128_smem_bytes(256) + 1024 <= 228 * 1024);
         assert!(2 * (attention_q128_smem_bytes(64) + 1024) <= 228 * 1024);
         assert!(attention_q128_serves(256) && attention_q128_serves(64) && attention_q128_serves(120));
+        assert_eq!(attention_key_ranges(73, 16_457), 5);
+        assert_eq!(attention_key_ranges(73, 4096), 1);
+        assert_eq!(attention_key_ranges(129, 50_000), 1);
+        assert!(ATTENTION_KEY_RANGE % attention_q128_key_tile(64) == 0 && ATTENTION_KEY_RANGE % attention_q128_key_tile(256) == 0);
         assert!(!attention_q128_serves(32) && !attention_q128_serves(250) && !attention_q128_serves(16));
         let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
