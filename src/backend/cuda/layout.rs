@@ -171,14 +171,9 @@ pub const fn attention_split_slot_floats(hdp: usize) -> usize {
     ATTENTION_SPLIT_MAX_ROWS * hdp + 2 * ATTENTION_SPLIT_MAX_ROWS
 }
 
-/// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows, or at head dim 64 4 warps of 32 rows
-/// (its `MT`).
-pub const fn attention_q128_threads(hdp: usize) -> u32 {
-    if hdp == 64 {
-        128
-    } else {
-        256
-    }
+/// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows (`MT` = 1 in kernels/attention.cu).
+pub const fn attention_q128_threads(_hdp: usize) -> u32 {
+    256
 }
 
 /// Dynamic shared memory of `attn_fwd_q128_<hdp>`: a Q tile of 128 rows and double-buffered K and
