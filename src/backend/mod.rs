@@ -266,6 +266,23 @@ pub trait Backend: Send + Sync + 'static {
         caches: &mut [&mut Self::KvCache],
     ) -> Result<Self::Tensor>;
 
+    /// [`Backend::gated_attention`] when only the last row of each segment is read (the model's
+    /// last layer): every row's keys and values still enter the caches, but only the last row of
+    /// each segment is attended and returned, `[segments, heads·head_dim]`. The default attends
+    /// every row and gathers; backends may skip the rest.
+    fn gated_attention_last_rows(
+        &self,
+        x: &AttentionInputs<Self::Tensor>,
+        dims: &AttentionDims,
+        segments: &[Range<usize>],
+        parents: &[Option<usize>],
+        caches: &mut [&mut Self::KvCache],
+    ) -> Result<Self::Tensor> {
+        let all = self.gated_attention(x, dims, segments, parents, caches)?;
+        let last: Vec<usize> = segments.iter().map(|s| s.end.saturating_sub(1)).collect();
+        self.gather_rows(&all, &last)
+    }
+
     fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<Self::DeltaState>;
     /// Causal conv + SiLU (continuing each segment's conv history), β/g gates, L2-normed q/k,
     /// the gated delta rule from each segment's recurrent state, and the gated RMSNorm with `z`.

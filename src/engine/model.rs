@@ -514,6 +514,7 @@ impl<B: Backend> Qwen35<B> {
         let mut h = b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
         for (li, layer) in self.layers.iter().enumerate() {
             prof.mark(b, "norms+residual");
+            let last_layer = li + 1 == self.layers.len();
             let o = match &layer.mixer {
                 Mixer::Attention { qkv, o, q_norm, k_norm } => {
                     let p = b.matmul(&h, qkv)?;
@@ -532,7 +533,13 @@ impl<B: Backend> Qwen35<B> {
                         sin: &sin,
                     };
                     prof.mark(b, "attn.proj_in");
-                    let core = b.gated_attention(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?;
+                    // The last layer attends only the rows that are read out (every row's keys
+                    // and values still enter the caches, which forks continue).
+                    let core = if last_layer {
+                        b.gated_attention_last_rows(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?
+                    } else {
+                        b.gated_attention(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?
+                    };
                     prof.mark(b, "attn.core");
                     let y = b.matmul(&core, o)?;
                     prof.mark(b, "attn.proj_out");
@@ -563,11 +570,16 @@ impl<B: Backend> Qwen35<B> {
                     y
                 }
             };
-            let hm = if li + 1 == self.layers.len() {
+            let hm = if last_layer {
                 // Only the last token of each sequence is read out: the last MLP runs on those rows
-                // (gathered after the residual add, before the norm).
-                b.add_assign(&mut x, &o)?;
-                x = b.gather_rows(&x, &last_rows)?;
+                // (gathered before the residual add when the mixer returned only them, else after).
+                if matches!(layer.mixer, Mixer::Attention { .. }) {
+                    x = b.gather_rows(&x, &last_rows)?;
+                    b.add_assign(&mut x, &o)?;
+                } else {
+                    b.add_assign(&mut x, &o)?;
+                    x = b.gather_rows(&x, &last_rows)?;
+                }
                 b.rms_norm(&x, &layer.post_norm, self.eps, 1.0)?
             } else {
                 b.add_rms_norm(&mut x, &o, &layer.post_norm, self.eps, 1.0)?

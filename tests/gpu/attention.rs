@@ -136,7 +136,10 @@ pub fn attention_case(
         let (qkv, qkv_w) = cat_cols(n, &[&qg, &k, &v]);
         assert_eq!(qkv_w, dims.qkv_width());
         macro_rules! run {
-            ($b:expr, $caches:expr) => {{
+            ($b:expr, $caches:expr) => {
+                run!($b, $caches, gated_attention)
+            };
+            ($b:expr, $caches:expr, $op:ident) => {{
                 let b = $b;
                 let t = (
                     b.upload(&qkv, &[n, qkv_w])?,
@@ -153,11 +156,27 @@ pub fn attention_case(
                     sin: &t.4,
                 };
                 let mut refs: Vec<_> = $caches.iter_mut().collect();
-                let o = b.gated_attention(&inputs, &dims, &segs, parents, &mut refs)?;
+                let o = b.$op(&inputs, &dims, &segs, parents, &mut refs)?;
                 b.download(&o)?
             }};
         }
+        // The same call attending only each segment's last row (the model's last layer), on
+        // copies of the caches: equal to those rows of the full call — bitwise unless the row's
+        // keys split into ranges (more than 4096 of them), then to the tolerance.
+        let mut gc_last = gc.clone();
+        let ol = run!(g, gc_last, gated_attention_last_rows);
         let og = run!(g, gc);
+        let w = heads * hd;
+        let (mut bits, mut worst) = (0usize, 0f64);
+        for (si, seg) in segs.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+            let (full, last) = (&og[(seg.end - 1) * w..seg.end * w], &ol[si * w..(si + 1) * w]);
+            if g.kv_len(&gc[si]) <= 4096 {
+                bits += full.iter().zip(last).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            }
+            worst = worst.max(rel(last, full));
+        }
+        rep.check("attn", format!("… last rows only, call {ci}: short rows ≠ full call (bitwise count)"), bits as f64, 0.0);
+        rep.check("attn", format!("… last rows only, call {ci}: vs full call"), worst, 2e-2);
         let oc = run!(c, cc);
         let lens_ok = gc.iter().zip(&cc).all(|(a, b)| g.kv_len(a) == c.kv_len(b));
         rep.check(

@@ -266,6 +266,37 @@ pub(super) fn gated_attention(
     parents: &[Option<usize>],
     caches: &mut [&mut CudaKvCache],
 ) -> Result<CudaTensor> {
+    attend(be, x, dims, segments, parents, caches, false)
+}
+
+/// `Backend::gated_attention_last_rows`: every row is prepared (its keys and values enter the
+/// caches), then only the last query row of each segment is attended: the segment table says
+/// one query row over all the keys (`nq` 1, the own length of the cache one short), which the
+/// attention kernel treats like any sequence (a long one splits its keys).
+pub(super) fn gated_attention_last_rows(
+    be: &CudaBackend,
+    x: &AttentionInputs<CudaTensor>,
+    dims: &AttentionDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    caches: &mut [&mut CudaKvCache],
+) -> Result<CudaTensor> {
+    let all = attend(be, x, dims, segments, parents, caches, true)?;
+    let last: Vec<usize> = segments.iter().map(|s| s.end.saturating_sub(1)).collect();
+    super::elementwise::gather_rows(be, &all, &last)
+}
+
+/// Gated attention of every row, or (`last_only`) of the last row of each segment; either way
+/// `[n, heads·head_dim]` (with `last_only` only the last rows are written).
+fn attend(
+    be: &CudaBackend,
+    x: &AttentionInputs<CudaTensor>,
+    dims: &AttentionDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    caches: &mut [&mut CudaKvCache],
+    last_only: bool,
+) -> Result<CudaTensor> {
     let AttentionDims {
         heads,
         kv_heads: kvh,
@@ -400,7 +431,22 @@ pub(super) fn gated_attention(
     let out = be.alloc_bf16(n * heads * hd)?;
     // The gate of head h, dim c, row t is qkv[t, h·2·hd + hd + c] (offset hd elements).
     let gate = (qg_ptr + 2 * hd as u64, width, 2 * hd);
-    be.attention_core(&q, &meta_host, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
+    if last_only {
+        // [q_start, nq, .., own_len]: the last row, over every key before it and its own.
+        let last_meta: Vec<i64> = meta_host
+            .chunks_exact(8)
+            .flat_map(|e| {
+                let rows = e[1].min(1);
+                [e[0] + e[1] - rows, rows, e[2], e[3], e[4], e[5], e[6], e[7] + e[1] - rows]
+            })
+            .collect();
+        let last_segments: Vec<Range<usize>> =
+            segments.iter().map(|s| s.end.saturating_sub(1).max(s.start)..s.end).collect();
+        let last_dev = be.htod(&last_meta)?;
+        be.attention_core(&q, &last_meta, &last_dev, &last_segments, heads, kvh, hd, true, Some(gate), &out)?;
+    } else {
+        be.attention_core(&q, &meta_host, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
+    }
     Ok(be.bf16_tensor(out, &[n, heads * hd]))
 }
 

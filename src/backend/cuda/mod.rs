@@ -424,6 +424,17 @@ impl Backend for CudaBackend {
         attention::gated_attention(self, x, dims, segments, parents, caches)
     }
 
+    fn gated_attention_last_rows(
+        &self,
+        x: &AttentionInputs<CudaTensor>,
+        dims: &AttentionDims,
+        segments: &[Range<usize>],
+        parents: &[Option<usize>],
+        caches: &mut [&mut CudaKvCache],
+    ) -> Result<CudaTensor> {
+        attention::gated_attention_last_rows(self, x, dims, segments, parents, caches)
+    }
+
     fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<CudaDeltaState> {
         deltanet::new_delta_state(self, dims)
     }
