@@ -9,11 +9,14 @@
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
 //!   prefix, TFLOP/s counted over the causal half; the 128-row kernel beside the 64-row one;
-//! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens;
+//! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens, once with each
+//!   tensor-core chunk scan (plain and pipelined: the same bits, the rest of the mixer the same
+//!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
+//!   own device time;
 //! * the cuBLASLt algorithm fixed for each large GEMM shape.
 
 use anyhow::{Context, Result};
-use imajev_serve::backend::cuda::{CudaBackend, CudaOptions};
+use imajev_serve::backend::cuda::{CudaBackend, CudaOptions, GdnScan};
 use imajev_serve::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart};
 use imajev_serve::engine::positions;
 use imajev_serve::synth::memory::MemoryTensor;
@@ -162,31 +165,49 @@ impl Bench<'_> {
         Ok(())
     }
 
-    fn deltanet(&mut self, dims: DeltaNetDims, m: usize, forks: bool) -> Result<()> {
-        let g = self.g;
+    /// The Gated DeltaNet mixer of one sequence of `m` tokens and, with `forks`, of 11 forks × 73
+    /// tokens of one state, on each backend of `scans` (the same inputs uploaded to each).
+    fn deltanet(&mut self, scans: &[(&str, &CudaBackend)], dims: DeltaNetDims, m: usize, forks: bool) -> Result<()> {
         let (ch, pw, vh, dv) = (dims.conv_channels(), dims.proj_width(), dims.value_heads, dims.value_dim);
-        let proj = bf16_input(g, &mut self.rng, &[m, pw])?;
-        let conv = g.gather_rows(&g.upload(&self.rng.bf16_normals(ch * 4, 0.5), &[ch, 4])?, &(0..ch).collect::<Vec<_>>())?;
-        let (alog, dtb, nw) = (g.upload(&vec![1.0; vh], &[vh])?, g.upload(&vec![0.0; vh], &[vh])?, g.upload(&vec![1.0; dv], &[dv])?);
-        let inputs = DeltaNetInputs { proj: &proj, conv_weight: &conv, a_log: &alog, dt_bias: &dtb, norm_weight: &nw };
-        let ms = time_ms(g, 5, &mut || {
-            let mut s = g.new_delta_state(&dims)?;
-            g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s]).map(|_| ())
-        })?;
-        self.push(format!("gated_delta_net 4B, 1×{m} tokens"), ms, None);
-        if forks {
-            // The benchmark request's passes: 11 forks of one state, 73 tokens each (two chunks).
-            let lens = [73usize; 11];
-            let n: usize = lens.iter().sum();
-            let base = g.new_delta_state(&dims)?;
-            let x = g.gather_rows(&proj, &(0..n).collect::<Vec<_>>())?;
-            let inputs = DeltaNetInputs { proj: &x, ..inputs };
+        let proj_h = self.rng.bf16_normals(m * pw, 1.0);
+        let conv_h = self.rng.bf16_normals(ch * 4, 0.5);
+        let lens = [73usize; 11];
+        let mut single = Vec::new();
+        let mut forked = Vec::new();
+        for &(label, g) in scans {
+            let rows = |n: usize| (0..n).collect::<Vec<_>>();
+            let proj = g.gather_rows(&g.upload(&proj_h, &[m, pw])?, &rows(m))?;
+            let conv = g.gather_rows(&g.upload(&conv_h, &[ch, 4])?, &rows(ch))?;
+            let (alog, dtb, nw) = (g.upload(&vec![1.0; vh], &[vh])?, g.upload(&vec![0.0; vh], &[vh])?, g.upload(&vec![1.0; dv], &[dv])?);
+            let inputs = DeltaNetInputs { proj: &proj, conv_weight: &conv, a_log: &alog, dt_bias: &dtb, norm_weight: &nw };
             let ms = time_ms(g, 5, &mut || {
-                let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
-                let mut refs: Vec<_> = forks.iter_mut().collect();
-                g.gated_delta_net(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
+                let mut s = g.new_delta_state(&dims)?;
+                g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s]).map(|_| ())
             })?;
-            self.push("gated_delta_net 4B, 11 forks × 73 tokens".into(), ms, None);
+            self.push(format!("gated_delta_net 4B, 1×{m} tokens, {label}"), ms, None);
+            single.push(ms);
+            if forks {
+                // The benchmark request's passes: 11 forks of one state, 73 tokens each (two chunks).
+                let n: usize = lens.iter().sum();
+                let base = g.new_delta_state(&dims)?;
+                let x = g.gather_rows(&proj, &rows(n))?;
+                let inputs = DeltaNetInputs { proj: &x, ..inputs };
+                let ms = time_ms(g, 5, &mut || {
+                    let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
+                    let mut refs: Vec<_> = forks.iter_mut().collect();
+                    g.gated_delta_net(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
+                })?;
+                self.push(format!("gated_delta_net 4B, 11 forks × 73 tokens, {label}"), ms, None);
+                forked.push(ms);
+            }
+            if let Some(report) = g.kernel_report()? {
+                println!("  kernels of the {label} runs (warm-up included):\n{report}");
+            }
+        }
+        for (what, t) in [(format!("1×{m} tokens"), &single), ("11 forks × 73".to_string(), &forked)] {
+            if let [a, b] = t[..] {
+                println!("  {what}: {} − {} = {:.3} ms per layer, ratio {:.2}", scans[0].0, scans[1].0, a - b, a / b);
+            }
         }
         Ok(())
     }
@@ -213,8 +234,15 @@ fn main() -> Result<()> {
         b.vision(&g, "128-row tiles", m)?;
         b.vision(&q64, "64-row tiles", m)?;
     }
+    // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
+    let scan = |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });
+    let (plain, piped) = (scan(GdnScan::Plain)?, scan(GdnScan::Pipelined)?);
+    if plain.options().gdn_ffma {
+        println!("IMAJEV_GDN_FFMA=1 is set: both DeltaNet rows below are the FMA scan");
+    }
+    let scans = [("plain tc scan", &plain), ("pipelined tc scan", &piped)];
     for &m in lengths {
-        b.deltanet(delta, m, m == 2048)?;
+        b.deltanet(&scans, delta, m, m == 2048)?;
     }
     println!("\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):", imajev_serve::backend::cuda::gemm::M_REF);
     for p in g.gemm_plans().iter().filter(|p| p.n * p.k >= 1 << 20) {

@@ -1,17 +1,74 @@
 //! Gated DeltaNet: causal conv + SiLU, β/g gates and L2-normed q/k (`gdn_conv`), the chunked
-//! gated delta rule (`gdn_chunk_prep_<dk>`, then `gdn_chunk_scan[_tc]_<dk>` walking each
-//! sequence's chunks from its state), and the gated output norm. Kernels: kernels/deltanet.cu;
-//! CPU twin: src/backend/cpu/deltanet.rs. States are copy-on-write ([`CudaDeltaState`]).
+//! gated delta rule (`gdn_chunk_prep_<dk>`, then a chunk scan walking each sequence's chunks from
+//! its state: `gdn_chunk_scan_tc_pipelined_<dk>` for launches with a long sequence,
+//! `gdn_chunk_scan_tc_<dk>` otherwise, `gdn_chunk_scan_<dk>` with `gdn_ffma`), and the gated
+//! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
+//! copy-on-write ([`CudaDeltaState`]).
 
 use super::launch::{grid1, launch_config, Arg};
 use super::layout;
 use super::tensor::CudaTensor;
-use super::CudaBackend;
+use super::{CudaBackend, CudaOptions};
 use crate::backend::{check_parents, check_tiling, DeltaNetDims, DeltaNetInputs, Tree};
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::ops::Range;
 use std::sync::Arc;
+
+/// Which tensor-core chunk scan runs (with `gdn_ffma` off). The two kernels give the same bits
+/// for every sequence (the same products in the same order on the same values; the device suite
+/// checks it), so this is a choice of speed only, and choosing by the batch keeps a sequence's
+/// result independent of the batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GdnScan {
+    /// `gdn_chunk_scan_tc_pipelined_<dk>` when the launch's longest sequence has at least
+    /// [`PIPELINED_MIN_CHUNKS`] chunks, else `gdn_chunk_scan_tc_<dk>`.
+    #[default]
+    ByLength,
+    /// Always `gdn_chunk_scan_tc_pipelined_<dk>`.
+    Pipelined,
+    /// Always `gdn_chunk_scan_tc_<dk>`.
+    Plain,
+}
+
+impl GdnScan {
+    pub fn describe(self) -> &'static str {
+        match self {
+            GdnScan::ByLength => "tensor cores (3xTF32), pipelined for long sequences",
+            GdnScan::Pipelined => "tensor cores (3xTF32), pipelined",
+            GdnScan::Plain => "tensor cores (3xTF32), not pipelined",
+        }
+    }
+}
+
+/// Chunks (of 64 rows) of a launch's longest sequence from which [`GdnScan::ByLength`] picks the
+/// pipelined scan. That kernel holds one block per SM (224 KB of shared memory at dk 128) where
+/// the plain one holds two, and what it gains is chunk c+1's loads hidden behind chunk c's
+/// arithmetic, which a sequence's first chunk cannot have. A launch takes about as long as its
+/// longest sequence's chain of chunks once its blocks fit the GPU, so the pipelined scan pays
+/// when that chain is long: from 8 chunks (512 tokens) the latency hidden in 7 or more chunks
+/// outweighs the halved occupancy, while a request's passes (a few chunks each, ~1,400 blocks
+/// for 11 passes at dk 128) keep the plain scan's two blocks per SM. `bench_gpu_ops --long` times
+/// both scans at 2K, 4K and 16K tokens and on 11 forks × 73 tokens to check this threshold.
+pub const PIPELINED_MIN_CHUNKS: usize = 8;
+
+/// The chunk-scan kernel of one launch and its dynamic shared memory, for key dim `dk` and the
+/// chunk count of the launch's longest sequence.
+pub fn scan_kernel(options: &CudaOptions, dk: usize, longest_chunks: usize) -> (String, usize) {
+    if options.gdn_ffma {
+        return (format!("gdn_chunk_scan_{dk}"), layout::delta_scan_smem_bytes(dk));
+    }
+    let pipelined = match options.gdn_scan {
+        GdnScan::Pipelined => true,
+        GdnScan::Plain => false,
+        GdnScan::ByLength => longest_chunks >= PIPELINED_MIN_CHUNKS,
+    };
+    if pipelined {
+        (format!("gdn_chunk_scan_tc_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
+    } else {
+        (format!("gdn_chunk_scan_tc_{dk}"), layout::delta_tc_smem_bytes(dk))
+    }
+}
 
 /// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
 /// one DeltaNet layer of one sequence, f32, copy-on-write: `clone()` (a fork) shares the buffers,
@@ -144,6 +201,8 @@ impl ProjectionBlocks {
 struct StatePlan {
     conv_meta: CudaSlice<i64>,
     scan_meta: CudaSlice<i64>,
+    /// Chunks of each sequence, in launch order (the scan kernel is chosen per launch by them).
+    scan_chunks: Vec<usize>,
     chunks: CudaSlice<i32>,
     chunk_count: usize,
     sequences: usize,
@@ -225,6 +284,7 @@ fn plan_states(
     Ok(StatePlan {
         conv_meta: be.htod(&conv_meta)?,
         scan_meta: be.htod(&scan_meta)?,
+        scan_chunks: order.iter().map(|&si| table.per_segment[si].1).collect(),
         chunks: be.htod(&table.chunks)?,
         chunk_count: table.len(),
         sequences: segments.len(),
@@ -319,9 +379,9 @@ fn conv(
 }
 
 /// The chunked gated delta rule: `gdn_chunk_prep_<dk>` (per chunk and key head, the chunk's
-/// triangular systems), then `gdn_chunk_scan[_tc]_<dk>` walking each sequence's chunks from its
-/// state, the roots first and then the children from their parents' new states. Returns the f32
-/// output `[n·vh, dv]`.
+/// triangular systems), then a chunk scan ([`scan_kernel`], chosen per launch) walking each
+/// sequence's chunks from its state, the roots first and then the children from their parents'
+/// new states. Returns the f32 output `[n·vh, dv]`.
 fn delta_rule(be: &CudaBackend, dims: &DeltaNetDims, x: &ConvOutputs, plan: &StatePlan, n: usize) -> Result<CudaSlice<f32>> {
     let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, .. } = *dims;
     let core = be.alloc_f32(n * vh * dv)?;
@@ -344,16 +404,13 @@ fn delta_rule(be: &CudaBackend, dims: &DeltaNetDims, x: &ConvOutputs, plan: &Sta
             Arg::Ptr(be.p(&tp)),
         ],
     )?;
-    let (scan, smem) = if be.state.options.gdn_ffma {
-        (format!("gdn_chunk_scan_{dk}"), layout::delta_scan_smem_bytes(dk))
-    } else {
-        (format!("gdn_chunk_scan_tc_{dk}"), layout::delta_tc_smem_bytes(dk))
-    };
     for range in [0..plan.roots, plan.roots..plan.sequences] {
+        let longest = plan.scan_chunks[range.clone()].iter().copied().max().unwrap_or(0);
         let (meta, count) = plan.entries(be, &plan.scan_meta, range);
         if count == 0 {
             continue;
         }
+        let (scan, smem) = scan_kernel(&be.state.options, dk, longest);
         be.launch(
             &scan,
             launch_config((count as u32, vh as u32, dv.div_ceil(32) as u32), 256, smem),
@@ -374,4 +431,34 @@ fn delta_rule(be: &CudaBackend, dims: &DeltaNetDims, x: &ConvOutputs, plan: &Sta
         )?;
     }
     Ok(core)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::launch::KERNELS;
+
+    #[test]
+    fn scan_kernel_follows_options_and_the_longest_sequence() {
+        let by_length = CudaOptions::default();
+        assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
+        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS - 1).0, "gdn_chunk_scan_tc_128");
+        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS).0, "gdn_chunk_scan_tc_pipelined_128");
+        let forced = |gdn_scan| CudaOptions { gdn_scan, ..CudaOptions::default() };
+        assert_eq!(scan_kernel(&forced(GdnScan::Pipelined), 64, 1).0, "gdn_chunk_scan_tc_pipelined_64");
+        assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 1000).0, "gdn_chunk_scan_tc_64");
+        let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };
+        assert_eq!(scan_kernel(&ffma, 32, 1000).0, "gdn_chunk_scan_32");
+        // Every choice is a kernel of the table, launched with the shared memory it is allowed.
+        let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
+        for o in [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma] {
+            for dk in [16, 32, 64, 128] {
+                for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
+                    let (name, smem) = scan_kernel(&o, dk, longest);
+                    let f = table.iter().find(|f| f.name == name).unwrap_or_else(|| panic!("{name} is not in KERNELS"));
+                    assert_eq!(f.max_dynamic_smem, smem, "{name}");
+                }
+            }
+        }
+    }
 }

@@ -107,6 +107,10 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gdn_chunk_scan_tc_32", layout::delta_tc_smem_bytes(32)),
             k_smem("gdn_chunk_scan_tc_64", layout::delta_tc_smem_bytes(64)),
             k_smem("gdn_chunk_scan_tc_128", layout::delta_tc_smem_bytes(128)),
+            k_smem("gdn_chunk_scan_tc_pipelined_16", layout::delta_tc_pipelined_smem_bytes(16)),
+            k_smem("gdn_chunk_scan_tc_pipelined_32", layout::delta_tc_pipelined_smem_bytes(32)),
+            k_smem("gdn_chunk_scan_tc_pipelined_64", layout::delta_tc_pipelined_smem_bytes(64)),
+            k_smem("gdn_chunk_scan_tc_pipelined_128", layout::delta_tc_pipelined_smem_bytes(128)),
         ],
     },
 ];

@@ -203,6 +203,15 @@ pub const fn delta_tc_smem_bytes(dk: usize) -> usize {
     (dk * (c + 4) + max(dk * (c + 4), 2 * c * (c + 4)) + dk * 40 + 2 * c * 40 + 3 * c) * 4
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_tc_pipelined_<dk>` (kernels/deltanet.cu): k and q
+/// row-major [2][64][dk+4] each and v/R [2][64][40] (two chunks' inputs: the next one is copied
+/// while the current one computes), T and P [64][72], S [dk][40], Vn [64][40], and the gates
+/// (e^gamma, decay factors, beta) [2][3][64]. 224,768 bytes at dk 128: one block per SM.
+pub const fn delta_tc_pipelined_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (4 * c * (dk + 4) + 2 * c * 40 + 2 * c * (c + 8) + dk * 40 + c * 40 + 6 * c) * 4
+}
+
 /// Dynamic shared memory of `gdn_chunk_prep_<dk>` (kernels/deltanet.cu): max(q and k staged
 /// [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
 pub const fn delta_prep_smem_bytes(dk: usize) -> usize {
@@ -348,6 +357,11 @@ mod tests {
         let tc = delta_tc_smem_bytes(128);
         assert_eq!(tc, 111_360);
         assert!(2 * (tc + 1024) <= 228 * 1024, "{tc}");
+        // The pipelined scan: 56,192 f32 at dk 128, within the 227 KiB a block may have (one per SM).
+        let tcp = delta_tc_pipelined_smem_bytes(128);
+        assert_eq!(tcp, 224_768);
+        assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
+        assert_eq!(delta_tc_pipelined_smem_bytes(16), (4 * 64 * 20 + 3 * 64 * 40 + 2 * 64 * 72 + 16 * 40 + 6 * 64) * 4);
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub mod staging;
 pub mod tensor;
 
 pub use attention::CudaKvCache;
-pub use deltanet::CudaDeltaState;
+pub use deltanet::{CudaDeltaState, GdnScan};
 pub use linear::CudaLinear;
 pub use tensor::CudaTensor;
 
@@ -70,6 +70,11 @@ pub struct CudaOptions {
     /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores (3xTF32).
     /// Default: `IMAJEV_GDN_FFMA=1` in the environment.
     pub gdn_ffma: bool,
+    /// Which tensor-core chunk scan runs when `gdn_ffma` is off: the pipelined one for launches
+    /// with a long sequence, the plain one otherwise (default), or either one always. All give the
+    /// same bits. Default: `IMAJEV_GDN_SCAN=pipelined` or `plain` in the environment (read only
+    /// when this field is left at [`GdnScan::ByLength`]).
+    pub gdn_scan: GdnScan,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, instead of the fused `*_quant` norms: the reference the fused
     /// path is tested against (same bits), and a switch for profiling. Default:
@@ -133,6 +138,14 @@ impl CudaBackend {
         }
         if std::env::var("IMAJEV_ATTN_Q64").is_ok_and(|v| v == "1") {
             options.attention_q64 = true;
+        }
+        if options.gdn_scan == GdnScan::ByLength {
+            match std::env::var("IMAJEV_GDN_SCAN").as_deref() {
+                Ok("pipelined") => options.gdn_scan = GdnScan::Pipelined,
+                Ok("plain") => options.gdn_scan = GdnScan::Plain,
+                Ok("") | Ok("by-length") | Err(_) => {}
+                Ok(other) => bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain or by-length"),
+            }
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
@@ -203,7 +216,7 @@ impl CudaBackend {
         };
         tracing::info!(
             ?info,
-            gdn_scan = if options.gdn_ffma { "ffma" } else { "tensor cores (3xTF32)" },
+            gdn_scan = if options.gdn_ffma { "ffma" } else { options.gdn_scan.describe() },
             act_quant = if options.unfused_act_quant { "own kernel" } else { "fused into the row norms" },
             "CUDA backend ready"
         );
