@@ -226,13 +226,21 @@ fn main() -> Result<()> {
     b.norms()?;
     let lengths: &[usize] = if long { &[2048, 4096, 16384] } else { &[2048] };
     let q64 = CudaBackend::new(0, CudaOptions { attention_q64: true, ..g.options().clone() })?;
+    let hopper = g.info().compute_capability == (9, 0);
+    let wg = CudaBackend::new(0, CudaOptions { attention_wgmma: true, ..g.options().clone() })?;
     for &m in lengths {
         b.attention(&g, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
+        if hopper {
+            b.attention(&wg, "wgmma", attn, m)?;
+        }
     }
     for &m in lengths {
         b.vision(&g, "128-row tiles", m)?;
         b.vision(&q64, "64-row tiles", m)?;
+        if hopper {
+            b.vision(&wg, "wgmma", m)?;
+        }
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
     let scan = |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });

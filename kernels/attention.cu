@@ -593,3 +593,266 @@ __device__ void attn_split_combine(const float* part, const i64* segs, int heads
 ATTN_COMBINE_ENTRY(64)
 ATTN_COMBINE_ENTRY(128)
 ATTN_COMBINE_ENTRY(256)
+
+// ---------------------------------------------------------------------------------------------
+// attn_fwd_wgmma_<HDP> (Hopper, sm_90a): the same attention with warpgroup MMAs. A block is two
+// warpgroups (256 threads) of 64 query rows each; S = Q K^T and O += P V are wgmma.mma_async: Q, K
+// and V are read by the tensor cores straight from shared memory, once per warpgroup of 64 rows
+// (mma.sync reads every K/V fragment once per warp of 16 rows, and attn_fwd_q128 is bound by
+// those shared-memory reads at ~210 TFLOP/s). P stays in registers (the S accumulators are the A
+// fragments). K/V tiles of 64 keys are double-buffered with cp.async as in attn_fwd_q128.
+//
+// Shared memory holds every operand in the 128-byte-swizzled layout the descriptors name: a tile
+// of R rows x HDP columns is HDP/64 column blocks, each R rows of 128 bytes in which the 16-byte
+// chunk c of row r sits at chunk c ^ (r % 8); the region starts 1024-byte aligned. Descriptors:
+// Q and K (K-major: rows are the M/N dimension, head dims contiguous): SBO = 1024 (8 rows),
+// k16 step = +32 bytes within a column block, next column block = + R·128; V (the B of P V is
+// N-major: head dims contiguous per key): SBO = 1024 (8 keys), LBO = 64 keys·128 bytes (the next
+// 64 head dims), k16 step = +2048 (16 keys).
+// Arithmetic: f32 accumulation, the softmax exactly as attn_fwd_q128 (per row: scale, mask, max,
+// exp2, sums over 64-key tiles in order), so a row never depends on the other rows of the batch.
+// CPU twin: as attn_fwd.
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define IMAJEV_WGMMA 1
+#endif
+
+#ifdef IMAJEV_WGMMA
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (K-major descriptors);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], unsigned long long da, unsigned long long db,
+                                               int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (the mma.sync m16n8k16 A fragment of
+// each warp's 16 rows), B from shared memory, N-major (transposed).
+__device__ __forceinline__ void wgmma_rs_m64n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// D[64 x 256] += A[64 x 16] B[16 x 256], A from registers (the mma.sync m16n8k16 A fragment of
+// each warp's 16 rows), B from shared memory, N-major (transposed).
+__device__ __forceinline__ void wgmma_rs_m64n256(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to the
+// async proxy the tensor cores read through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned lbo, unsigned sbo) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Issues the copies of `rows` rows x HDP columns into a swizzled tile at dst (see above), zero-
+// filling rows past `valid` and columns past hd; rows as issue_tile's.
+template <int HDP>
+__device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b, i64 stride,
+                                              int j0, int valid, int hd, int rows) {
+  constexpr int V = HDP / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
+    const int r = i / V, c = i % V, col = c * 8, j = j0 + r;
+    const bool ok = r < valid && col < hd;
+    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + col : b + (i64)(j - alen) * stride + col;
+    unsigned char* d = dst + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    cp_async16(d, src, ok);
+  }
+}
+
+template <int HDP>
+__device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
+                               float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  constexpr int BQ = 128, BK = 64, NO = HDP / 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // 1024-byte aligned region (the host adds 1024 bytes of slack).
+  unsigned char* base = smem_raw + ((1024 - ((unsigned)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  unsigned char* Qs = base;                     // BQ x HDP
+  unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
+  unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
+  const int h = blockIdx.x;
+  const i64* sg = segs + SEG * blockIdx.z;
+  const i64 q_start = sg[0];
+  const int nq = (int)sg[1];
+  const int tiles = (nq + BQ - 1) / BQ;
+  const int tile = tiles - 1 - (int)blockIdx.y;
+  if (tile < 0) return;
+  const int shared_len = (int)sg[4];
+  const int kvlen = shared_len + (int)sg[7] + nq;
+  const int g = h / (heads / kvh);
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+  const int qbase = tile * BQ;
+  const int offset = kvlen - nq;
+  const int qlast = min(nq, qbase + BQ) - 1;
+  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
+  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
+  const int ntiles = (klimit + BK - 1) / BK;
+  const i64 kstride = (i64)kvh * hd;
+  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
+  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
+  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
+  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
+  issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
+  if (ntiles > 0) {
+    issue_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
+    issue_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd, BK);
+  }
+  cp_async_commit();
+
+  float o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; i++) o[i] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  // This thread's rows of the tile: the warpgroup's 64, the warp's 16, then gr and gr + 8.
+  const int r0 = wg * 64 + warp * 16 + gr;
+  const int qi0 = qbase + r0, qi1 = qi0 + 8;
+  // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
+  const unsigned char* Qw = Qs + wg * 64 * 128;
+
+  for (int kt = 0; kt < ntiles; kt++) {
+    cp_async_wait_all_groups();
+    fence_proxy_async();
+    __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
+    const int buf = kt & 1;
+    if (kt + 1 < ntiles) {
+      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+      issue_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+      issue_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+    }
+    cp_async_commit();
+    const unsigned char* Kt = Ks + buf * BK * HDP * 2;
+    const unsigned char* Vt = Vs + buf * BK * HDP * 2;
+
+    // S = Q K^T (64 rows x 64 keys per warpgroup).
+    float s[32];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ks++) {
+      const int cb = ks >> 2, off = (ks & 3) * 32;
+      const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
+      const unsigned long long db = smem_desc(Kt + cb * BK * 128 + off, 16, 1024);
+      wgmma_ss_m64n64(s, da, db, ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+
+    // Scale, mask, online softmax: s[4j + e] is row (e < 2 ? r0 : r0 + 8), key 8j + 2tg + (e & 1).
+    const bool masked = (kt + 1) * BK > clean;
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float v = s[4 * j + e] * scale_log2;
+        if (masked) {
+          const int col = kt * BK + 8 * j + 2 * tg + (e & 1);
+          const int qi = e < 2 ? qi0 : qi1;
+          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+        }
+        s[4 * j + e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+    const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      s[4 * j + 0] = exp2f(s[4 * j + 0] - base0);
+      s[4 * j + 1] = exp2f(s[4 * j + 1] - base0);
+      s[4 * j + 2] = exp2f(s[4 * j + 2] - base1);
+      s[4 * j + 3] = exp2f(s[4 * j + 3] - base1);
+      ps0 += s[4 * j + 0] + s[4 * j + 1];
+      ps1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+    l0 = l0 * c0 + ps0;
+    l1 = l1 * c1 + ps1;
+    m0 = mn0;
+    m1 = mn1;
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      o[4 * j + 0] *= c0;
+      o[4 * j + 1] *= c0;
+      o[4 * j + 2] *= c1;
+      o[4 * j + 3] *= c1;
+    }
+    // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
+    // fence, so no register the MMAs read changes between them).
+    unsigned pa[BK / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      const unsigned long long db = smem_desc(Vt + kk * 16 * 128, BK * 128, 1024);
+      if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
+      else wgmma_rs_m64n256(o, pa[kk], db);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+  }
+  cp_async_wait_all_groups();
+
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int qi = hr == 0 ? qi0 : qi1;
+    const float inv = (hr == 0 ? l0 : l1) > 0.f ? 1.f / (hr == 0 ? l0 : l1) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      const int col = 8 * j + 2 * tg;
+      if (qi >= nq || col >= hd) continue;
+      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * j + 2 * hr] * inv,
+                  o[4 * j + 2 * hr + 1] * inv);
+    }
+  }
+}
+#endif  // IMAJEV_WGMMA
+
+// Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
+// nothing, and the host only launches them on sm_90.
+#ifdef IMAJEV_WGMMA
+#define ATTN_WGMMA_BODY(HDP) attn_fwd_wgmma<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#else
+#define ATTN_WGMMA_BODY(HDP)
+#endif
+#define ATTN_WGMMA_ENTRY(HDP)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_##HDP(                               \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    ATTN_WGMMA_BODY(HDP)                                                                                   \
+  }
+ATTN_WGMMA_ENTRY(64)
+ATTN_WGMMA_ENTRY(256)

@@ -79,6 +79,23 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     Ok(())
 }
 
+/// The attention cases of Qwen3.5-4B shapes and the vision tower on the warpgroup-MMA kernel.
+pub fn wgmma_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    if g.info().compute_capability != (9, 0) {
+        rep.flag("attn", "wgmma attention: not a Hopper GPU, not checked", true, "");
+        return Ok(());
+    }
+    let w = variant(g, |o| o.attention_wgmma = true)?;
+    let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
+    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[70, 1, 133], &[5, 64, 1]], &[])?;
+    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]], &[])?;
+    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]], &[None, Some(0), Some(0), None, Some(3)])?;
+    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[16384], &[73]], &[])?;
+    vision_case(&w, c, rep, rng, 16, 64, &[100, 64, 256])?;
+    vision_case(&w, c, rep, rng, 16, 64, &[1, 127, 4097])?;
+    Ok(())
+}
+
 pub fn section(h: usize) -> [usize; 3] {
     [h.div_ceil(3), (h + 1) / 3, h / 3]
 }

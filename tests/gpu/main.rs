@@ -65,6 +65,15 @@ fn attention_matches_cpu() {
     rep.finish("attention");
 }
 
+/// The experimental warpgroup-MMA attention (Hopper only; elsewhere it is never launched).
+#[test]
+fn wgmma_attention_matches_cpu() {
+    let Some(d) = gpu("attention (wgmma)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(12));
+    rep.guard("attn", "attention (wgmma)", |rep| attention::wgmma_cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("attention (wgmma)");
+}
+
 #[test]
 fn deltanet_matches_cpu_with_both_scans() {
     let Some(d) = gpu("deltanet") else { return };

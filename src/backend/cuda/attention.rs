@@ -166,9 +166,17 @@ impl CudaBackend {
             let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
-            let mut a = args(tp);
-            a.extend([Arg::I32(0), Arg::I32(0), Arg::Ptr(0)]);
-            self.launch(&name, launch_config(grid, threads, smem), &a)?;
+            let wgmma = self.state.options.attention_wgmma
+                && self.state.info.compute_capability == (9, 0)
+                && matches!(hdp, 64 | 256);
+            if wgmma {
+                let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
+                self.launch(&format!("attn_fwd_wgmma_{hdp}"), cfg, &args(tp))?;
+            } else {
+                let mut a = args(tp);
+                a.extend([Arg::I32(0), Arg::I32(0), Arg::Ptr(0)]);
+                self.launch(&name, launch_config(grid, threads, smem), &a)?;
+            }
         }
         if split.is_empty() {
             return Ok(());

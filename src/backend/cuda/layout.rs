@@ -171,6 +171,13 @@ pub const fn attention_split_slot_floats(hdp: usize) -> usize {
     ATTENTION_SPLIT_MAX_ROWS * hdp + 2 * ATTENTION_SPLIT_MAX_ROWS
 }
 
+/// Dynamic shared memory of `attn_fwd_wgmma_<hdp>` (head dims 64 and 256): 1024 bytes of slack
+/// to align the swizzled tiles, a Q tile of 128 rows and double-buffered K and V tiles of 64 rows,
+/// unpadded (the 128-byte swizzle spreads the banks).
+pub const fn attention_wgmma_smem_bytes(hdp: usize) -> usize {
+    1024 + (128 + 4 * 64) * hdp * 2
+}
+
 /// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows (`MT` = 1 in kernels/attention.cu).
 pub const fn attention_q128_threads(_hdp: usize) -> u32 {
     256
@@ -345,6 +352,8 @@ mod tests {
         assert!(attention_q128_smem_bytes(256) + 1024 <= 228 * 1024);
         assert!(2 * (attention_q128_smem_bytes(64) + 1024) <= 228 * 1024);
         assert!(attention_q128_serves(256) && attention_q128_serves(64) && attention_q128_serves(120));
+        assert_eq!(attention_wgmma_smem_bytes(256), 197_632);
+        assert!(attention_wgmma_smem_bytes(256) + 1024 <= 228 * 1024);
         assert_eq!(attention_key_ranges(73, 16_457), 5);
         assert_eq!(attention_key_ranges(73, 4096), 1);
         assert_eq!(attention_key_ranges(129, 50_000), 1);

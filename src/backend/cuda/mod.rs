@@ -84,6 +84,11 @@ pub struct CudaOptions {
     /// pipelined one (`attn_fwd_q128`, head dims 64, 128 and 256): the reference the new kernel is
     /// compared with, and a switch for profiling. Default: `IMAJEV_ATTN_Q64=1` in the environment.
     pub attention_q64: bool,
+    /// On Hopper (sm_90), run the attention of head dims 64 and 256 with warpgroup MMAs
+    /// (`attn_fwd_wgmma`) instead of `attn_fwd_q128` (passes over long caches still split their
+    /// keys with the latter). Experimental until the device checks pass. Default:
+    /// `IMAJEV_ATTN_WGMMA=1` in the environment.
+    pub attention_wgmma: bool,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -135,6 +140,9 @@ impl CudaBackend {
         let mut options = options;
         if std::env::var("IMAJEV_GDN_FFMA").is_ok_and(|v| v == "1") {
             options.gdn_ffma = true;
+        }
+        if std::env::var("IMAJEV_ATTN_WGMMA").is_ok_and(|v| v == "1") {
+            options.attention_wgmma = true;
         }
         if std::env::var("IMAJEV_ATTN_Q64").is_ok_and(|v| v == "1") {
             options.attention_q64 = true;
