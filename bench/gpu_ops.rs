@@ -16,7 +16,7 @@
 //! * the cuBLASLt algorithm fixed for each large GEMM shape.
 
 use anyhow::{Context, Result};
-use imajev_serve::backend::cuda::{CudaBackend, CudaOptions, GdnScan};
+use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, GdnScan};
 use imajev_serve::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart};
 use imajev_serve::engine::positions;
 use imajev_serve::synth::memory::MemoryTensor;
@@ -225,18 +225,19 @@ fn main() -> Result<()> {
     b.gemms()?;
     b.norms()?;
     let lengths: &[usize] = if long { &[2048, 4096, 16384] } else { &[2048] };
-    let q64 = CudaBackend::new(0, CudaOptions { attention_q64: true, ..g.options().clone() })?;
+    let q64 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows64, ..g.options().clone() })?;
     let hopper = g.info().compute_capability == (9, 0);
-    let wg = CudaBackend::new(0, CudaOptions { attention_wgmma: true, ..g.options().clone() })?;
+    let q128 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
+    let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;
     for &m in lengths {
-        b.attention(&g, "128-row tiles", attn, m)?;
+        b.attention(&q128, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
         if hopper {
             b.attention(&wg, "wgmma", attn, m)?;
         }
     }
     for &m in lengths {
-        b.vision(&g, "128-row tiles", m)?;
+        b.vision(&q128, "128-row tiles", m)?;
         b.vision(&q64, "64-row tiles", m)?;
         if hopper {
             b.vision(&wg, "wgmma", m)?;

@@ -5,7 +5,7 @@
 use super::harness::{cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::backend::cuda::CudaBackend;
+use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend};
 use imajev_serve::backend::{AttentionDims, AttentionInputs, Backend};
 use imajev_serve::engine::positions;
 use imajev_serve::synth::memory::MemoryTensor;
@@ -54,8 +54,13 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     attention_case(g, c, rep, rng, "4B", d4b, &[&[4097, 4200, 5000], &[73, 1, 128]], &[])?;
     let tree = [None, Some(0), Some(0), Some(0)];
     attention_case(g, c, rep, rng, "4B", d4b, &[&[9000, 73, 128, 1], &[1, 2, 3, 4]], &tree)?;
-    let q64 = variant(g, |o| o.attention_q64 = true)?;
+    let q64 = variant(g, |o| o.attention = AttentionKernel::Rows64)?;
     attention_case(&q64, c, rep, rng, "4B, 64-row kernel", d4b, lengths, &[])?;
+    // The default is the wgmma kernel on Hopper: the 128-row mma.sync kernel explicitly too.
+    let q128 = variant(g, |o| o.attention = AttentionKernel::Rows128)?;
+    attention_case(&q128, c, rep, rng, "4B, 128-row kernel", d4b, lengths, &[])?;
+    attention_case(&q128, c, rep, rng, "4B, 128-row kernel", d4b, &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]], &[None, Some(0), Some(0), None, Some(3)])?;
+    vision_case(&q128, c, rep, rng, 16, 64, &[1, 127, 4097])?;
     let tiny = AttentionDims {
         heads: 4,
         kv_heads: 2,
@@ -79,13 +84,14 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     Ok(())
 }
 
-/// The attention cases of Qwen3.5-4B shapes and the vision tower on the warpgroup-MMA kernel.
+/// The attention cases of Qwen3.5-4B shapes and the vision tower on the warpgroup-MMA kernel
+/// (also the default on Hopper, so `cases` runs it as well; this keeps its checks together).
 pub fn wgmma_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     if g.info().compute_capability != (9, 0) {
-        rep.flag("attn", "wgmma attention: not a Hopper GPU, not checked", true, "");
+        rep.flag("attn", "wgmma attention: not a Hopper GPU, never launched, not checked", true, "");
         return Ok(());
     }
-    let w = variant(g, |o| o.attention_wgmma = true)?;
+    let w = variant(g, |o| o.attention = AttentionKernel::Wgmma)?;
     let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
     attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[70, 1, 133], &[5, 64, 1]], &[])?;
     attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]], &[])?;

@@ -65,7 +65,7 @@ fn attention_matches_cpu() {
     rep.finish("attention");
 }
 
-/// The experimental warpgroup-MMA attention (Hopper only; elsewhere it is never launched).
+/// The warpgroup-MMA attention (Hopper only; elsewhere it is never launched).
 #[test]
 fn wgmma_attention_matches_cpu() {
     let Some(d) = gpu("attention (wgmma)") else { return };

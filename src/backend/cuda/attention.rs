@@ -14,6 +14,36 @@ use half::bf16;
 use std::ops::Range;
 use std::sync::Arc;
 
+/// Which attention kernel runs (for the head dims it serves; other head dims take `attn_fwd`).
+/// The choice depends on the options, the GPU and the head dim only, never on the batch, so a
+/// row's arithmetic is the same whatever shares a call. Passes over long caches split their keys
+/// with `attn_fwd_q128` whatever is chosen here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// `attn_fwd_wgmma` on Hopper (head dims 64 and 256), else `attn_fwd_q128`.
+    #[default]
+    Auto,
+    /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
+    Wgmma,
+    /// `attn_fwd_q128` (mma.sync, 128 query rows per block).
+    Rows128,
+    /// `attn_fwd` (mma.sync, 64 query rows per block): the first kernel, kept as a reference.
+    Rows64,
+}
+
+impl AttentionKernel {
+    /// From `IMAJEV_ATTENTION` (`auto`, `wgmma`, `q128`, `q64`).
+    pub fn parse(v: &str) -> Option<Self> {
+        Some(match v {
+            "auto" => AttentionKernel::Auto,
+            "wgmma" => AttentionKernel::Wgmma,
+            "q128" => AttentionKernel::Rows128,
+            "q64" => AttentionKernel::Rows64,
+            _ => return None,
+        })
+    }
+}
+
 /// Keys and values of one attention layer of one sequence: an optional immutable shared prefix
 /// (made by `share_kv`, referenced by every fork), then the sequence's own rows
 /// `[capacity, kv_heads·head_dim]` BF16, grown geometrically. `clone()` shares the prefix and
@@ -141,7 +171,8 @@ impl CudaBackend {
         let longest = |idx: &[usize]| idx.iter().map(|&si| segments[si].len()).max().unwrap_or(0);
         // The kernel depends on the head dim and the options only, never on the batch, so a row's
         // arithmetic is the same whatever shares the call.
-        if !layout::attention_q128_serves(hd) || self.state.options.attention_q64 {
+        let kernel = self.state.options.attention;
+        if !layout::attention_q128_serves(hd) || kernel == AttentionKernel::Rows64 {
             let all: Vec<usize> = (0..segments.len()).collect();
             let grid = (longest(&all).div_ceil(64) as u32, heads as u32, segments.len() as u32);
             let cfg = launch_config(grid, 128, layout::attention_smem_bytes(hdp));
@@ -166,7 +197,7 @@ impl CudaBackend {
             let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
-            let wgmma = self.state.options.attention_wgmma
+            let wgmma = matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma)
                 && self.state.info.compute_capability == (9, 0)
                 && matches!(hdp, 64 | 256);
             if wgmma {

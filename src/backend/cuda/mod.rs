@@ -42,7 +42,7 @@ pub mod quant;
 pub mod staging;
 pub mod tensor;
 
-pub use attention::CudaKvCache;
+pub use attention::{AttentionKernel, CudaKvCache};
 pub use deltanet::{CudaDeltaState, GdnScan};
 pub use linear::CudaLinear;
 pub use tensor::CudaTensor;
@@ -80,15 +80,10 @@ pub struct CudaOptions {
     /// path is tested against (same bits), and a switch for profiling. Default:
     /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
     pub unfused_act_quant: bool,
-    /// Run every attention with the 64-query-row kernel (`attn_fwd`) instead of the 128-row
-    /// pipelined one (`attn_fwd_q128`, head dims 64, 128 and 256): the reference the new kernel is
-    /// compared with, and a switch for profiling. Default: `IMAJEV_ATTN_Q64=1` in the environment.
-    pub attention_q64: bool,
-    /// On Hopper (sm_90), run the attention of head dims 64 and 256 with warpgroup MMAs
-    /// (`attn_fwd_wgmma`) instead of `attn_fwd_q128` (passes over long caches still split their
-    /// keys with the latter). Experimental until the device checks pass. Default:
-    /// `IMAJEV_ATTN_WGMMA=1` in the environment.
-    pub attention_wgmma: bool,
+    /// Which attention kernel runs (see [`AttentionKernel`]): the reference kernels are kept for
+    /// comparisons and profiling. `IMAJEV_ATTENTION=auto|wgmma|q128|q64` overrides it when this
+    /// field is left at `Auto`.
+    pub attention: AttentionKernel,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -141,11 +136,14 @@ impl CudaBackend {
         if std::env::var("IMAJEV_GDN_FFMA").is_ok_and(|v| v == "1") {
             options.gdn_ffma = true;
         }
-        if std::env::var("IMAJEV_ATTN_WGMMA").is_ok_and(|v| v == "1") {
-            options.attention_wgmma = true;
-        }
-        if std::env::var("IMAJEV_ATTN_Q64").is_ok_and(|v| v == "1") {
-            options.attention_q64 = true;
+        if options.attention == AttentionKernel::Auto {
+            match std::env::var("IMAJEV_ATTENTION").as_deref() {
+                Ok("") | Err(_) => {}
+                Ok(v) => {
+                    options.attention = AttentionKernel::parse(v)
+                        .ok_or_else(|| anyhow!("IMAJEV_ATTENTION={v}: expected auto, wgmma, q128 or q64"))?
+                }
+            }
         }
         if options.gdn_scan == GdnScan::ByLength {
             match std::env::var("IMAJEV_GDN_SCAN").as_deref() {
