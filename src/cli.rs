@@ -345,13 +345,14 @@ fn decide_cmd(
                 total_ms: started.elapsed().as_secs_f64() * 1e3,
             };
             if emit.is_some() && last.is_none() {
-                for (f, fp) in plan.fields.iter().enumerate() {
-                    for (p, pass) in fp.passes.iter().enumerate() {
+                // "field" (the scored question's index) is the key the bench scripts read.
+                for (q, sp) in plan.scored.iter().enumerate() {
+                    for (p, pass) in sp.passes.iter().enumerate() {
                         let mut ids = plan.prefix.clone();
-                        ids.extend(&fp.common);
+                        ids.extend(&sp.common);
                         ids.extend(&pass.suffix);
-                        passes_out.push(serde_json::json!({"request": i, "field": f, "pass": p, "offset": pass.offset,
-                            "input_ids": ids, "logits": run.logits[f][p]}));
+                        passes_out.push(serde_json::json!({"request": i, "field": q, "pass": p, "offset": pass.offset,
+                            "input_ids": ids, "logits": run.logits[q][p]}));
                     }
                 }
             }

@@ -205,19 +205,19 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
         let one = BatchLimits { min_shared_tokens: usize::MAX, ..Default::default() };
         let fused = engine.run(&plan, &images, one, &|| Ok(())).unwrap();
         assert_eq!(fused.prefill_ms, 0.0, "{}: the prefix and passes were not one forward", case["name"]);
-        for (f, fp) in plan.fields.iter().enumerate() {
-            for (p, pass) in fp.passes.iter().enumerate() {
+        for (q, sp) in plan.scored.iter().enumerate() {
+            for (p, pass) in sp.passes.iter().enumerate() {
                 let mut ids = plan.prefix.clone();
-                ids.extend(&fp.common);
+                ids.extend(&sp.common);
                 ids.extend(&pass.suffix);
                 let (_, h, _) = engine.prefill(&ids, &images).unwrap();
                 let scratch = engine.readout(&h).unwrap().remove(0);
-                let e = common::rel_err(&shared.logits[f][p], &scratch);
+                let e = common::rel_err(&shared.logits[q][p], &scratch);
                 worst = worst.max(e);
-                assert!(e < 1e-5, "{}: field {f} pass {p}: shared vs scratch {e:.2e}", case["name"]);
-                let e = common::rel_err(&fused.logits[f][p], &scratch);
+                assert!(e < 1e-5, "{}: scored question {q} pass {p}: shared vs scratch {e:.2e}", case["name"]);
+                let e = common::rel_err(&fused.logits[q][p], &scratch);
                 worst = worst.max(e);
-                assert!(e < 1e-5, "{}: field {f} pass {p}: one forward vs scratch {e:.2e}", case["name"]);
+                assert!(e < 1e-5, "{}: scored question {q} pass {p}: one forward vs scratch {e:.2e}", case["name"]);
                 checked += 1;
             }
         }
