@@ -313,12 +313,12 @@ fn decide_cmd(
     emit: Option<&Path>,
     timings_out: Option<&Path>,
 ) -> Result<()> {
-    use crate::api::parse::{parse_request_json, ParseContext};
-    use crate::decision::Timings;
+    use crate::api::{decide_direct, run_engine, ParseContext, RequestBody};
     let prepared = crate::serve::prepare(&model.options(1))?;
     let engine = crate::serve::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
+    let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
     let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
     let bodies: Vec<&str> = if request.extension().is_some_and(|e| e == "jsonl") {
         text.lines().filter(|l| !l.trim().is_empty()).collect()
@@ -331,19 +331,10 @@ fn decide_cmd(
     for (i, body) in bodies.iter().enumerate() {
         let mut last = None;
         for run_index in 0..repeat.max(1) {
-            let started = std::time::Instant::now();
-            let req = parse_request_json(body.as_bytes(), &ctx)
+            let body = RequestBody::json(body.as_bytes().to_vec());
+            let decided = decide_direct(body, ctx.clone(), decider.clone(), |call| run_engine(engine.as_ref(), call, limits))
                 .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
-            let plan = decider.plan(&req).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
-            let images: Vec<&crate::image::PatchedImage> = req.images.iter().map(|im| &im.patched).collect();
-            let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
-            let run = engine.run(&plan, &images, limits, &|| Ok(())).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
-            let t = Timings {
-                vision_ms: run.vision_ms,
-                prefill_ms: run.prefill_ms,
-                questions_ms: run.questions_ms,
-                total_ms: started.elapsed().as_secs_f64() * 1e3,
-            };
+            let (plan, t) = (&decided.plan, decided.timings);
             if emit.is_some() && last.is_none() {
                 // "field" (the scored question's index) is the key the bench scripts read.
                 for (q, sp) in plan.scored.iter().enumerate() {
@@ -352,15 +343,15 @@ fn decide_cmd(
                         ids.extend(&sp.common);
                         ids.extend(&pass.suffix);
                         passes_out.push(serde_json::json!({"request": i, "field": q, "pass": p, "offset": pass.offset,
-                            "input_ids": ids, "logits": run.logits[q][p]}));
+                            "input_ids": ids, "logits": decided.output.logits[q][p]}));
                     }
                 }
             }
             timing_lines.push(serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
                 "vision_ms": t.vision_ms, "prefill_ms": t.prefill_ms, "questions_ms": t.questions_ms,
                 "input_tokens": plan.max_pass_tokens, "processed_tokens": plan.processed_tokens,
-                "passes": plan.pass_count(), "images": req.images.len()}).to_string());
-            last = Some(decider.respond(&req, &plan, &run.logits, t));
+                "passes": plan.pass_count(), "images": decided.request.images.len()}).to_string());
+            last = Some(decided.response);
         }
         responses.push(last.expect("at least one run"));
     }

@@ -71,7 +71,7 @@ impl Decider {
     }
 
     pub fn plan(&self, req: &DecisionRequest) -> Result<Plan, PlanError> {
-        let image_tokens: Vec<usize> = req.images.iter().map(|i| i.patched.merged_tokens()).collect();
+        let image_tokens: Vec<usize> = req.images.iter().map(|i| i.tokens).collect();
         for q in prompt::scored_questions(req) {
             if q.candidates.len() > self.codebook.len() {
                 return Err(PlanError::Invalid(format!(

@@ -39,11 +39,30 @@ pub struct EngineOutput {
     pub passes: usize,
 }
 
+/// Why a run stops before its end (checked between its steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StopReason {
+    #[error("deadline passed")]
+    Deadline,
+    #[error("caller disconnected")]
+    CallerGone,
+}
+
+impl StopReason {
+    /// The `reason` label of `imajev_jobs_dropped_total`.
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            StopReason::Deadline => "deadline",
+            StopReason::CallerGone => "disconnected",
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// The caller gave up (deadline passed or client gone) between two steps.
     #[error("stopped: {0}")]
-    Stopped(&'static str),
+    Stopped(StopReason),
     #[error(transparent)]
     Engine(#[from] anyhow::Error),
 }
@@ -56,7 +75,7 @@ pub trait DecisionEngine: Send {
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
-        keep_going: &dyn Fn() -> Result<(), &'static str>,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError>;
     /// Backend description for `/v1/models` and logs.
     fn backend_name(&self) -> String;
@@ -73,7 +92,7 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
-        keep_going: &dyn Fn() -> Result<(), &'static str>,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError> {
         let mut out = EngineOutput::default();
         let t = Instant::now();

@@ -11,7 +11,7 @@ use super::{MultipartFiles, ParseContext, Upload};
 use crate::api::error::{ApiError, Loc};
 use crate::decision::pyjson::{py_len, py_strip};
 use crate::decision::RequestImage;
-use crate::image::load_and_preprocess;
+use crate::image::{load_and_preprocess, PatchedImage};
 use base64::engine::general_purpose::GeneralPurpose;
 use base64::engine::{DecodePaddingMode, GeneralPurposeConfig};
 use base64::Engine;
@@ -87,19 +87,22 @@ pub(super) fn encoded_images(
     Ok(blobs)
 }
 
-/// Decodes and preprocesses every image (the expensive step; run it off the async threads), the
-/// images in parallel. A bad image is reported as the first bad one in request order.
-pub fn decode_images(blobs: &[ImageBlob], ctx: &ParseContext) -> Result<Vec<RequestImage>, ApiError> {
+/// Step 7: decodes and preprocesses every image (the expensive step; run it off the async
+/// threads), the images in parallel: what the decision layer needs of each, and its pixels. A bad
+/// image is reported as the first bad one in request order.
+pub fn decode_images(blobs: &[ImageBlob], ctx: &ParseContext) -> Result<(Vec<RequestImage>, Vec<PatchedImage>), ApiError> {
     use rayon::prelude::*;
-    let each: Vec<Result<RequestImage, ApiError>> = blobs
+    let each: Vec<Result<(RequestImage, PatchedImage), ApiError>> = blobs
         .par_iter()
         .map(|b| {
             let (img, patched) = load_and_preprocess(&b.bytes, &ctx.image_limits, &ctx.image_config)
                 .map_err(|e| image_error(e, b))?;
-            Ok(RequestImage { sha256: hex::encode(img.sha256), width: img.width, height: img.height, patched })
+            let tokens = patched.merged_tokens();
+            Ok((RequestImage { sha256: hex::encode(img.sha256), width: img.width, height: img.height, tokens }, patched))
         })
         .collect();
-    each.into_iter().collect()
+    let each: Vec<(RequestImage, PatchedImage)> = each.into_iter().collect::<Result<_, _>>()?;
+    Ok(each.into_iter().unzip())
 }
 
 fn image_error(e: crate::image::ImageError, b: &ImageBlob) -> ApiError {
@@ -373,7 +376,7 @@ mod tests {
         // A real PNG decodes; sha256 is of the encoded bytes.
         let png = png();
         let r = check(json!({"images": [format!("data:image/png;base64,{}", b64(&png))], "questions": q})).unwrap();
-        let imgs = decode_images(&r.images, &ctx(ContractMode::Imajev)).unwrap();
+        let (imgs, _) = decode_images(&r.images, &ctx(ContractMode::Imajev)).unwrap();
         use sha2::Digest;
         assert_eq!(imgs[0].sha256, hex::encode(sha2::Sha256::digest(&png)));
         assert_eq!((imgs[0].width, imgs[0].height), (8, 6));

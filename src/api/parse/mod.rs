@@ -36,7 +36,7 @@ pub use state::{check_state, MAX_STATE_BYTES, MAX_STATE_DEPTH};
 
 use super::error::{ApiError, Loc};
 use crate::decision::{ContractMode, Decider, DecisionRequest, Question};
-use crate::image::{ImageLimits, ImageProcessorConfig};
+use crate::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
 use serde_json::Value;
 
 /// Default for `max_questions`.
@@ -92,12 +92,39 @@ pub struct CheckedRequest {
     pub images: Vec<ImageBlob>,
 }
 
-/// `decide`'s entry point: one JSON body → a request ready to plan (images decoded).
-pub fn parse_request_json(body: &[u8], ctx: &ParseContext) -> Result<DecisionRequest, ApiError> {
-    let value = parse_json(body, Loc::body())?;
-    let checked = check_request(value, None, ctx)?;
-    let images = decode_images(&checked.images, ctx)?;
-    Ok(DecisionRequest { state: checked.state, questions: checked.questions, images })
+/// A request body: the JSON (the whole body, or a multipart body's `request` part) and the
+/// multipart body's other parts.
+#[derive(Debug, Clone)]
+pub struct RequestBody {
+    pub json: Vec<u8>,
+    /// None for a JSON body.
+    pub files: Option<MultipartFiles>,
+}
+
+impl RequestBody {
+    /// A JSON body.
+    pub fn json(json: Vec<u8>) -> Self {
+        RequestBody { json, files: None }
+    }
+}
+
+/// A request that passed every step: what the decision layer reads, and the pixels only the
+/// engine reads (one per `request.images`, in the same order).
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    pub request: DecisionRequest,
+    pub pixels: Vec<PatchedImage>,
+}
+
+/// The entry point: every step, from the body's bytes to a request ready to plan.
+pub fn parse_request(body: RequestBody, ctx: &ParseContext) -> Result<ParsedRequest, ApiError> {
+    let RequestBody { json, files } = body;
+    let json_loc = if files.is_some() { Loc::body().at("request") } else { Loc::body() };
+    let value = parse_json(&json, json_loc)?;
+    drop(json);
+    let checked = check_request(value, files, ctx)?;
+    let (images, pixels) = decode_images(&checked.images, ctx)?;
+    Ok(ParsedRequest { request: DecisionRequest { state: checked.state, questions: checked.questions, images }, pixels })
 }
 
 /// Parses JSON bytes (a leading UTF-8 BOM is skipped, as Python's `json.loads(bytes)` does).
