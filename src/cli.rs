@@ -1,4 +1,6 @@
-//! The command-line interface: `tokenize`, `forward`, `synth` (and later `serve`, `decide`).
+//! The command-line interface: `serve`, `decide`, `tokenize`, `forward`, `synth`. Flags are
+//! defined and mapped to options here; the serving process itself is put together in
+//! [`crate::app`].
 //! Output contracts here are relied upon by other tools; change them only with care.
 
 use crate::backend::cpu::CpuBackend;
@@ -7,9 +9,9 @@ use crate::backend::Backend;
 use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};
 use crate::tokenizer::QwenTokenizer;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use crate::decision::ContractMode;
-use crate::serve::{Device, Quantize, ServeOptions};
+use crate::app::{self, Device, Quantize, ServeOptions};
 use crate::worker::BatchLimits;
 use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
@@ -250,6 +252,7 @@ fn resolve_image(path: &Path, input_file: &Path) -> PathBuf {
     }
 }
 
+/// `serve`: the HTTP settings from the flags, then [`crate::app::serve_http`].
 #[allow(clippy::too_many_arguments)]
 fn serve_cmd(
     model: &ModelArgs,
@@ -262,47 +265,20 @@ fn serve_cmd(
     max_body_mb: usize,
     http_workers: Option<usize>,
 ) -> Result<()> {
-    let api_keys = match &api_key_file {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading --api-key-file {}", p.display()))?;
-            let keys: Vec<String> =
-                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
-            if keys.is_empty() {
-                bail!("--api-key-file {} holds no keys (one per line)", p.display());
-            }
-            keys
-        }
-        None => Vec::new(),
-    };
-    let service = crate::serve::start(&model.options(queue_depth))?;
-    let mut cfg = crate::api::ServerConfig {
+    let api_keys = api_key_file.as_deref().map(app::read_api_keys).transpose()?.unwrap_or_default();
+    let mut http = crate::api::ServerConfig {
         host,
         port,
         max_body_bytes: max_body_mb << 20,
         max_questions,
         api_keys,
         request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
-        adapter_label: service.info.adapter.clone(),
         ..Default::default()
     };
     if let Some(w) = http_workers {
-        cfg.workers = w.max(1);
+        http.workers = w.max(1);
     }
-    if service.info.demo {
-        cfg.model_description = "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
-    }
-    tracing::info!(
-        model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
-        contract = ?service.info.contract, readout_codes = service.info.readout_codes,
-        "serving on http://{}:{} (the model loads in the background)", cfg.host, cfg.port
-    );
-    let crate::serve::Service { decider, worker, engine_thread, image_config, registry, .. } = service;
-    let app = crate::api::build_app_state(&cfg, worker, registry, image_config)?;
-    app.set_decider(decider);
-    let result = crate::api::run_blocking(cfg, app);
-    // Every worker handle is gone once the server returns: the engine thread drains and stops.
-    let _ = engine_thread.join();
-    result
+    app::serve_http(&model.options(queue_depth), http)
 }
 
 fn decide_cmd(
@@ -314,8 +290,8 @@ fn decide_cmd(
     timings_out: Option<&Path>,
 ) -> Result<()> {
     use crate::api::{decide_direct, run_engine, ParseContext, RequestBody};
-    let prepared = crate::serve::prepare(&model.options(1))?;
-    let engine = crate::serve::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
+    let prepared = app::prepare(&model.options(1))?;
+    let engine = app::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
     let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
@@ -395,7 +371,7 @@ fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&
     }
     let refs: Vec<&_> = patched.iter().collect();
     let result = match device {
-        Device::Cuda => run_forward(Qwen35::load(crate::serve::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
+        Device::Cuda => run_forward(Qwen35::load(app::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
         _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs)?,
     };
     let json = serde_json::to_string(&result)?;

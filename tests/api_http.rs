@@ -4,7 +4,7 @@
 mod common;
 
 use common::TinyModel;
-use imajev_serve::api::{build_app_state, decide_direct, run_engine, serve, RequestBody, ServerConfig};
+use imajev_serve::api::{build_app_state, decide_direct, run_engine, run_http_server, RequestBody, ServerConfig};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings, Plan};
 use imajev_serve::engine::synth::{self, SynthDtype};
@@ -161,7 +161,7 @@ fn start(s: Setup) -> Server {
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let http = std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(serve(listener, cfg, state, async move {
+        actix_web::rt::System::new().block_on(run_http_server(listener, cfg, state, async move {
             let _ = rx.await;
         }))
     });

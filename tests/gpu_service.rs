@@ -13,7 +13,7 @@ use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig};
-use imajev_serve::serve::{cuda_backend, Quantize};
+use imajev_serve::app::{cuda_backend, Quantize};
 use imajev_serve::tokenizer::QwenTokenizer;
 use imajev_serve::worker::{BatchLimits, DecisionEngine};
 use serde_json::Value;

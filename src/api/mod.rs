@@ -25,36 +25,4 @@ pub mod server;
 pub use error::{ApiError, Loc};
 pub use parse::{parse_request, ParseContext, RequestBody};
 pub use pipeline::{decide, decide_direct, plan_error, run_engine, Decided, EngineCall};
-pub use server::{build_app_state, serve, AppState, ServerConfig};
-
-/// Resolves on SIGINT or SIGTERM (what [`run`] stops on).
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(t), Ok(i)) => (t, i),
-        (Err(e), _) | (_, Err(e)) => {
-            tracing::error!("cannot listen for SIGTERM/SIGINT ({e}); stop the server with SIGKILL");
-            return std::future::pending().await;
-        }
-    };
-    let which = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
-    tracing::info!("{which}: stopping; accepted requests finish first");
-}
-
-/// Binds `cfg.host:cfg.port` and serves until SIGINT/SIGTERM; returns once accepted requests
-/// have finished. Must run inside an actix system (see [`run_blocking`]). Afterwards drop every
-/// other clone of the worker handle and join the engine thread.
-pub async fn run(cfg: ServerConfig, app: AppState) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let listener = std::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
-        .with_context(|| format!("binding {}:{}", cfg.host, cfg.port))?;
-    serve(listener, cfg, app, shutdown_signal()).await
-}
-
-/// [`run`] on a new actix system, blocking the calling thread.
-pub fn run_blocking(cfg: ServerConfig, app: AppState) -> anyhow::Result<()> {
-    actix_web::rt::System::new().block_on(run(cfg, app))
-}
+pub use server::{build_app_state, run_http_server, AppState, ServerConfig};

@@ -71,7 +71,8 @@ impl Default for ServerConfig {
     }
 }
 
-struct Inner {
+/// What every handler reads, behind the one `Arc` of [`AppState`].
+struct SharedState {
     cfg: ServerConfig,
     decider: RwLock<Option<Arc<Decider>>>,
     worker: WorkerHandle,
@@ -86,7 +87,7 @@ struct Inner {
 /// Everything the handlers share. Cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
-    inner: Arc<Inner>,
+    shared: Arc<SharedState>,
 }
 
 /// The shared state of the server: `worker` runs the engine (its metrics must be registered in
@@ -103,7 +104,7 @@ pub fn build_app_state(
     let keys = cfg.api_keys.iter().map(|k| Sha256::digest(k.as_bytes()).into()).collect();
     let openapi = serde_json::to_vec_pretty(&schema::openapi())?;
     Ok(AppState {
-        inner: Arc::new(Inner {
+        shared: Arc::new(SharedState {
             cfg: cfg.clone(),
             decider: RwLock::new(None),
             worker,
@@ -125,27 +126,27 @@ enum NotReady {
 impl AppState {
     /// Makes the decision layer available (answers start once the worker has loaded the model).
     pub fn set_decider(&self, decider: Arc<Decider>) {
-        *self.inner.decider.write().unwrap_or_else(|e| e.into_inner()) = Some(decider);
+        *self.shared.decider.write().unwrap_or_else(|e| e.into_inner()) = Some(decider);
     }
 
     pub fn decider(&self) -> Option<Arc<Decider>> {
-        self.inner.decider.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.shared.decider.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn registry(&self) -> &Registry {
-        &self.inner.registry
+        &self.shared.registry
     }
 
     pub fn worker(&self) -> &WorkerHandle {
-        &self.inner.worker
+        &self.shared.worker
     }
 
     pub fn config(&self) -> &ServerConfig {
-        &self.inner.cfg
+        &self.shared.cfg
     }
 
     fn ready(&self) -> Result<(Arc<Decider>, String, f64), NotReady> {
-        match self.inner.worker.status() {
+        match self.shared.worker.status() {
             EngineStatus::Failed(e) => Err(NotReady::Failed(e)),
             EngineStatus::Loading => Err(NotReady::Loading),
             EngineStatus::Ready { backend, load_seconds } => match self.decider() {
@@ -164,7 +165,7 @@ impl AppState {
     }
 
     fn authorize(&self, req: &HttpRequest) -> Result<(), ApiError> {
-        if self.inner.keys.is_empty() {
+        if self.shared.keys.is_empty() {
             return Ok(());
         }
         let fail = |m: &str| ApiError::message(401, "authentication_error", m);
@@ -180,7 +181,7 @@ impl AppState {
         };
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let mut ok = subtle::Choice::from(0u8);
-        for k in &self.inner.keys {
+        for k in &self.shared.keys {
             ok |= k.ct_eq(&digest);
         }
         if bool::from(ok) {
@@ -195,7 +196,7 @@ impl AppState {
 #[derive(Clone)]
 struct RequestId(String);
 
-/// The connection's socket, recorded when the connection opens (see [`serve`]), so a handler
+/// The connection's socket, recorded when the connection opens (see [`run_http_server`]), so a handler
 /// can notice that its caller went away: actix-web keeps running an HTTP/1 handler after the
 /// client disconnects, and a queued job must be skipped when nobody waits for it.
 #[derive(Clone, Copy)]
@@ -274,13 +275,13 @@ async fn systemone(req: HttpRequest, payload: web::Payload, st: web::Data<AppSta
     let id = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
     st.authorize(&req)?;
     let (decider, _, _) = st.ready_or_503()?;
-    let cfg = &st.inner.cfg;
+    let cfg = &st.shared.cfg;
     let body = read_body(&req, payload, cfg.max_body_bytes).await?;
-    let ctx = ParseContext::for_decider(&decider, cfg.max_questions, st.inner.image_config.clone());
+    let ctx = ParseContext::for_decider(&decider, cfg.max_questions, st.shared.image_config.clone());
     let peer = req.conn_data::<PeerSocket>().copied();
     let queued = |call| run_queued(&st, call, id, started, peer);
     let decided = pipeline::decide(body, ctx, decider, started, ParseOn::BlockingPool, queued).await?;
-    st.inner
+    st.shared
         .http
         .decision_seconds
         .with_label_values(&[token_bucket(decided.plan.processed_tokens)])
@@ -319,7 +320,7 @@ async fn run_queued(
     started: Instant,
     peer: Option<PeerSocket>,
 ) -> Result<EngineOutput, ApiError> {
-    let cfg = &st.inner.cfg;
+    let cfg = &st.shared.cfg;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let now = Instant::now();
     let timeout = cfg.request_timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
@@ -332,7 +333,7 @@ async fn run_queued(
         enqueued: now,
         reply: tx,
     };
-    match st.inner.worker.submit(job) {
+    match st.shared.worker.submit(job) {
         Ok(()) => {}
         Err(SubmitError::Full { capacity, retry_after_s }) => {
             return Err(ApiError::message(
@@ -372,7 +373,7 @@ fn timeout_error(t: Duration) -> ApiError {
 /// `GET /v1/models`.
 async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let (d, backend, load_seconds) = st.ready_or_503()?;
-    let cfg = &st.inner.cfg;
+    let cfg = &st.shared.cfg;
     let name = d.settings.model_name.clone();
     let body = json!({
         "models": [{"name": name, "description": cfg.model_description, "release_date": cfg.release_date}],
@@ -390,7 +391,7 @@ async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 
 /// `GET /healthz`.
 async fn healthz(st: web::Data<AppState>) -> HttpResponse {
-    let w = &st.inner.worker;
+    let w = &st.shared.worker;
     let (depth, capacity) = (w.queue_depth(), w.capacity());
     match st.ready() {
         Ok((d, backend, _)) => json_response(
@@ -406,16 +407,16 @@ async fn healthz(st: web::Data<AppState>) -> HttpResponse {
 
 /// `GET /metrics`.
 async fn metrics(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    st.inner.http.refresh();
+    st.shared.http.refresh();
     let mut out = Vec::new();
     let enc = TextEncoder::new();
-    enc.encode(&st.inner.registry.gather(), &mut out).map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
+    enc.encode(&st.shared.registry.gather(), &mut out).map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
     Ok(HttpResponse::Ok().content_type(enc.format_type()).body(out))
 }
 
 /// `GET /openapi.json`.
 async fn openapi(st: web::Data<AppState>) -> HttpResponse {
-    HttpResponse::Ok().content_type("application/json").body(st.inner.openapi.clone())
+    HttpResponse::Ok().content_type("application/json").body(st.shared.openapi.clone())
 }
 
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
@@ -459,7 +460,7 @@ impl Observed {
         req.extensions_mut().insert(RequestId(id.clone()));
         let route = req.match_pattern().unwrap_or_else(|| "unmatched".into());
         let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
-        let http = &st.inner.http;
+        let http = &st.shared.http;
         http.in_flight.inc();
         Observed {
             id,
@@ -489,9 +490,9 @@ impl Observed {
     }
 }
 
-/// Serves on `listener` until `shutdown` resolves, then stops accepting, lets accepted
+/// Serves HTTP on `listener` until `shutdown` resolves, then stops accepting, lets accepted
 /// requests finish (up to the request timeout plus a margin) and returns.
-pub async fn serve(
+pub async fn run_http_server(
     listener: std::net::TcpListener,
     cfg: ServerConfig,
     app: AppState,
