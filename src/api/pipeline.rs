@@ -76,7 +76,11 @@ where
         "planned"
     );
     let plan = Arc::new(plan);
-    let output = run(EngineCall { plan: plan.clone(), images: pixels }).await?;
+    let output = run(EngineCall {
+        plan: plan.clone(),
+        images: pixels,
+    })
+    .await?;
     let timings = Timings {
         vision_ms: output.vision_ms,
         prefill_ms: output.prefill_ms,
@@ -84,7 +88,13 @@ where
         total_ms: started.elapsed().as_secs_f64() * 1e3,
     };
     let response = decider.respond(&request, &plan, &output.logits, timings);
-    Ok(Decided { response, request, plan, output, timings })
+    Ok(Decided {
+        response,
+        request,
+        plan,
+        output,
+        timings,
+    })
 }
 
 /// [`decide`] for callers without an async runtime (the `decide` command, tests): everything
@@ -101,11 +111,22 @@ pub fn decide_direct(
         .build()
         .map_err(|e| ApiError::internal(format!("starting an async runtime: {e}")))?;
     let started = Instant::now();
-    runtime.block_on(decide(body, ctx, decider, started, ParseOn::ThisThread, |call| std::future::ready(run(call))))
+    runtime.block_on(decide(
+        body,
+        ctx,
+        decider,
+        started,
+        ParseOn::ThisThread,
+        |call| std::future::ready(run(call)),
+    ))
 }
 
 /// The direct engine call: `call` on a loaded engine, on this thread (no queue, no deadline).
-pub fn run_engine(engine: &dyn DecisionEngine, call: EngineCall, limits: BatchLimits) -> Result<EngineOutput, ApiError> {
+pub fn run_engine(
+    engine: &dyn DecisionEngine,
+    call: EngineCall,
+    limits: BatchLimits,
+) -> Result<EngineOutput, ApiError> {
     let images: Vec<&PatchedImage> = call.images.iter().collect();
     engine
         .run(&call.plan, &images, limits, &|| Ok(()))

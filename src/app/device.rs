@@ -37,19 +37,43 @@ pub enum Quantize {
 
 /// The CUDA backend on GPU 0, or why there is none.
 pub fn cuda_backend(quantize: Quantize) -> Result<CudaBackend> {
-    CudaBackend::new(0, CudaOptions { quantize_fp8: quantize == Quantize::Fp8, dequantize_fp8: quantize == Quantize::Bf16, ..Default::default() })
+    CudaBackend::new(
+        0,
+        CudaOptions {
+            quantize_fp8: quantize == Quantize::Fp8,
+            dequantize_fp8: quantize == Quantize::Bf16,
+            ..Default::default()
+        },
+    )
 }
 
 /// Loads the model on the requested device (`auto`: CUDA when usable, else CPU).
-pub fn load_engine(device: Device, quantize: Quantize, model: &Path, adapter: &Path) -> Result<Box<dyn DecisionEngine>> {
+pub fn load_engine(
+    device: Device,
+    quantize: Quantize,
+    model: &Path,
+    adapter: &Path,
+) -> Result<Box<dyn DecisionEngine>> {
     match device {
-        Device::Cuda => Ok(Box::new(Qwen35::load(cuda_backend(quantize)?, model, Some(adapter))?)),
-        Device::Cpu => Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?)),
+        Device::Cuda => Ok(Box::new(Qwen35::load(
+            cuda_backend(quantize)?,
+            model,
+            Some(adapter),
+        )?)),
+        Device::Cpu => Ok(Box::new(Qwen35::load(
+            CpuBackend::default(),
+            model,
+            Some(adapter),
+        )?)),
         Device::Auto => match cuda_backend(quantize) {
             Ok(b) => Ok(Box::new(Qwen35::load(b, model, Some(adapter))?)),
             Err(e) => {
                 tracing::info!("no usable GPU ({e:#}); using the CPU backend");
-                Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?))
+                Ok(Box::new(Qwen35::load(
+                    CpuBackend::default(),
+                    model,
+                    Some(adapter),
+                )?))
             }
         },
     }

@@ -34,7 +34,10 @@ pub(super) fn explicit_images(v: Option<&Value>, root: &Loc) -> Result<Vec<Value
     match v {
         None => Ok(Vec::new()),
         Some(Value::Array(a)) => Ok(a.clone()),
-        Some(_) => Err(ApiError::bad_image(root.at("images"), "'images' must be a list of data URL strings")),
+        Some(_) => Err(ApiError::bad_image(
+            root.at("images"),
+            "'images' must be a list of data URL strings",
+        )),
     }
 }
 
@@ -42,7 +45,10 @@ pub(super) fn explicit_images(v: Option<&Value>, root: &Loc) -> Result<Vec<Value
 pub(super) fn check_uploads(files: &MultipartFiles, root: &Loc) -> Result<(), ApiError> {
     for u in &files.images {
         if !u.is_file {
-            return Err(ApiError::bad_image(root.at(u.name.as_str()), format!("form field {:?} must be an uploaded file", u.name)));
+            return Err(ApiError::bad_image(
+                root.at(u.name.as_str()),
+                format!("form field {:?} must be an uploaded file", u.name),
+            ));
         }
     }
     Ok(())
@@ -70,19 +76,35 @@ pub(super) fn encoded_images(
     let mut blobs = Vec::with_capacity(uploads.len() + explicit.len() + embedded.len());
     for u in uploads {
         if u.bytes.len() > max_bytes {
-            return Err(image_too_large(&format!("the uploaded file {:?}", u.name), u.bytes.len(), max_bytes));
+            return Err(image_too_large(
+                &format!("the uploaded file {:?}", u.name),
+                u.bytes.len(),
+                max_bytes,
+            ));
         }
-        blobs.push(ImageBlob { bytes: u.bytes.clone(), loc: root.at(u.name.as_str()), what: format!("uploaded image {}", blobs.len() + 1) });
+        blobs.push(ImageBlob {
+            bytes: u.bytes.clone(),
+            loc: root.at(u.name.as_str()),
+            what: format!("uploaded image {}", blobs.len() + 1),
+        });
     }
     for (i, v) in explicit.iter().enumerate() {
         let loc = root.at("images").at(i);
         let what = format!("images[{i}]");
-        blobs.push(ImageBlob { bytes: decode_data_url(v, &loc, &what, max_bytes)?, loc, what });
+        blobs.push(ImageBlob {
+            bytes: decode_data_url(v, &loc, &what, max_bytes)?,
+            loc,
+            what,
+        });
     }
     for (i, url) in embedded.iter().enumerate() {
         let loc = root.at("state");
         let what = format!("the data URL image {} embedded in the state", i + 1);
-        blobs.push(ImageBlob { bytes: decode_data_url(&Value::String(url.clone()), &loc, &what, max_bytes)?, loc, what });
+        blobs.push(ImageBlob {
+            bytes: decode_data_url(&Value::String(url.clone()), &loc, &what, max_bytes)?,
+            loc,
+            what,
+        });
     }
     Ok(blobs)
 }
@@ -90,15 +112,27 @@ pub(super) fn encoded_images(
 /// Step 7: decodes and preprocesses every image (the expensive step; run it off the async
 /// threads), the images in parallel: what the decision layer needs of each, and its pixels. A bad
 /// image is reported as the first bad one in request order.
-pub fn decode_images(blobs: &[ImageBlob], ctx: &ParseContext) -> Result<(Vec<RequestImage>, Vec<PatchedImage>), ApiError> {
+pub fn decode_images(
+    blobs: &[ImageBlob],
+    ctx: &ParseContext,
+) -> Result<(Vec<RequestImage>, Vec<PatchedImage>), ApiError> {
     use rayon::prelude::*;
     let each: Vec<Result<(RequestImage, PatchedImage), ApiError>> = blobs
         .par_iter()
         .map(|b| {
-            let (img, patched) = load_and_preprocess(&b.bytes, &ctx.image_limits, &ctx.image_config)
-                .map_err(|e| image_error(e, b))?;
+            let (img, patched) =
+                load_and_preprocess(&b.bytes, &ctx.image_limits, &ctx.image_config)
+                    .map_err(|e| image_error(e, b))?;
             let tokens = patched.merged_tokens();
-            Ok((RequestImage { sha256: hex::encode(img.sha256), width: img.width, height: img.height, tokens }, patched))
+            Ok((
+                RequestImage {
+                    sha256: hex::encode(img.sha256),
+                    width: img.width,
+                    height: img.height,
+                    tokens,
+                },
+                patched,
+            ))
         })
         .collect();
     let each: Vec<(RequestImage, PatchedImage)> = each.into_iter().collect::<Result<_, _>>()?;
@@ -127,7 +161,11 @@ fn is_b64_char(b: u8) -> bool {
 /// The length of a match of `data:image/[\w.+-]+;base64,[A-Za-z0-9+/=]+` at the start of `s`.
 fn embedded_match(s: &str) -> Option<usize> {
     let rest = s.strip_prefix("data:image/")?;
-    let sub: usize = rest.chars().take_while(|&c| is_mime_char(c)).map(char::len_utf8).sum();
+    let sub: usize = rest
+        .chars()
+        .take_while(|&c| is_mime_char(c))
+        .map(char::len_utf8)
+        .sum();
     if sub == 0 {
         return None;
     }
@@ -178,8 +216,14 @@ pub fn extract_embedded(v: Value, found: &mut Vec<String>) -> Value {
             Some(t) => Value::String(t),
             None => Value::String(s),
         },
-        Value::Array(a) => Value::Array(a.into_iter().map(|x| extract_embedded(x, found)).collect()),
-        Value::Object(m) => Value::Object(m.into_iter().map(|(k, x)| (k, extract_embedded(x, found))).collect()),
+        Value::Array(a) => {
+            Value::Array(a.into_iter().map(|x| extract_embedded(x, found)).collect())
+        }
+        Value::Object(m) => Value::Object(
+            m.into_iter()
+                .map(|(k, x)| (k, extract_embedded(x, found)))
+                .collect(),
+        ),
         other => other,
     }
 }
@@ -204,7 +248,10 @@ pub fn strict_b64_decode(s: &str) -> Result<Vec<u8>, &'static str> {
     let bytes = s.as_bytes();
     let data_len = bytes.iter().position(|&b| b == b'=').unwrap_or(bytes.len());
     let (data, pad) = bytes.split_at(data_len);
-    if !data.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/') {
+    if !data
+        .iter()
+        .all(|&b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
+    {
         return Err("only base64 characters (A-Z a-z 0-9 + / =) are allowed, without whitespace");
     }
     if pad.iter().any(|&b| b != b'=') {
@@ -224,12 +271,19 @@ pub fn strict_b64_decode(s: &str) -> Result<Vec<u8>, &'static str> {
     }
     const ENGINE: GeneralPurpose = GeneralPurpose::new(
         &base64::alphabet::STANDARD,
-        GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::RequireNone).with_decode_allow_trailing_bits(true),
+        GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::RequireNone)
+            .with_decode_allow_trailing_bits(true),
     );
     ENGINE.decode(data).map_err(|_| "not valid base64")
 }
 
-pub(super) fn strict_b64(payload: &str, loc: &Loc, what: &str, max_bytes: usize) -> Result<Vec<u8>, ApiError> {
+pub(super) fn strict_b64(
+    payload: &str,
+    loc: &Loc,
+    what: &str,
+    max_bytes: usize,
+) -> Result<Vec<u8>, ApiError> {
     let n = py_len(payload);
     if n > max_b64_len(max_bytes) {
         return Err(ApiError::message(
@@ -238,24 +292,49 @@ pub(super) fn strict_b64(payload: &str, loc: &Loc, what: &str, max_bytes: usize)
             format!("{what}: its base64 is {n} characters, more than 20 MiB of image ({} characters): downscale or recompress it", max_b64_len(max_bytes)),
         ));
     }
-    strict_b64_decode(payload).map_err(|why| ApiError::bad_image(loc.clone(), format!("{what} is not valid base64: {why}")))
+    strict_b64_decode(payload).map_err(|why| {
+        ApiError::bad_image(loc.clone(), format!("{what} is not valid base64: {why}"))
+    })
 }
 
 /// `server.decode_data_url`: `^data:(mime)?(;base64)?,(payload)$` on the stripped string,
 /// `;base64` required, then a strict base64 decode.
-pub fn decode_data_url(v: &Value, loc: &Loc, what: &str, max_bytes: usize) -> Result<Vec<u8>, ApiError> {
+pub fn decode_data_url(
+    v: &Value,
+    loc: &Loc,
+    what: &str,
+    max_bytes: usize,
+) -> Result<Vec<u8>, ApiError> {
     let s = match v {
         Value::String(s) if !s.is_empty() => py_strip(s),
-        _ => return Err(ApiError::bad_image(loc.clone(), format!("{what} must be a data URL string (data:image/png;base64,...)"))),
+        _ => {
+            return Err(ApiError::bad_image(
+                loc.clone(),
+                format!("{what} must be a data URL string (data:image/png;base64,...)"),
+            ))
+        }
     };
-    let not_url = || ApiError::bad_image(loc.clone(), format!("{what} is not a data: URL (send data:image/png;base64,...)"));
+    let not_url = || {
+        ApiError::bad_image(
+            loc.clone(),
+            format!("{what} is not a data: URL (send data:image/png;base64,...)"),
+        )
+    };
     let rest = s.strip_prefix("data:").ok_or_else(not_url)?;
     // Optional `type/subtype`.
     let mut rest = rest;
-    let t: usize = rest.chars().take_while(|&c| is_mime_char(c)).map(char::len_utf8).sum();
+    let t: usize = rest
+        .chars()
+        .take_while(|&c| is_mime_char(c))
+        .map(char::len_utf8)
+        .sum();
     if t > 0 {
         if let Some(after) = rest[t..].strip_prefix('/') {
-            let st: usize = after.chars().take_while(|&c| is_mime_char(c)).map(char::len_utf8).sum();
+            let st: usize = after
+                .chars()
+                .take_while(|&c| is_mime_char(c))
+                .map(char::len_utf8)
+                .sum();
             if st > 0 {
                 rest = &after[st..];
             }
@@ -267,7 +346,10 @@ pub fn decode_data_url(v: &Value, loc: &Loc, what: &str, max_bytes: usize) -> Re
     };
     let payload = rest.strip_prefix(',').ok_or_else(not_url)?;
     if !b64 {
-        return Err(ApiError::bad_image(loc.clone(), format!("{what} must be base64-encoded (data:...;base64,...)")));
+        return Err(ApiError::bad_image(
+            loc.clone(),
+            format!("{what} must be base64-encoded (data:...;base64,...)"),
+        ));
     }
     strict_b64(payload, loc, what, max_bytes)
 }
@@ -275,8 +357,8 @@ pub fn decode_data_url(v: &Value, loc: &Loc, what: &str, max_bytes: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::parse::test_support::*;
     use crate::api::parse::check_request;
+    use crate::api::parse::test_support::*;
     use crate::decision::ContractMode;
     use serde_json::json;
 
@@ -287,7 +369,10 @@ mod tests {
         let d = |s: &str| decode_data_url(&json!(s), &l, "images[0]", max);
         assert_eq!(d("data:image/png;base64,QUJD").unwrap(), b"ABC");
         assert_eq!(d("  data:;base64,QUI=\n").unwrap(), b"AB");
-        assert_eq!(d("data:application/octet-stream;base64,QQ==").unwrap(), b"A");
+        assert_eq!(
+            d("data:application/octet-stream;base64,QQ==").unwrap(),
+            b"A"
+        );
         assert_eq!(d("data:image/png;base64,").unwrap(), b"");
         for bad in [
             "https://example.com/a.png",
@@ -303,12 +388,19 @@ mod tests {
             let e = d(bad).expect_err(bad);
             assert_eq!((e.status, e.code), (422, "bad_image"), "{bad}");
         }
-        assert_eq!(decode_data_url(&json!(5), &l, "x", max).unwrap_err().code, "bad_image");
+        assert_eq!(
+            decode_data_url(&json!(5), &l, "x", max).unwrap_err().code,
+            "bad_image"
+        );
         // Longer than the base64 of 20 MiB: 413 before decoding (even if it is not base64).
         let long = format!("data:image/png;base64,{}", "*".repeat(max_b64_len(max) + 1));
         let e = d(&long).unwrap_err();
         assert_eq!((e.status, e.code), (413, "image_too_large"));
-        assert!(d(&format!("data:image/png;base64,{}", "A".repeat(max_b64_len(max)))).is_ok());
+        assert!(d(&format!(
+            "data:image/png;base64,{}",
+            "A".repeat(max_b64_len(max))
+        ))
+        .is_ok());
     }
 
     #[test]
@@ -347,7 +439,10 @@ mod tests {
             json!({"a": format!("see {url} and data:image/x;base64,!! then {url}."), "k": [format!("{url}")], "n": 1}),
             &mut found,
         );
-        assert_eq!(v, json!({"a": "see [image 1] and data:image/x;base64,!! then [image 2].", "k": ["[image 3]"], "n": 1}));
+        assert_eq!(
+            v,
+            json!({"a": "see [image 1] and data:image/x;base64,!! then [image 2].", "k": ["[image 3]"], "n": 1})
+        );
         assert_eq!(found.len(), 3);
         // Three images → refused before any decoding.
         let e = check(json!({"state": {"a": url.clone(), "b": url.clone()}, "images": [url.clone()], "questions": {"q": noul(json!("?"))}}))
@@ -357,9 +452,17 @@ mod tests {
         let r = check(json!({"state": format!("photo: {url}"), "images": [url.clone()], "questions": {"q": noul(json!("?"))}})).unwrap();
         assert_eq!(r.state, json!("photo: [image 1]"));
         assert_eq!(r.images.len(), 2);
-        assert_eq!(r.images[1].what, "the data URL image 1 embedded in the state");
+        assert_eq!(
+            r.images[1].what,
+            "the data URL image 1 embedded in the state"
+        );
         // Not a string state: nothing to extract.
-        assert!(check(json!({"state": 5, "questions": {"q": noul(json!("?"))}})).unwrap().images.is_empty());
+        assert!(
+            check(json!({"state": 5, "questions": {"q": noul(json!("?"))}}))
+                .unwrap()
+                .images
+                .is_empty()
+        );
     }
 
     #[test]
@@ -370,12 +473,16 @@ mod tests {
             assert_eq!((e.status, e.code), (422, "bad_image"));
         }
         // Corrupt image bytes pass the wire rules and fail decoding.
-        let r = check(json!({"images": ["data:image/png;base64,aGVsbG8="], "questions": q})).unwrap();
+        let r =
+            check(json!({"images": ["data:image/png;base64,aGVsbG8="], "questions": q})).unwrap();
         let e = decode_images(&r.images, &ctx(ContractMode::Imajev)).unwrap_err();
         assert_eq!((e.status, e.code), (422, "bad_image"));
         // A real PNG decodes; sha256 is of the encoded bytes.
         let png = png();
-        let r = check(json!({"images": [format!("data:image/png;base64,{}", b64(&png))], "questions": q})).unwrap();
+        let r = check(
+            json!({"images": [format!("data:image/png;base64,{}", b64(&png))], "questions": q}),
+        )
+        .unwrap();
         let (imgs, _) = decode_images(&r.images, &ctx(ContractMode::Imajev)).unwrap();
         use sha2::Digest;
         assert_eq!(imgs[0].sha256, hex::encode(sha2::Sha256::digest(&png)));
@@ -386,15 +493,49 @@ mod tests {
     fn multipart_uploads() {
         let png = png();
         let q = json!({"q": noul(json!("?"))});
-        let up = |name: &str, is_file: bool, bytes: Vec<u8>| Upload { name: name.into(), is_file, bytes };
-        let files = MultipartFiles { images: vec![up("image", true, png.clone()), up("images", true, png.clone())], parts: vec![] };
-        let r = check_request(json!({"questions": q}), Some(files), &ctx(ContractMode::Imajev)).unwrap();
+        let up = |name: &str, is_file: bool, bytes: Vec<u8>| Upload {
+            name: name.into(),
+            is_file,
+            bytes,
+        };
+        let files = MultipartFiles {
+            images: vec![
+                up("image", true, png.clone()),
+                up("images", true, png.clone()),
+            ],
+            parts: vec![],
+        };
+        let r = check_request(
+            json!({"questions": q}),
+            Some(files),
+            &ctx(ContractMode::Imajev),
+        )
+        .unwrap();
         assert_eq!(r.images.len(), 2);
-        let files = MultipartFiles { images: vec![up("image", false, png.clone())], parts: vec![] };
-        assert_eq!(check_request(json!({"questions": q}), Some(files), &ctx(ContractMode::Imajev)).unwrap_err().code, "bad_image");
-        let big = MultipartFiles { images: vec![up("image", true, vec![0; (20 << 20) + 1])], parts: vec![] };
-        let e = check_request(json!({"questions": q}), Some(big), &ctx(ContractMode::Imajev)).unwrap_err();
+        let files = MultipartFiles {
+            images: vec![up("image", false, png.clone())],
+            parts: vec![],
+        };
+        assert_eq!(
+            check_request(
+                json!({"questions": q}),
+                Some(files),
+                &ctx(ContractMode::Imajev)
+            )
+            .unwrap_err()
+            .code,
+            "bad_image"
+        );
+        let big = MultipartFiles {
+            images: vec![up("image", true, vec![0; (20 << 20) + 1])],
+            parts: vec![],
+        };
+        let e = check_request(
+            json!({"questions": q}),
+            Some(big),
+            &ctx(ContractMode::Imajev),
+        )
+        .unwrap_err();
         assert_eq!((e.status, e.code), (413, "image_too_large"));
     }
-
 }

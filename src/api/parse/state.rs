@@ -15,9 +15,18 @@ pub const MAX_STATE_BYTES: usize = 131_072;
 pub const MAX_STATE_DEPTH: usize = 8;
 
 /// Step 1: the TypeSafe contract needs a state that is present and not null.
-pub(super) fn require_state(state: &Value, present: bool, mode: ContractMode, loc: Loc) -> Result<(), ApiError> {
+pub(super) fn require_state(
+    state: &Value,
+    present: bool,
+    mode: ContractMode,
+    loc: Loc,
+) -> Result<(), ApiError> {
     if mode == ContractMode::Typesafe && state.is_null() {
-        let why = if present { "'state' must not be null" } else { "'state' is required" };
+        let why = if present {
+            "'state' must not be null"
+        } else {
+            "'state' is required"
+        };
         return Err(ApiError::invalid(
             loc,
             format!("{why}: send a string, an object or an array (use \"\" or {{}} for no state)"),
@@ -29,7 +38,12 @@ pub(super) fn require_state(state: &Value, present: bool, mode: ContractMode, lo
 
 /// Step 5: a missing state is `{}`, an object or a string stays as it is, anything else becomes
 /// `{"state": value}`; then placeholders are replaced and the bounds checked.
-pub(super) fn finish_state(state: Value, present: bool, replace: &Replacer, loc: &Loc) -> Result<Value, ApiError> {
+pub(super) fn finish_state(
+    state: Value,
+    present: bool,
+    replace: &Replacer,
+    loc: &Loc,
+) -> Result<Value, ApiError> {
     let state = match state {
         _ if !present => Value::Object(Map::new()),
         s @ (Value::Object(_) | Value::String(_)) => s,
@@ -65,7 +79,14 @@ pub fn check_state(state: &Value, loc: &Loc) -> Result<(), ApiError> {
         ));
     }
     let compact = pyjson::dumps(state, pyjson::COMPACT).map_err(|e| {
-        ApiError::invalid(loc.clone(), format!("State contains the number {} that is not finite; send finite numbers", e.0), "value_error")
+        ApiError::invalid(
+            loc.clone(),
+            format!(
+                "State contains the number {} that is not finite; send finite numbers",
+                e.0
+            ),
+            "value_error",
+        )
     })?;
     if compact.len() > MAX_STATE_BYTES {
         return Err(ApiError::invalid(
@@ -87,15 +108,46 @@ mod tests {
     fn state_defaults_and_wrapping() {
         let q = json!({"q": noul(json!("Is it?"))});
         assert_eq!(check(json!({"questions": q})).unwrap().state, json!({}));
-        assert_eq!(check(json!({"state": null, "questions": q})).unwrap().state, json!({"state": null}));
-        assert_eq!(check(json!({"state": [1, "a"], "questions": q})).unwrap().state, json!({"state": [1, "a"]}));
-        assert_eq!(check(json!({"state": 3.5, "questions": q})).unwrap().state, json!({"state": 3.5}));
-        assert_eq!(check(json!({"state": "text", "questions": q})).unwrap().state, json!("text"));
-        assert_eq!(check(json!({"state": {"a": 1}, "questions": q})).unwrap().state, json!({"a": 1}));
+        assert_eq!(
+            check(json!({"state": null, "questions": q})).unwrap().state,
+            json!({"state": null})
+        );
+        assert_eq!(
+            check(json!({"state": [1, "a"], "questions": q}))
+                .unwrap()
+                .state,
+            json!({"state": [1, "a"]})
+        );
+        assert_eq!(
+            check(json!({"state": 3.5, "questions": q})).unwrap().state,
+            json!({"state": 3.5})
+        );
+        assert_eq!(
+            check(json!({"state": "text", "questions": q}))
+                .unwrap()
+                .state,
+            json!("text")
+        );
+        assert_eq!(
+            check(json!({"state": {"a": 1}, "questions": q}))
+                .unwrap()
+                .state,
+            json!({"a": 1})
+        );
         // TypeSafe: state required and not null; lists still wrapped.
         assert_eq!(check_ts(json!({"questions": q})).unwrap_err().status, 422);
-        assert_eq!(check_ts(json!({"state": null, "questions": q})).unwrap_err().status, 422);
-        assert_eq!(check_ts(json!({"state": ["a"], "questions": q})).unwrap().state, json!({"state": ["a"]}));
+        assert_eq!(
+            check_ts(json!({"state": null, "questions": q}))
+                .unwrap_err()
+                .status,
+            422
+        );
+        assert_eq!(
+            check_ts(json!({"state": ["a"], "questions": q}))
+                .unwrap()
+                .state,
+            json!({"state": ["a"]})
+        );
         // model and unknown fields are ignored.
         assert!(check(json!({"model": 5, "x_trace": {}, "seed": 7, "questions": q})).is_ok());
     }
@@ -123,13 +175,17 @@ mod tests {
         let ok = "z".repeat(MAX_STATE_BYTES - 8);
         assert!(check(json!({"state": {"s": ok}, "questions": q})).is_ok());
         let over = "z".repeat(MAX_STATE_BYTES - 7);
-        assert!(err(json!({"state": {"s": over}, "questions": q})).2.contains("131072"));
+        assert!(err(json!({"state": {"s": over}, "questions": q}))
+            .2
+            .contains("131072"));
         // Multi-byte characters count as their UTF-8 bytes.
         let e = "é".repeat(MAX_STATE_BYTES / 2);
         assert_eq!(err(json!({"state": {"s": e}, "questions": q})).0, 422);
         // Non-finite numbers.
-        let v: Value = serde_json::from_str(r#"{"state": {"x": 1e400}, "questions": {"q": {"type": "noul", "instructions": "?"}}}"#).unwrap();
+        let v: Value = serde_json::from_str(
+            r#"{"state": {"x": 1e400}, "questions": {"q": {"type": "noul", "instructions": "?"}}}"#,
+        )
+        .unwrap();
         assert!(err(v).2.contains("not finite"));
     }
-
 }
