@@ -1,4 +1,6 @@
-//! The command-line interface: `tokenize`, `forward`, `synth` (and later `serve`, `decide`).
+//! The command-line interface: `serve`, `decide`, `tokenize`, `forward`, `synth`. Flags are
+//! defined and mapped to options here; the serving process itself is put together in
+//! [`crate::app`].
 //! Output contracts here are relied upon by other tools; change them only with care.
 
 use crate::backend::cpu::CpuBackend;
@@ -7,9 +9,9 @@ use crate::backend::Backend;
 use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};
 use crate::tokenizer::QwenTokenizer;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use crate::decision::ContractMode;
-use crate::serve::{Device, Quantize, ServeOptions};
+use crate::app::{self, Device, Quantize, ServeOptions};
 use crate::worker::BatchLimits;
 use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
@@ -250,6 +252,7 @@ fn resolve_image(path: &Path, input_file: &Path) -> PathBuf {
     }
 }
 
+/// `serve`: the HTTP settings from the flags, then [`crate::app::serve_http`].
 #[allow(clippy::too_many_arguments)]
 fn serve_cmd(
     model: &ModelArgs,
@@ -262,47 +265,20 @@ fn serve_cmd(
     max_body_mb: usize,
     http_workers: Option<usize>,
 ) -> Result<()> {
-    let api_keys = match &api_key_file {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading --api-key-file {}", p.display()))?;
-            let keys: Vec<String> =
-                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
-            if keys.is_empty() {
-                bail!("--api-key-file {} holds no keys (one per line)", p.display());
-            }
-            keys
-        }
-        None => Vec::new(),
-    };
-    let service = crate::serve::start(&model.options(queue_depth))?;
-    let mut cfg = crate::api::ServerConfig {
+    let api_keys = api_key_file.as_deref().map(app::read_api_keys).transpose()?.unwrap_or_default();
+    let mut http = crate::api::ServerConfig {
         host,
         port,
         max_body_bytes: max_body_mb << 20,
         max_questions,
         api_keys,
         request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
-        adapter_label: service.info.adapter.clone(),
         ..Default::default()
     };
     if let Some(w) = http_workers {
-        cfg.workers = w.max(1);
+        http.workers = w.max(1);
     }
-    if service.info.demo {
-        cfg.model_description = "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
-    }
-    tracing::info!(
-        model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
-        contract = ?service.info.contract, readout_codes = service.info.readout_codes,
-        "serving on http://{}:{} (the model loads in the background)", cfg.host, cfg.port
-    );
-    let crate::serve::Service { decider, worker, engine_thread, image_config, registry, .. } = service;
-    let app = crate::api::build_app_state(&cfg, worker, registry, image_config)?;
-    app.set_decider(decider);
-    let result = crate::api::run_blocking(cfg, app);
-    // Every worker handle is gone once the server returns: the engine thread drains and stops.
-    let _ = engine_thread.join();
-    result
+    app::serve_http(&model.options(queue_depth), http)
 }
 
 fn decide_cmd(
@@ -313,12 +289,12 @@ fn decide_cmd(
     emit: Option<&Path>,
     timings_out: Option<&Path>,
 ) -> Result<()> {
-    use crate::api::parse::{parse_request_json, ParseContext};
-    use crate::decision::Timings;
-    let prepared = crate::serve::prepare(&model.options(1))?;
-    let engine = crate::serve::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
+    use crate::api::{decide_direct, run_engine, ParseContext, RequestBody};
+    let prepared = app::prepare(&model.options(1))?;
+    let engine = app::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
+    let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
     let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
     let bodies: Vec<&str> = if request.extension().is_some_and(|e| e == "jsonl") {
         text.lines().filter(|l| !l.trim().is_empty()).collect()
@@ -331,35 +307,27 @@ fn decide_cmd(
     for (i, body) in bodies.iter().enumerate() {
         let mut last = None;
         for run_index in 0..repeat.max(1) {
-            let started = std::time::Instant::now();
-            let req = parse_request_json(body.as_bytes(), &ctx)
+            let body = RequestBody::json(body.as_bytes().to_vec());
+            let decided = decide_direct(body, ctx.clone(), decider.clone(), |call| run_engine(engine.as_ref(), call, limits))
                 .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
-            let plan = decider.plan(&req).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
-            let images: Vec<&crate::image::PatchedImage> = req.images.iter().map(|im| &im.patched).collect();
-            let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
-            let run = engine.run(&plan, &images, limits, &|| Ok(())).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
-            let t = Timings {
-                vision_ms: run.vision_ms,
-                prefill_ms: run.prefill_ms,
-                questions_ms: run.questions_ms,
-                total_ms: started.elapsed().as_secs_f64() * 1e3,
-            };
+            let (plan, t) = (&decided.plan, decided.timings);
             if emit.is_some() && last.is_none() {
-                for (f, fp) in plan.fields.iter().enumerate() {
-                    for (p, pass) in fp.passes.iter().enumerate() {
+                // "field" (the scored question's index) is the key the bench scripts read.
+                for (q, sp) in plan.scored.iter().enumerate() {
+                    for (p, pass) in sp.passes.iter().enumerate() {
                         let mut ids = plan.prefix.clone();
-                        ids.extend(&fp.common);
+                        ids.extend(&sp.common);
                         ids.extend(&pass.suffix);
-                        passes_out.push(serde_json::json!({"request": i, "field": f, "pass": p, "offset": pass.offset,
-                            "input_ids": ids, "logits": run.logits[f][p]}));
+                        passes_out.push(serde_json::json!({"request": i, "field": q, "pass": p, "offset": pass.offset,
+                            "input_ids": ids, "logits": decided.output.logits[q][p]}));
                     }
                 }
             }
             timing_lines.push(serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
                 "vision_ms": t.vision_ms, "prefill_ms": t.prefill_ms, "questions_ms": t.questions_ms,
                 "input_tokens": plan.max_pass_tokens, "processed_tokens": plan.processed_tokens,
-                "passes": plan.pass_count(), "images": req.images.len()}).to_string());
-            last = Some(decider.respond(&req, &plan, &run.logits, t));
+                "passes": plan.pass_count(), "images": decided.request.images.len()}).to_string());
+            last = Some(decided.response);
         }
         responses.push(last.expect("at least one run"));
     }
@@ -403,7 +371,7 @@ fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&
     }
     let refs: Vec<&_> = patched.iter().collect();
     let result = match device {
-        Device::Cuda => run_forward(Qwen35::load(crate::serve::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
+        Device::Cuda => run_forward(Qwen35::load(app::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
         _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs)?,
     };
     let json = serde_json::to_string(&result)?;

@@ -1,7 +1,7 @@
 //! imajev-serve: typed decisions from one prefill of Qwen3.5.
 //!
 //! The data flow is the folder layout (see ARCHITECTURE in the README):
-//! api → decision → worker → engine → backend.
+//! api → decision → worker → engine → backend; [`app`] puts a serving process together.
 pub mod api;
 pub mod backend;
 pub mod engine;
@@ -10,6 +10,6 @@ pub mod tokenizer;
 pub mod cli;
 pub mod decision;
 pub mod worker;
-pub mod serve;
+pub mod app;
 pub mod synth;
 pub mod weights;

@@ -4,14 +4,14 @@
 mod common;
 
 use common::TinyModel;
-use imajev_serve::api::{build_app_state, serve, ServerConfig};
+use imajev_serve::api::{build_app_state, decide_direct, run_engine, run_http_server, RequestBody, ServerConfig};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings, Plan};
 use imajev_serve::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;
-use imajev_serve::worker::{self, BatchLimits, DecisionEngine, EngineMetrics, EngineOutput, RunError};
+use imajev_serve::worker::{self, BatchLimits, DecisionEngine, EngineMetrics, EngineOutput, RunError, StopReason};
 use serde_json::{json, Value};
 use sha2::Digest;
 use std::io::{Read, Write};
@@ -58,7 +58,7 @@ impl DecisionEngine for Slow {
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
-        keep_going: &dyn Fn() -> Result<(), &'static str>,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError> {
         std::thread::sleep(self.delay);
         self.inner.run(plan, images, limits, keep_going)
@@ -161,7 +161,7 @@ fn start(s: Setup) -> Server {
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let http = std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(serve(listener, cfg, state, async move {
+        actix_web::rt::System::new().block_on(run_http_server(listener, cfg, state, async move {
             let _ = rx.await;
         }))
     });
@@ -959,16 +959,21 @@ fn offline_decide_json_matches_the_http_answers() {
         max_input_tokens: 8192,
         model_name: "imajev-test".into(),
     };
-    let decider = Decider::new(tok, codebook, settings);
+    let decider = Arc::new(Decider::new(tok, codebook, settings));
     let engine = Qwen35::load(CpuBackend::default(), &m.tiny.model, Some(&m.tiny.adapter)).unwrap();
     let ctx = imajev_serve::api::ParseContext::for_decider(&decider, 64, ImageProcessorConfig::default());
+    let decide_json = |raw: &[u8]| {
+        let body = RequestBody::json(raw.to_vec());
+        decide_direct(body, ctx.clone(), decider.clone(), |call| run_engine(&engine, call, BatchLimits::default()))
+            .map(|d| d.response)
+    };
     let mut body = valid();
     body["images"] = json!([data_url(&png(30, 20, 5))]);
     let raw = serde_json::to_vec(&body).unwrap();
-    let offline = imajev_serve::api::decide_json(&raw, &decider, &engine, &ctx, BatchLimits::default()).unwrap();
+    let offline = decide_json(&raw).unwrap();
     let online = main_server().post_json(&body).json();
     assert_eq!(offline["answers"], online["answers"]);
     assert_eq!(offline["usage"]["images"], online["usage"]["images"]);
-    let e = imajev_serve::api::decide_json(b"{\"questions\": {}}", &decider, &engine, &ctx, BatchLimits::default()).unwrap_err();
+    let e = decide_json(b"{\"questions\": {}}").unwrap_err();
     assert_eq!((e.status, e.code), (422, "invalid_request"));
 }

@@ -5,7 +5,7 @@
 
 use imajev_serve::api::parse::{check_request, parse_json, ParseContext};
 use imajev_serve::api::Loc;
-use imajev_serve::decision::prompt::fields;
+use imajev_serve::decision::prompt::scored_questions;
 use imajev_serve::decision::{pyjson, ContractMode, DecisionRequest, QuestionKind};
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig};
 use serde_json::Value;
@@ -64,7 +64,7 @@ fn wire_rules_match_the_python_reference() {
                     failures.push(format!("{name}: images {images:?} != {want_i:?}"));
                 }
                 let req = DecisionRequest { state: r.state, questions: r.questions, images: vec![] };
-                let fs = fields(&req);
+                let fs = scored_questions(&req);
                 let want_f = want["fields"].as_array().unwrap();
                 if fs.len() != want_f.len() {
                     failures.push(format!("{name}: {} fields != {}", fs.len(), want_f.len()));
@@ -76,13 +76,13 @@ fn wire_rules_match_the_python_reference() {
                     let wk: Vec<&str> = w["keys"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
                     let wt: Vec<&str> = w["texts"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
                     if f.kind.calibration_name() != w["kind"].as_str().unwrap()
-                        || f.question != w["question"].as_str().unwrap()
+                        || f.text != w["question"].as_str().unwrap()
                         || keys != wk
                         || texts != wt
                     {
                         failures.push(format!(
                             "{name}: field {:?} {:?} {keys:?} {texts:?} != {} {:?} {wk:?} {wt:?}",
-                            f.kind, f.question, w["kind"], w["question"]
+                            f.kind, f.text, w["kind"], w["question"]
                         ));
                     }
                 }
