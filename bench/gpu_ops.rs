@@ -17,11 +17,13 @@
 
 use anyhow::{Context, Result};
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, GdnScan};
-use imajev_serve::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart};
+use imajev_serve::backend::{
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart,
+};
 use imajev_serve::engine::positions;
+use imajev_serve::synth;
 use imajev_serve::synth::memory::MemoryTensor;
 use imajev_serve::synth::rng::SplitMix;
-use imajev_serve::synth;
 use serde_json::json;
 use std::ops::Range;
 use std::time::Instant;
@@ -46,7 +48,12 @@ fn time_ms(g: &CudaBackend, iters: usize, f: &mut dyn FnMut() -> Result<()>) -> 
 
 fn tiling(lens: &[usize]) -> Vec<Range<usize>> {
     let mut at = 0;
-    lens.iter().map(|&l| { at += l; at - l..at }).collect()
+    lens.iter()
+        .map(|&l| {
+            at += l;
+            at - l..at
+        })
+        .collect()
 }
 
 fn part(w: &MemoryTensor) -> LinearPart<'_> {
@@ -55,7 +62,11 @@ fn part(w: &MemoryTensor) -> LinearPart<'_> {
 
 /// A BF16 device tensor of random values (an upload is F32; a row gather makes it BF16, as the
 /// model's activations are).
-fn bf16_input(g: &CudaBackend, rng: &mut SplitMix, shape: &[usize]) -> Result<imajev_serve::backend::cuda::CudaTensor> {
+fn bf16_input(
+    g: &CudaBackend,
+    rng: &mut SplitMix,
+    shape: &[usize],
+) -> Result<imajev_serve::backend::cuda::CudaTensor> {
     let n: usize = shape.iter().product();
     let t = g.upload(&rng.bf16_normals(n, 1.0), shape)?;
     g.gather_rows(&t, &(0..shape[0]).collect::<Vec<_>>())
@@ -79,13 +90,21 @@ impl Bench<'_> {
 
     fn gemms(&mut self) -> Result<()> {
         let (g, m) = (self.g, 2048);
-        for (name, n, k) in [("in_proj qkvz", 12288usize, 2560usize), ("out_proj", 2560, 4096), ("mlp down", 2560, 9216)] {
+        for (name, n, k) in
+            [("in_proj qkvz", 12288usize, 2560usize), ("out_proj", 2560, 4096), ("mlp down", 2560, 9216)]
+        {
             let v = self.rng.bf16_normals(n * k, 0.02);
             let x = bf16_input(g, &mut self.rng, &[m, k])?;
-            for (fmt, w) in [("fp8", MemoryTensor::fp8("w", &[n, k], &v)), ("bf16", MemoryTensor::bf16("w", &[n, k], &v))] {
+            for (fmt, w) in
+                [("fp8", MemoryTensor::fp8("w", &[n, k], &v)), ("bf16", MemoryTensor::bf16("w", &[n, k], &v))]
+            {
                 let l = g.linear(&[part(&w)])?;
                 let ms = time_ms(g, 10, &mut || g.matmul(&x, &l).map(|_| ()))?;
-                self.push(format!("{fmt} GEMM {name} N={n} K={k} M={m} (incl. act quant)"), ms, Some(2.0 * (m * n * k) as f64));
+                self.push(
+                    format!("{fmt} GEMM {name} N={n} K={k} M={m} (incl. act quant)"),
+                    ms,
+                    Some(2.0 * (m * n * k) as f64),
+                );
             }
         }
         Ok(())
@@ -122,7 +141,8 @@ impl Bench<'_> {
         let nw = g.upload(&self.rng.bf16_normals(hd, 0.1), &[hd])?;
         let tables = |start: usize, n: usize| -> Result<_> {
             let pos: Vec<i64> = (start as i64..(start + n) as i64).collect();
-            let (cos, sin) = positions::text_rope_tables(&[pos.clone(), pos.clone(), pos], 1e7, rot, [11, 11, 10]);
+            let (cos, sin) =
+                positions::text_rope_tables(&[pos.clone(), pos.clone(), pos], 1e7, rot, [11, 11, 10]);
             Ok((g.upload(&cos, &[n, rot])?, g.upload(&sin, &[n, rot])?))
         };
         let qkv = bf16_input(g, &mut self.rng, &[m, dims.qkv_width()])?;
@@ -133,7 +153,11 @@ impl Bench<'_> {
             let mut c = g.new_kv_cache(&dims)?;
             g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut c]).map(|_| ())
         })?;
-        self.push(format!("gated_attention 4B, 1×{m} tokens causal, {kernel}"), ms, Some(per_pair * (m * m) as f64 / 2.0));
+        self.push(
+            format!("gated_attention 4B, 1×{m} tokens causal, {kernel}"),
+            ms,
+            Some(per_pair * (m * m) as f64 / 2.0),
+        );
         // The prefix's cache, shared; 11 forks continue it by 73 tokens each.
         let mut prefix = g.new_kv_cache(&dims)?;
         g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut prefix])?;
@@ -149,7 +173,11 @@ impl Bench<'_> {
             g.gated_attention(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
         })?;
         let pairs: f64 = lens.iter().map(|&l| (l * m) as f64 + (l * l) as f64 / 2.0).sum();
-        self.push(format!("gated_attention 4B, 11 passes × 73 over a {m}-token prefix, {kernel}"), ms, Some(per_pair * pairs));
+        self.push(
+            format!("gated_attention 4B, 11 passes × 73 over a {m}-token prefix, {kernel}"),
+            ms,
+            Some(per_pair * pairs),
+        );
         Ok(())
     }
 
@@ -160,14 +188,25 @@ impl Bench<'_> {
         let ang: Vec<f32> = (0..m * hd).map(|i| (i % 977) as f32 * 0.01).collect();
         let cos = g.upload(&ang.iter().map(|a| a.cos()).collect::<Vec<_>>(), &[m, hd])?;
         let sin = g.upload(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>(), &[m, hd])?;
-        let ms = time_ms(g, 3, &mut || g.vision_attention(&qkv, &cos, &sin, heads, &tiling(&[m])).map(|_| ()))?;
-        self.push(format!("vision_attention 16×64, 1×{m} patches, {kernel}"), ms, Some(4.0 * (heads * hd) as f64 * (m * m) as f64));
+        let ms =
+            time_ms(g, 3, &mut || g.vision_attention(&qkv, &cos, &sin, heads, &tiling(&[m])).map(|_| ()))?;
+        self.push(
+            format!("vision_attention 16×64, 1×{m} patches, {kernel}"),
+            ms,
+            Some(4.0 * (heads * hd) as f64 * (m * m) as f64),
+        );
         Ok(())
     }
 
     /// The Gated DeltaNet mixer of one sequence of `m` tokens and, with `forks`, of 11 forks × 73
     /// tokens of one state, on each backend of `scans` (the same inputs uploaded to each).
-    fn deltanet(&mut self, scans: &[(&str, &CudaBackend)], dims: DeltaNetDims, m: usize, forks: bool) -> Result<()> {
+    fn deltanet(
+        &mut self,
+        scans: &[(&str, &CudaBackend)],
+        dims: DeltaNetDims,
+        m: usize,
+        forks: bool,
+    ) -> Result<()> {
         let (ch, pw, vh, dv) = (dims.conv_channels(), dims.proj_width(), dims.value_heads, dims.value_dim);
         let proj_h = self.rng.bf16_normals(m * pw, 1.0);
         let conv_h = self.rng.bf16_normals(ch * 4, 0.5);
@@ -178,8 +217,18 @@ impl Bench<'_> {
             let rows = |n: usize| (0..n).collect::<Vec<_>>();
             let proj = g.gather_rows(&g.upload(&proj_h, &[m, pw])?, &rows(m))?;
             let conv = g.gather_rows(&g.upload(&conv_h, &[ch, 4])?, &rows(ch))?;
-            let (alog, dtb, nw) = (g.upload(&vec![1.0; vh], &[vh])?, g.upload(&vec![0.0; vh], &[vh])?, g.upload(&vec![1.0; dv], &[dv])?);
-            let inputs = DeltaNetInputs { proj: &proj, conv_weight: &conv, a_log: &alog, dt_bias: &dtb, norm_weight: &nw };
+            let (alog, dtb, nw) = (
+                g.upload(&vec![1.0; vh], &[vh])?,
+                g.upload(&vec![0.0; vh], &[vh])?,
+                g.upload(&vec![1.0; dv], &[dv])?,
+            );
+            let inputs = DeltaNetInputs {
+                proj: &proj,
+                conv_weight: &conv,
+                a_log: &alog,
+                dt_bias: &dtb,
+                norm_weight: &nw,
+            };
             let ms = time_ms(g, 5, &mut || {
                 let mut s = g.new_delta_state(&dims)?;
                 g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s]).map(|_| ())
@@ -206,7 +255,13 @@ impl Bench<'_> {
         }
         for (what, t) in [(format!("1×{m} tokens"), &single), ("11 forks × 73".to_string(), &forked)] {
             if let [a, b] = t[..] {
-                println!("  {what}: {} − {} = {:.3} ms per layer, ratio {:.2}", scans[0].0, scans[1].0, a - b, a / b);
+                println!(
+                    "  {what}: {} − {} = {:.3} ms per layer, ratio {:.2}",
+                    scans[0].0,
+                    scans[1].0,
+                    a - b,
+                    a / b
+                );
             }
         }
         Ok(())
@@ -227,7 +282,8 @@ fn main() -> Result<()> {
     let lengths: &[usize] = if long { &[2048, 4096, 16384] } else { &[2048] };
     let q64 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows64, ..g.options().clone() })?;
     let hopper = g.info().compute_capability == (9, 0);
-    let q128 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
+    let q128 =
+        CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
     let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;
     for &m in lengths {
         b.attention(&q128, "128-row tiles", attn, m)?;
@@ -244,7 +300,8 @@ fn main() -> Result<()> {
         }
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
-    let scan = |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });
+    let scan =
+        |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });
     let (plain, piped) = (scan(GdnScan::Plain)?, scan(GdnScan::Pipelined)?);
     if plain.options().gdn_ffma {
         println!("IMAJEV_GDN_FFMA=1 is set: both DeltaNet rows below are the FMA scan");
@@ -253,9 +310,15 @@ fn main() -> Result<()> {
     for &m in lengths {
         b.deltanet(&scans, delta, m, m == 2048)?;
     }
-    println!("\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):", imajev_serve::backend::cuda::gemm::M_REF);
+    println!(
+        "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",
+        imajev_serve::backend::cuda::gemm::M_REF
+    );
     for p in g.gemm_plans().iter().filter(|p| p.n * p.k >= 1 << 20) {
-        println!("  {:?} N={} K={}: algo {} tile {} splitK {} stages {}", p.kind, p.n, p.k, p.algo_id, p.tile_id, p.splitk, p.stages);
+        println!(
+            "  {:?} N={} K={}: algo {} tile {} splitK {} stages {}",
+            p.kind, p.n, p.k, p.algo_id, p.tile_id, p.splitk, p.stages
+        );
     }
     println!("GEMM calls that left their fixed algorithm: {}", g.gemm_fallbacks());
     if let Some(path) = json_out {
@@ -267,7 +330,8 @@ fn main() -> Result<()> {
             "cublaslt": info.cublaslt_version,
             "ops": b.out.iter().map(|t| json!({"name": t.name, "ms": t.ms, "tflops": t.tflops})).collect::<Vec<_>>(),
         });
-        std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("writing {path}"))?;
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {path}"))?;
     }
     Ok(())
 }

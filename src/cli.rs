@@ -3,22 +3,26 @@
 //! [`crate::app`].
 //! Output contracts here are relied upon by other tools; change them only with care.
 
+use crate::app::{self, Device, Quantize, ServeOptions};
 use crate::backend::cpu::CpuBackend;
-use crate::synth::{self, SynthDtype};
 use crate::backend::Backend;
+use crate::decision::ContractMode;
 use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};
+use crate::synth::{self, SynthDtype};
 use crate::tokenizer::QwenTokenizer;
-use anyhow::{Context, Result};
-use crate::decision::ContractMode;
-use crate::app::{self, Device, Quantize, ServeOptions};
 use crate::worker::BatchLimits;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug)]
-#[command(name = "imajev-serve", version, about = "Typed decisions from one prefill of Qwen3.5 + the imajev LoRA and readout")]
+#[command(
+    name = "imajev-serve",
+    version,
+    about = "Typed decisions from one prefill of Qwen3.5 + the imajev LoRA and readout"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -79,7 +83,11 @@ impl ModelArgs {
             model_name: self.model_name.clone(),
             contract: self.contract,
             queue_depth,
-            batch: BatchLimits { max_tokens: self.batch_tokens, max_sequences: self.batch_sequences, ..Default::default() },
+            batch: BatchLimits {
+                max_tokens: self.batch_tokens,
+                max_sequences: self.batch_sequences,
+                ..Default::default()
+            },
         }
     }
 }
@@ -189,14 +197,34 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Serve { model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers } => {
-            serve_cmd(&model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers)
-        }
+        Command::Serve {
+            model,
+            host,
+            port,
+            api_key_file,
+            queue_depth,
+            request_timeout,
+            max_questions,
+            max_body_mb,
+            http_workers,
+        } => serve_cmd(
+            &model,
+            host,
+            port,
+            api_key_file,
+            queue_depth,
+            request_timeout,
+            max_questions,
+            max_body_mb,
+            http_workers,
+        ),
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }
         Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(&model, jsonl),
-        Command::Forward { model, adapter, input, out, device } => forward(&model, adapter.as_deref(), &input, out.as_deref(), device),
+        Command::Forward { model, adapter, input, out, device } => {
+            forward(&model, adapter.as_deref(), &input, out.as_deref(), device)
+        }
         Command::Synth { config, out, dtype, seed, adapter_out, lora_rank, lora_alpha, readout_rows } => {
             let cfg = synth::preset(&config)?;
             let r = synth::write_model(&cfg, dtype, seed, &out)?;
@@ -212,7 +240,9 @@ pub fn run(cli: Cli) -> Result<()> {
                 let r = synth::write_adapter(&cfg, lora_rank, lora_alpha, readout_rows, seed, &a)?;
                 let tokenizer = QwenTokenizer::builtin()?;
                 crate::decision::codebook::Codebook::derive(&tokenizer, readout_rows)
-                    .context("deriving the readout codebook (use --readout-rows ≤ 256 for the Qwen3.5 tokenizer)")?
+                    .context(
+                        "deriving the readout codebook (use --readout-rows ≤ 256 for the Qwen3.5 tokenizer)",
+                    )?
                     .write(&a.join("decision_readout.json"))?;
                 eprintln!(
                     "wrote adapter {} (LoRA r={lora_rank}, alpha={lora_alpha}, readout {readout_rows} rows; {:.1} M parameters) in {:.1} s",
@@ -294,7 +324,11 @@ fn decide_cmd(
     let engine = app::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
-    let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
+    let limits = BatchLimits {
+        max_tokens: model.batch_tokens,
+        max_sequences: model.batch_sequences,
+        ..Default::default()
+    };
     let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
     let bodies: Vec<&str> = if request.extension().is_some_and(|e| e == "jsonl") {
         text.lines().filter(|l| !l.trim().is_empty()).collect()
@@ -308,8 +342,10 @@ fn decide_cmd(
         let mut last = None;
         for run_index in 0..repeat.max(1) {
             let body = RequestBody::json(body.as_bytes().to_vec());
-            let decided = decide_direct(body, ctx.clone(), decider.clone(), |call| run_engine(engine.as_ref(), call, limits))
-                .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
+            let decided = decide_direct(body, ctx.clone(), decider.clone(), |call| {
+                run_engine(engine.as_ref(), call, limits)
+            })
+            .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
             let (plan, t) = (&decided.plan, decided.timings);
             if emit.is_some() && last.is_none() {
                 // "field" (the scored question's index) is the key the bench scripts read.
@@ -318,15 +354,20 @@ fn decide_cmd(
                         let mut ids = plan.prefix.clone();
                         ids.extend(&sp.common);
                         ids.extend(&pass.suffix);
-                        passes_out.push(serde_json::json!({"request": i, "field": q, "pass": p, "offset": pass.offset,
-                            "input_ids": ids, "logits": decided.output.logits[q][p]}));
+                        passes_out.push(
+                            serde_json::json!({"request": i, "field": q, "pass": p, "offset": pass.offset,
+                            "input_ids": ids, "logits": decided.output.logits[q][p]}),
+                        );
                     }
                 }
             }
-            timing_lines.push(serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
+            timing_lines.push(
+                serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
                 "vision_ms": t.vision_ms, "prefill_ms": t.prefill_ms, "questions_ms": t.questions_ms,
                 "input_tokens": plan.max_pass_tokens, "processed_tokens": plan.processed_tokens,
-                "passes": plan.pass_count(), "images": decided.request.images.len()}).to_string());
+                "passes": plan.pass_count(), "images": decided.request.images.len()})
+                .to_string(),
+            );
             last = Some(decided.response);
         }
         responses.push(last.expect("at least one run"));
@@ -337,7 +378,8 @@ fn decide_cmd(
         None => print!("{text}"),
     }
     if let Some(p) = timings_out {
-        std::fs::write(p, timing_lines.join("\n") + "\n").with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, timing_lines.join("\n") + "\n")
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = emit {
         let lines: Vec<String> = passes_out.iter().map(|v| v.to_string()).collect();
@@ -346,17 +388,29 @@ fn decide_cmd(
     Ok(())
 }
 
-fn run_forward<B: Backend>(model: Qwen35<B>, ids: &[u32], images: &[&crate::image::PatchedImage]) -> Result<ForwardOutput> {
+fn run_forward<B: Backend>(
+    model: Qwen35<B>,
+    ids: &[u32],
+    images: &[&crate::image::PatchedImage],
+) -> Result<ForwardOutput> {
     let (_state, hidden, layout) = model.prefill(ids, images)?;
     let hidden_last = model.backend.download(&hidden)?;
-    let readout_logits = if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
+    let readout_logits =
+        if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
     Ok(ForwardOutput { input_ids: layout.ids, hidden_last, readout_logits })
 }
 
-fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&Path>, device: Device) -> Result<()> {
+fn forward(
+    model_dir: &Path,
+    adapter: Option<&Path>,
+    input: &Path,
+    out: Option<&Path>,
+    device: Device,
+) -> Result<()> {
     let text = std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
-    let req: ForwardInput = serde_json::from_str(&text)
-        .with_context(|| format!("{} must be {{\"prompt\": STRING, \"images\": [PATH, ...]}}", input.display()))?;
+    let req: ForwardInput = serde_json::from_str(&text).with_context(|| {
+        format!("{} must be {{\"prompt\": STRING, \"images\": [PATH, ...]}}", input.display())
+    })?;
     let tokenizer = QwenTokenizer::from_model_dir(model_dir)?;
     let ids = tokenizer.encode(&req.prompt)?;
     let proc_cfg = ImageProcessorConfig::from_model_dir(model_dir)?;
@@ -371,7 +425,9 @@ fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&
     }
     let refs: Vec<&_> = patched.iter().collect();
     let result = match device {
-        Device::Cuda => run_forward(Qwen35::load(app::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
+        Device::Cuda => {
+            run_forward(Qwen35::load(app::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?
+        }
         _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs)?,
     };
     let json = serde_json::to_string(&result)?;

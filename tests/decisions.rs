@@ -12,7 +12,9 @@
 
 mod common;
 
-use imajev_serve::api::{decide_direct, run_engine, ApiError, Decided, EngineCall, ParseContext, RequestBody};
+use imajev_serve::api::{
+    decide_direct, run_engine, ApiError, Decided, EngineCall, ParseContext, RequestBody,
+};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use imajev_serve::engine::Qwen35;
@@ -140,10 +142,11 @@ fn answers_match_the_python_reference() {
             image_config: ImageProcessorConfig::from_model_dir(&m.bundle.model).unwrap(),
         };
         let expected = &case["expected"];
-        let outcome = decide_case(case, &d, &ctx, |call| run_engine(engine, call, BatchLimits::default())).map_err(|e| {
-            assert!(e.status < 500, "{name}: {} {}", e.status, e.summary());
-            e.status
-        });
+        let outcome = decide_case(case, &d, &ctx, |call| run_engine(engine, call, BatchLimits::default()))
+            .map_err(|e| {
+                assert!(e.status < 500, "{name}: {} {}", e.status, e.summary());
+                e.status
+            });
         if let Some(status) = expected.get("rejected") {
             rejected += 1;
             match outcome {
@@ -172,7 +175,12 @@ fn answers_match_the_python_reference() {
         }
     }
     eprintln!("{answered} answered and {rejected} rejected reference cases checked");
-    assert!(failures.is_empty(), "{} case(s) differ from the reference:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} case(s) differ from the reference:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Every pass from scratch (one full forward per pass, the way imajev's torch server runs) gives
@@ -204,7 +212,14 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
         decide_case(case, &d, &ctx, |call| {
             let (plan, images) = (&call.plan, call.images.iter().collect::<Vec<&PatchedImage>>());
             // Tiny batches, too, so batching itself is exercised differently from the default.
-            let shared = engine.run(plan, &images, BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 }, &|| Ok(())).unwrap();
+            let shared = engine
+                .run(
+                    plan,
+                    &images,
+                    BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 },
+                    &|| Ok(()),
+                )
+                .unwrap();
             assert!(shared.prefill_ms > 0.0, "tiny batches take the separate prefill");
             // And the whole request as one forward (prefix + every pass continuing it).
             let one = BatchLimits { min_shared_tokens: usize::MAX, ..Default::default() };
@@ -219,10 +234,18 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
                     let scratch = engine.readout(&h).unwrap().remove(0);
                     let e = common::rel_err(&shared.logits[q][p], &scratch);
                     worst = worst.max(e);
-                    assert!(e < 1e-5, "{}: scored question {q} pass {p}: shared vs scratch {e:.2e}", case["name"]);
+                    assert!(
+                        e < 1e-5,
+                        "{}: scored question {q} pass {p}: shared vs scratch {e:.2e}",
+                        case["name"]
+                    );
                     let e = common::rel_err(&fused.logits[q][p], &scratch);
                     worst = worst.max(e);
-                    assert!(e < 1e-5, "{}: scored question {q} pass {p}: one forward vs scratch {e:.2e}", case["name"]);
+                    assert!(
+                        e < 1e-5,
+                        "{}: scored question {q} pass {p}: one forward vs scratch {e:.2e}",
+                        case["name"]
+                    );
                     checked += 1;
                 }
             }

@@ -9,11 +9,11 @@
 mod common;
 
 use imajev_serve::api::{decide_direct, parse_request, run_engine, ParseContext, RequestBody};
+use imajev_serve::app::{cuda_backend, Quantize};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig};
-use imajev_serve::app::{cuda_backend, Quantize};
 use imajev_serve::tokenizer::QwenTokenizer;
 use imajev_serve::worker::{BatchLimits, DecisionEngine};
 use serde_json::Value;
@@ -26,7 +26,9 @@ const TOL: f64 = 0.03;
 fn numbers(v: &Value, out: &mut Vec<f64>) {
     match v {
         Value::Number(n) => out.push(n.as_f64().unwrap()),
-        Value::Object(m) => m.iter().filter(|(k, _)| *k != "score" && *k != "threshold").for_each(|(_, x)| numbers(x, out)),
+        Value::Object(m) => {
+            m.iter().filter(|(k, _)| *k != "score" && *k != "threshold").for_each(|(_, x)| numbers(x, out))
+        }
         Value::Array(a) => a.iter().for_each(|x| numbers(x, out)),
         _ => {}
     }

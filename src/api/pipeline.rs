@@ -76,11 +76,7 @@ where
         "planned"
     );
     let plan = Arc::new(plan);
-    let output = run(EngineCall {
-        plan: plan.clone(),
-        images: pixels,
-    })
-    .await?;
+    let output = run(EngineCall { plan: plan.clone(), images: pixels }).await?;
     let timings = Timings {
         vision_ms: output.vision_ms,
         prefill_ms: output.prefill_ms,
@@ -88,13 +84,7 @@ where
         total_ms: started.elapsed().as_secs_f64() * 1e3,
     };
     let response = decider.respond(&request, &plan, &output.logits, timings);
-    Ok(Decided {
-        response,
-        request,
-        plan,
-        output,
-        timings,
-    })
+    Ok(Decided { response, request, plan, output, timings })
 }
 
 /// [`decide`] for callers without an async runtime (the `decide` command, tests): everything
@@ -111,14 +101,9 @@ pub fn decide_direct(
         .build()
         .map_err(|e| ApiError::internal(format!("starting an async runtime: {e}")))?;
     let started = Instant::now();
-    runtime.block_on(decide(
-        body,
-        ctx,
-        decider,
-        started,
-        ParseOn::ThisThread,
-        |call| std::future::ready(run(call)),
-    ))
+    runtime.block_on(decide(body, ctx, decider, started, ParseOn::ThisThread, |call| {
+        std::future::ready(run(call))
+    }))
 }
 
 /// The direct engine call: `call` on a loaded engine, on this thread (no queue, no deadline).

@@ -158,9 +158,13 @@ impl AppState {
 
     fn ready_or_503(&self) -> Result<(Arc<Decider>, String, f64), ApiError> {
         self.ready().map_err(|n| match n {
-            NotReady::Loading => ApiError::message(503, "loading", "the model is still loading; retry shortly")
-                .with_retry_after(Duration::from_secs(5)),
-            NotReady::Failed(e) => ApiError::message(503, "unavailable", format!("the model failed to load: {e}")),
+            NotReady::Loading => {
+                ApiError::message(503, "loading", "the model is still loading; retry shortly")
+                    .with_retry_after(Duration::from_secs(5))
+            }
+            NotReady::Failed(e) => {
+                ApiError::message(503, "unavailable", format!("the model failed to load: {e}"))
+            }
         })
     }
 
@@ -233,7 +237,9 @@ async fn peer_gone(peer: Option<PeerSocket>) {
 
 fn sane_request_id(v: &HeaderValue) -> Option<String> {
     let s = v.to_str().ok()?;
-    let ok = !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    let ok = !s.is_empty()
+        && s.len() <= 128
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
     ok.then(|| s.to_string())
 }
 
@@ -243,7 +249,8 @@ fn new_request_id() -> String {
     static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
     let seed = SEED.get_or_init(std::collections::hash_map::RandomState::new);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let mut a = seed.build_hasher();
     a.write_u64(n);
     a.write_u128(t);
@@ -254,23 +261,32 @@ fn new_request_id() -> String {
 }
 
 fn json_response(status: u16, v: &serde_json::Value) -> HttpResponse {
-    HttpResponse::build(actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::OK))
-        .content_type("application/json")
-        .body(serde_json::to_vec(v).unwrap_or_default())
+    HttpResponse::build(
+        actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::OK),
+    )
+    .content_type("application/json")
+    .body(serde_json::to_vec(v).unwrap_or_default())
 }
 
 fn header_str(req: &HttpRequest, name: HeaderName) -> Result<Option<String>, ApiError> {
     match req.headers().get(&name) {
         None => Ok(None),
-        Some(v) => v
-            .to_str()
-            .map(|s| Some(s.to_string()))
-            .map_err(|_| ApiError::bad_request(Loc::body(), format!("the {name} header is not valid ASCII"), "header_invalid")),
+        Some(v) => v.to_str().map(|s| Some(s.to_string())).map_err(|_| {
+            ApiError::bad_request(
+                Loc::body(),
+                format!("the {name} header is not valid ASCII"),
+                "header_invalid",
+            )
+        }),
     }
 }
 
 /// `POST /v1/systemone`: the request pipeline with the worker's queue as the engine call.
-async fn systemone(req: HttpRequest, payload: web::Payload, st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+async fn systemone(
+    req: HttpRequest,
+    payload: web::Payload,
+    st: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     let started = Instant::now();
     let id = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
     st.authorize(&req)?;
@@ -296,11 +312,17 @@ async fn read_body(req: &HttpRequest, payload: web::Payload, cap: usize) -> Resu
     let codings = body::codings(header_str(req, header::CONTENT_ENCODING)?.as_deref())?;
     if let Some(len) = header_str(req, header::CONTENT_LENGTH)?.and_then(|s| s.trim().parse::<u64>().ok()) {
         if len > cap as u64 {
-            return Err(ApiError::too_large(format!("the request body is {len} bytes; the limit is {cap} bytes")));
+            return Err(ApiError::too_large(format!(
+                "the request body is {len} bytes; the limit is {cap} bytes"
+            )));
         }
     }
     let raw = body::read_payload(payload, cap).await?;
-    let decoded = if codings.is_empty() { raw } else { on_blocking_pool(move || body::decode(raw, &codings, cap)).await? };
+    let decoded = if codings.is_empty() {
+        raw
+    } else {
+        on_blocking_pool(move || body::decode(raw, &codings, cap)).await?
+    };
     Ok(match kind {
         BodyKind::Json => RequestBody::json(decoded),
         BodyKind::Multipart => {
@@ -339,11 +361,15 @@ async fn run_queued(
             return Err(ApiError::message(
                 529,
                 "overloaded",
-                format!("the server is busy ({capacity} requests are waiting); retry after {retry_after_s} s"),
+                format!(
+                    "the server is busy ({capacity} requests are waiting); retry after {retry_after_s} s"
+                ),
             )
             .with_retry_after(Duration::from_secs(retry_after_s)));
         }
-        Err(SubmitError::Stopped) => return Err(ApiError::message(503, "unavailable", "the engine has stopped")),
+        Err(SubmitError::Stopped) => {
+            return Err(ApiError::message(503, "unavailable", "the engine has stopped"))
+        }
     }
     let reply = tokio::select! {
         r = tokio::time::timeout(timeout + Duration::from_secs(2), rx) => r,
@@ -358,7 +384,9 @@ async fn run_queued(
         Ok(Err(_)) => Err(ApiError::internal("the engine stopped without answering")),
         Ok(Ok(Err(e))) => Err(match e {
             JobError::Deadline(_) => timeout_error(cfg.request_timeout),
-            JobError::NotLoaded(m) => ApiError::message(503, "unavailable", format!("the model is not loaded: {m}")),
+            JobError::NotLoaded(m) => {
+                ApiError::message(503, "unavailable", format!("the model is not loaded: {m}"))
+            }
             JobError::Engine(e) => ApiError::internal(format!("the engine failed: {e:#}")),
             JobError::Cancelled => ApiError::internal("the request was cancelled"),
         }),
@@ -367,7 +395,11 @@ async fn run_queued(
 }
 
 fn timeout_error(t: Duration) -> ApiError {
-    ApiError::message(504, "timeout", format!("the request did not finish within {:.1} s; retry later or send less", t.as_secs_f64()))
+    ApiError::message(
+        504,
+        "timeout",
+        format!("the request did not finish within {:.1} s; retry later or send less", t.as_secs_f64()),
+    )
 }
 
 /// `GET /v1/models`.
@@ -398,10 +430,14 @@ async fn healthz(st: web::Data<AppState>) -> HttpResponse {
             200,
             &json!({"status": "ok", "model": d.settings.model_name, "backend": backend, "queue_depth": depth, "queue_capacity": capacity}),
         ),
-        Err(NotReady::Loading) => json_response(503, &json!({"status": "loading", "queue_depth": depth, "queue_capacity": capacity})),
-        Err(NotReady::Failed(e)) => {
-            json_response(503, &json!({"status": "failed", "error": e, "queue_depth": depth, "queue_capacity": capacity}))
-        }
+        Err(NotReady::Loading) => json_response(
+            503,
+            &json!({"status": "loading", "queue_depth": depth, "queue_capacity": capacity}),
+        ),
+        Err(NotReady::Failed(e)) => json_response(
+            503,
+            &json!({"status": "failed", "error": e, "queue_depth": depth, "queue_capacity": capacity}),
+        ),
     }
 }
 
@@ -410,7 +446,8 @@ async fn metrics(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     st.shared.http.refresh();
     let mut out = Vec::new();
     let enc = TextEncoder::new();
-    enc.encode(&st.shared.registry.gather(), &mut out).map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
+    enc.encode(&st.shared.registry.gather(), &mut out)
+        .map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
     Ok(HttpResponse::Ok().content_type(enc.format_type()).body(out))
 }
 
@@ -429,7 +466,11 @@ async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
 
 async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
     let allow = if req.path() == "/v1/systemone" { "POST" } else { "GET" };
-    let e = ApiError::message(405, "method_not_allowed", format!("{} {} is not allowed; use {allow}", req.method(), req.path()));
+    let e = ApiError::message(
+        405,
+        "method_not_allowed",
+        format!("{} {} is not allowed; use {allow}", req.method(), req.path()),
+    );
     let mut r = actix_web::ResponseError::error_response(&e);
     r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
     r
@@ -459,7 +500,8 @@ impl Observed {
         let id = req.headers().get("x-request-id").and_then(sane_request_id).unwrap_or_else(new_request_id);
         req.extensions_mut().insert(RequestId(id.clone()));
         let route = req.match_pattern().unwrap_or_else(|| "unmatched".into());
-        let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
+        let span =
+            tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
         let http = &st.shared.http;
         http.in_flight.inc();
         Observed {
@@ -510,11 +552,31 @@ pub async fn run_http_server(
                 let fut = srv.call(req).instrument(obs.span.clone());
                 async move { Ok(obs.finish(fut.await?)) }
             })
-            .service(web::resource("/v1/systemone").route(web::post().to(systemone)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/v1/models").route(web::get().to(models)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/healthz").route(web::get().to(healthz)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/metrics").route(web::get().to(metrics)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/openapi.json").route(web::get().to(openapi)).default_service(web::to(method_not_allowed)))
+            .service(
+                web::resource("/v1/systemone")
+                    .route(web::post().to(systemone))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/v1/models")
+                    .route(web::get().to(models))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/healthz")
+                    .route(web::get().to(healthz))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/metrics")
+                    .route(web::get().to(metrics))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/openapi.json")
+                    .route(web::get().to(openapi))
+                    .default_service(web::to(method_not_allowed)),
+            )
             .default_service(web::to(not_found))
     })
     .on_connect(|conn, ext| {

@@ -18,8 +18,7 @@ pub fn demo_bundle() -> Result<(tempfile::TempDir, PathBuf, PathBuf)> {
     let adapter = dir.path().join("adapter");
     synth::write_model(&cfg, SynthDtype::Bf16, 20261202, &model)?;
     synth::write_adapter(&cfg, 8, 16.0, 256, 20261202, &adapter)?;
-    Codebook::derive(&QwenTokenizer::builtin()?, 256)?
-        .write(&adapter.join("decision_readout.json"))?;
+    Codebook::derive(&QwenTokenizer::builtin()?, 256)?.write(&adapter.join("decision_readout.json"))?;
     Ok((dir, model, adapter))
 }
 

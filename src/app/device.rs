@@ -55,25 +55,13 @@ pub fn load_engine(
     adapter: &Path,
 ) -> Result<Box<dyn DecisionEngine>> {
     match device {
-        Device::Cuda => Ok(Box::new(Qwen35::load(
-            cuda_backend(quantize)?,
-            model,
-            Some(adapter),
-        )?)),
-        Device::Cpu => Ok(Box::new(Qwen35::load(
-            CpuBackend::default(),
-            model,
-            Some(adapter),
-        )?)),
+        Device::Cuda => Ok(Box::new(Qwen35::load(cuda_backend(quantize)?, model, Some(adapter))?)),
+        Device::Cpu => Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?)),
         Device::Auto => match cuda_backend(quantize) {
             Ok(b) => Ok(Box::new(Qwen35::load(b, model, Some(adapter))?)),
             Err(e) => {
                 tracing::info!("no usable GPU ({e:#}); using the CPU backend");
-                Ok(Box::new(Qwen35::load(
-                    CpuBackend::default(),
-                    model,
-                    Some(adapter),
-                )?))
+                Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?))
             }
         },
     }

@@ -90,18 +90,9 @@ pub fn start(opts: &ServeOptions) -> Result<Service> {
     let registry = prometheus::Registry::new();
     let metrics = Arc::new(EngineMetrics::new(&registry)?);
     metrics.weight_bytes.set(dir_bytes(&p.model_dir) as i64);
-    let (device, quantize, m, a) = (
-        p.device,
-        p.quantize,
-        p.model_dir.clone(),
-        p.adapter_dir.clone(),
-    );
-    let (worker, engine_thread) = worker::spawn(
-        move || load_engine(device, quantize, &m, &a),
-        p.queue_depth,
-        p.batch,
-        metrics,
-    );
+    let (device, quantize, m, a) = (p.device, p.quantize, p.model_dir.clone(), p.adapter_dir.clone());
+    let (worker, engine_thread) =
+        worker::spawn(move || load_engine(device, quantize, &m, &a), p.queue_depth, p.batch, metrics);
     Ok(Service {
         decider: p.decider,
         worker,
@@ -127,30 +118,22 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
         }
     };
     let adapter_dir = adapter_dir.ok_or_else(|| {
-        anyhow::anyhow!("--adapter is required: decisions are read by the adapter's decision_readout.safetensors")
+        anyhow::anyhow!(
+            "--adapter is required: decisions are read by the adapter's decision_readout.safetensors"
+        )
     })?;
     if !model_dir.join("config.json").exists() {
-        bail!(
-            "{} has no config.json; --model must be a Hugging Face model folder",
-            model_dir.display()
-        );
+        bail!("{} has no config.json; --model must be a Hugging Face model folder", model_dir.display());
     }
     let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
     let tokenizer = Arc::new(QwenTokenizer::from_model_dir(&model_dir)?);
     let readout = readout_path(&adapter_dir);
     if !readout.exists() {
-        bail!(
-            "{} is missing: the adapter folder must hold the decision readout",
-            readout.display()
-        );
+        bail!("{} is missing: the adapter folder must hold the decision readout", readout.display());
     }
     let rows = ReadoutFile::open(&readout, config.text_config.hidden_size)?.rows();
     let codebook = Codebook::for_adapter(&adapter_dir, &tokenizer, rows)?;
-    let calibration = opts
-        .calibration
-        .as_deref()
-        .map(Calibration::load)
-        .transpose()?;
+    let calibration = opts.calibration.as_deref().map(Calibration::load).transpose()?;
     let model_name = opts.model_name.clone().unwrap_or_else(|| {
         if demo.is_some() {
             "imajev-demo".into()
@@ -201,8 +184,7 @@ pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
     http.adapter_label = service.info.adapter.clone();
     if service.info.demo {
         http.model_description =
-            "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless"
-                .into();
+            "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
     }
     tracing::info!(
         model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
@@ -210,15 +192,7 @@ pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
         "serving on http://{}:{} (the model loads in the background)", http.host, http.port
     );
     // The demo's files stay until the engine thread has stopped.
-    let Service {
-        decider,
-        worker,
-        engine_thread,
-        image_config,
-        registry,
-        demo: _demo_files,
-        ..
-    } = service;
+    let Service { decider, worker, engine_thread, image_config, registry, demo: _demo_files, .. } = service;
     let app = crate::api::build_app_state(&http, worker, registry, image_config)?;
     app.set_decider(decider);
     let result = actix_web::rt::System::new().block_on(run_http_until_signal(http, app));
@@ -238,10 +212,7 @@ async fn run_http_until_signal(cfg: ServerConfig, app: AppState) -> Result<()> {
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (mut term, mut int) = match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
         (Ok(t), Ok(i)) => (t, i),
         (Err(e), _) | (_, Err(e)) => {
             tracing::error!("cannot listen for SIGTERM/SIGINT ({e}); stop the server with SIGKILL");
@@ -266,10 +237,7 @@ pub fn read_api_keys(path: &Path) -> Result<Vec<String>> {
         .map(String::from)
         .collect();
     if keys.is_empty() {
-        bail!(
-            "--api-key-file {} holds no keys (one per line)",
-            path.display()
-        );
+        bail!("--api-key-file {} holds no keys (one per line)", path.display());
     }
     Ok(keys)
 }

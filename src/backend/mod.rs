@@ -138,7 +138,10 @@ pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Tree>
     for (j, p) in parents.iter().enumerate() {
         if let Some(i) = *p {
             anyhow::ensure!(i < j, "segment {j}'s parent {i} does not come before it");
-            anyhow::ensure!(parents[i].is_none(), "segment {j}'s parent {i} has a parent itself (one level only)");
+            anyhow::ensure!(
+                parents[i].is_none(),
+                "segment {j}'s parent {i} has a parent itself (one level only)"
+            );
             tree.is_parent[i] = true;
         }
     }
@@ -217,7 +220,13 @@ pub trait Backend: Send + Sync + 'static {
     fn matmul(&self, x: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor>;
     /// RMSNorm over rows of length `w.len()`: `x̂ · (offset + w)` (offset 1 = zero-centred).
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32, offset: f32) -> Result<Self::Tensor>;
-    fn layer_norm(&self, x: &Self::Tensor, w: &Self::Tensor, b: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// The residual add and the next RMSNorm: `x += y` (exactly `add_assign`), then returns
     /// `rms_norm(x, w, eps, offset)` of the updated `x`. Backends may fuse the two (CUDA: one

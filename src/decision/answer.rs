@@ -78,7 +78,12 @@ impl Extras {
 }
 
 /// The `answers` object: one entry per question, in request order.
-pub fn answers(req: &DecisionRequest, scored: &[ScoredQuestion], outcomes: &[Outcome], mode: ContractMode) -> Map<String, Value> {
+pub fn answers(
+    req: &DecisionRequest,
+    scored: &[ScoredQuestion],
+    outcomes: &[Outcome],
+    mode: ContractMode,
+) -> Map<String, Value> {
     let ex = Extras { mode };
     let mut out = Map::new();
     let mut next = 0; // index into scored/outcomes
@@ -102,7 +107,8 @@ pub fn answers(req: &DecisionRequest, scored: &[ScoredQuestion], outcomes: &[Out
                     ContractMode::Imajev => concentration(&p) * (1.0 - unknown),
                     ContractMode::Typesafe => typesafe_choice_confidence(&p),
                 };
-                let probs: Map<String, Value> = options.iter().zip(&p).map(|((v, _), x)| (v.clone(), json!(x))).collect();
+                let probs: Map<String, Value> =
+                    options.iter().zip(&p).map(|((v, _), x)| (v.clone(), json!(x))).collect();
                 a.insert("type".into(), json!("choice"));
                 a.insert("choice".into(), json!(options[selected].0));
                 a.insert("probabilities".into(), Value::Object(probs));
@@ -118,8 +124,10 @@ pub fn answers(req: &DecisionRequest, scored: &[ScoredQuestion], outcomes: &[Out
                     ContractMode::Imajev => concentration(&p) * (1.0 - unknown),
                     ContractMode::Typesafe => typesafe_score_confidence(&p),
                 };
-                let legend: Map<String, Value> = levels.iter().enumerate().map(|(i, d)| (i.to_string(), json!(d))).collect();
-                let probs: Map<String, Value> = p.iter().enumerate().map(|(i, x)| (i.to_string(), json!(x))).collect();
+                let legend: Map<String, Value> =
+                    levels.iter().enumerate().map(|(i, d)| (i.to_string(), json!(d))).collect();
+                let probs: Map<String, Value> =
+                    p.iter().enumerate().map(|(i, x)| (i.to_string(), json!(x))).collect();
                 a.insert("type".into(), json!("score"));
                 a.insert("score".into(), json!(score));
                 a.insert("legend".into(), Value::Object(legend));

@@ -157,7 +157,10 @@ mod tests {
         assert_eq!(c.temperature(ScoredKind::Boolean, 2, true), Some(1.028));
         assert_eq!(c.temperature(ScoredKind::Boolean, 2, false), Some(1.5));
         assert_eq!(c.temperature(ScoredKind::Choice, 2, true), None);
-        assert!(Calibration::from_json(r#"{"schema_version": "2.0", "calibration_version": "x", "temperatures": {}, "counts": {}}"#).is_err());
+        assert!(Calibration::from_json(
+            r#"{"schema_version": "2.0", "calibration_version": "x", "temperatures": {}, "counts": {}}"#
+        )
+        .is_err());
         assert!(Calibration::from_json(r#"{"schema_version": "1.0", "calibration_version": "x", "temperatures": {"boolean:2": -1}, "counts": {"boolean:2": 1}}"#).is_err());
     }
 }

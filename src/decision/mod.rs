@@ -81,16 +81,25 @@ impl Decider {
                 )));
             }
         }
-        let plan = prompt::plan(req, &self.tokenizer, &self.codebook, self.settings.rotations, &image_tokens)?;
+        let plan =
+            prompt::plan(req, &self.tokenizer, &self.codebook, self.settings.rotations, &image_tokens)?;
         if plan.max_pass_tokens > self.settings.max_input_tokens {
-            return Err(PlanError::TooManyTokens { got: plan.max_pass_tokens, limit: self.settings.max_input_tokens });
+            return Err(PlanError::TooManyTokens {
+                got: plan.max_pass_tokens,
+                limit: self.settings.max_input_tokens,
+            });
         }
         Ok(plan)
     }
 
     /// Outcomes per scored question from readout logits (`logits[scored][pass]`), calibrated if
     /// configured.
-    pub fn outcomes(&self, req: &DecisionRequest, plan: &Plan, logits: &[Vec<Vec<f32>>]) -> Vec<outcome::Outcome> {
+    pub fn outcomes(
+        &self,
+        req: &DecisionRequest,
+        plan: &Plan,
+        logits: &[Vec<Vec<f32>>],
+    ) -> Vec<outcome::Outcome> {
         let photo_only = !req.images.is_empty() && req.state_is_empty();
         plan.scored
             .iter()
@@ -110,8 +119,11 @@ impl Decider {
         let outcomes = self.outcomes(req, plan, logits);
         let scored: Vec<prompt::ScoredQuestion> = plan.scored.iter().map(|q| q.question.clone()).collect();
         let answers = answer::answers(req, &scored, &outcomes, self.settings.mode);
-        let images: Vec<Value> =
-            req.images.iter().map(|i| json!({"sha256": i.sha256, "width": i.width, "height": i.height})).collect();
+        let images: Vec<Value> = req
+            .images
+            .iter()
+            .map(|i| json!({"sha256": i.sha256, "width": i.width, "height": i.height}))
+            .collect();
         let mut usage = Map::new();
         usage.insert("input_tokens".into(), json!(plan.max_pass_tokens));
         usage.insert("output_tokens".into(), json!(0));

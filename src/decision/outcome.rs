@@ -85,7 +85,13 @@ pub fn combine(plan: &ScoredPlan, per_pass: &[Vec<f32>]) -> Outcome {
 }
 
 /// Applies temperature calibration (and, for text-only requests, an unknown-logit offset).
-pub fn calibrate(o: Outcome, kind: ScoredKind, cal: &Calibration, has_images: bool, photo_only: bool) -> Outcome {
+pub fn calibrate(
+    o: Outcome,
+    kind: ScoredKind,
+    cal: &Calibration,
+    has_images: bool,
+    photo_only: bool,
+) -> Outcome {
     let options = o.keys.len() - 1;
     let temperature = cal.temperature(kind, options, photo_only);
     let offset = if has_images { 0.0 } else { cal.unknown_offset(kind, options) };
@@ -125,7 +131,8 @@ mod tests {
     use crate::decision::prompt::{PassPlan, ScoredQuestion, UNKNOWN_KEY};
 
     fn plan(offsets: &[usize], n: usize) -> ScoredPlan {
-        let mut candidates: Vec<(String, String)> = (0..n - 1).map(|i| (format!("o{i}"), format!("o{i}"))).collect();
+        let mut candidates: Vec<(String, String)> =
+            (0..n - 1).map(|i| (format!("o{i}"), format!("o{i}"))).collect();
         candidates.push((UNKNOWN_KEY.into(), "unknown".into()));
         ScoredPlan {
             question: ScoredQuestion { kind: ScoredKind::Choice, text: "q".into(), candidates, owner: 0 },
@@ -143,7 +150,9 @@ mod tests {
         let passes: Vec<Vec<f32>> = p
             .passes
             .iter()
-            .map(|pp| (0..3).map(|pos| cand[(pos + pp.offset) % 3] + if pos == 0 { 1.0 } else { 0.0 }).collect())
+            .map(|pp| {
+                (0..3).map(|pos| cand[(pos + pp.offset) % 3] + if pos == 0 { 1.0 } else { 0.0 }).collect()
+            })
             .collect();
         let o = combine(&p, &passes);
         assert_eq!(o.selected, 0);

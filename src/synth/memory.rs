@@ -37,7 +37,13 @@ impl MemoryTensor {
         Self::stored(name, StoredDtype::F8E4M3, shape, q, Some((scale_shape, scale)))
     }
 
-    fn stored(name: &str, dtype: StoredDtype, shape: &[usize], bytes: Vec<u8>, scale: Option<(Vec<usize>, Vec<u8>)>) -> Self {
+    fn stored(
+        name: &str,
+        dtype: StoredDtype,
+        shape: &[usize],
+        bytes: Vec<u8>,
+        scale: Option<(Vec<usize>, Vec<u8>)>,
+    ) -> Self {
         MemoryTensor { name: name.into(), dtype, shape: shape.to_vec(), bytes, scale }
     }
 
@@ -48,7 +54,11 @@ impl MemoryTensor {
             dtype: self.dtype,
             shape: &self.shape,
             bytes: &self.bytes,
-            scale_inv: self.scale.as_ref().map(|(shape, bytes)| ScaleRef { shape, bytes, block: Some([128, 128]) }),
+            scale_inv: self.scale.as_ref().map(|(shape, bytes)| ScaleRef {
+                shape,
+                bytes,
+                block: Some([128, 128]),
+            }),
         }
     }
 }

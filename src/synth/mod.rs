@@ -37,10 +37,8 @@ pub enum SynthDtype {
 }
 
 /// The named configurations `synth --config` accepts (besides a path to a config.json).
-pub const PRESETS: &[(&str, &str)] = &[
-    ("tiny", include_str!("configs/tiny.json")),
-    ("qwen3.5-4b", include_str!("configs/qwen3_5-4b.json")),
-];
+pub const PRESETS: &[(&str, &str)] =
+    &[("tiny", include_str!("configs/tiny.json")), ("qwen3.5-4b", include_str!("configs/qwen3_5-4b.json"))];
 
 /// The config.json of a preset (`qwen3_5-4b` and `4b` name the 4B one too), as JSON to edit.
 pub fn preset_json(name: &str) -> Option<serde_json::Value> {
@@ -164,13 +162,29 @@ pub fn write_model(cfg: &ModelConfig, dtype: SynthDtype, seed: u64, dir: &Path) 
     progress.finish();
     if count > 1 {
         let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)? + "\n")?;
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)? + "\n",
+        )?;
     }
     std::fs::write(dir.join("tokenizer.json"), QwenTokenizer::builtin_json()?)?;
-    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tokenizer_config())? + "\n")?;
-    std::fs::write(dir.join("preprocessor_config.json"), crate::image::ImageProcessorConfig::default().to_json())?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tokenizer_config())? + "\n",
+    )?;
+    std::fs::write(
+        dir.join("preprocessor_config.json"),
+        crate::image::ImageProcessorConfig::default().to_json(),
+    )?;
     std::fs::write(dir.join("chat_template.jinja"), CHAT_TEMPLATE)?;
-    Ok(SynthReport { dir: dir.to_path_buf(), files, tensors, parameters: params, bytes: total, seconds: started.elapsed().as_secs_f64() })
+    Ok(SynthReport {
+        dir: dir.to_path_buf(),
+        files,
+        tensors,
+        parameters: params,
+        bytes: total,
+        seconds: started.elapsed().as_secs_f64(),
+    })
 }
 
 /// The Qwen3.5 chat template (`chat_template.jinja` of Qwen/Qwen3.5, sha256 a4aee8af…f715),
@@ -198,12 +212,18 @@ fn tokenizer_config() -> serde_json::Value {
 }
 
 /// The text projections imajev adapts (its `target_modules` regex).
-pub const LORA_TARGETS: &str =
-    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)";
+pub const LORA_TARGETS: &str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)";
 
 /// Writes a PEFT LoRA adapter (`adapter_config.json`, F32 `adapter_model.safetensors`) for every
 /// text projection imajev adapts, and an F32 `decision_readout.safetensors` `[readout_rows, hidden]`.
-pub fn write_adapter(cfg: &ModelConfig, rank: usize, alpha: f64, readout_rows: usize, seed: u64, dir: &Path) -> Result<SynthReport> {
+pub fn write_adapter(
+    cfg: &ModelConfig,
+    rank: usize,
+    alpha: f64,
+    readout_rows: usize,
+    seed: u64,
+    dir: &Path,
+) -> Result<SynthReport> {
     let started = std::time::Instant::now();
     if rank == 0 {
         bail!("--lora-rank must be at least 1");
@@ -301,7 +321,12 @@ mod tests {
 
     #[test]
     fn generation_is_deterministic_and_name_dependent() {
-        let s = |name: &str| Spec { name: name.into(), shape: vec![3, 40000], init: Init::Normal { mean: 0.0, std: 1.0 }, store: Store::F32 };
+        let s = |name: &str| Spec {
+            name: name.into(),
+            shape: vec![3, 40000],
+            init: Init::Normal { mean: 0.0, std: 1.0 },
+            store: Store::F32,
+        };
         let a = generate(&s("x.weight"), 7);
         assert_eq!(a, generate(&s("x.weight"), 7));
         assert_ne!(a, generate(&s("y.weight"), 7));

@@ -37,9 +37,7 @@ impl SplitMix {
     /// `n` standard normal values times `scale`, rounded to bf16, so a GPU backend that stores
     /// them in bf16 and the f32 CPU reference see identical inputs.
     pub fn bf16_normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| half::bf16::from_f32(self.gaussian() * scale).to_f32())
-            .collect()
+        (0..n).map(|_| half::bf16::from_f32(self.gaussian() * scale).to_f32()).collect()
     }
     /// Uniform in (0, 1), 24 bits.
     pub fn uniform(&mut self) -> f32 {

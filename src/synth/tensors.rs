@@ -41,7 +41,9 @@ pub fn generate(spec: &Spec, seed: u64) -> Vec<f32> {
         let mut rng = SplitMix::new(base ^ (bi as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
         match spec.init {
             Init::Normal { mean, std } => chunk.iter_mut().for_each(|x| *x = mean + std * rng.normal()),
-            Init::LogUniform { lo, hi } => chunk.iter_mut().for_each(|x| *x = (lo + (hi - lo) * rng.uniform()).ln()),
+            Init::LogUniform { lo, hi } => {
+                chunk.iter_mut().for_each(|x| *x = (lo + (hi - lo) * rng.uniform()).ln())
+            }
         }
     });
     v
@@ -90,7 +92,11 @@ pub fn model_specs(cfg: &ModelConfig, dtype: SynthDtype) -> Result<Vec<Spec>> {
         add(format!("{l}post_attention_layernorm.weight"), vec![h], n(0.1));
         add(format!("{l}mlp.gate_proj.weight"), vec![t.intermediate_size, h], n(fan(h)));
         add(format!("{l}mlp.up_proj.weight"), vec![t.intermediate_size, h], n(fan(h)));
-        add(format!("{l}mlp.down_proj.weight"), vec![h, t.intermediate_size], n(fan(t.intermediate_size) * out_scale));
+        add(
+            format!("{l}mlp.down_proj.weight"),
+            vec![h, t.intermediate_size],
+            n(fan(t.intermediate_size) * out_scale),
+        );
         match k {
             LayerKind::FullAttention => {
                 let (nh, kvh, hd) = (t.num_attention_heads, t.num_key_value_heads, t.head_dim);
@@ -107,11 +113,23 @@ pub fn model_specs(cfg: &ModelConfig, dtype: SynthDtype) -> Result<Vec<Spec>> {
                 add(format!("{l}linear_attn.in_proj_z.weight"), vec![t.value_dim(), h], n(fan(h)));
                 add(format!("{l}linear_attn.in_proj_b.weight"), vec![vh, h], n(fan(h)));
                 add(format!("{l}linear_attn.in_proj_a.weight"), vec![vh, h], n(fan(h)));
-                add(format!("{l}linear_attn.conv1d.weight"), vec![t.conv_dim(), 1, t.linear_conv_kernel_dim], n(0.5));
+                add(
+                    format!("{l}linear_attn.conv1d.weight"),
+                    vec![t.conv_dim(), 1, t.linear_conv_kernel_dim],
+                    n(0.5),
+                );
                 add(format!("{l}linear_attn.dt_bias"), vec![vh], Init::Normal { mean: 1.0, std: 0.2 });
                 add(format!("{l}linear_attn.A_log"), vec![vh], Init::LogUniform { lo: 1.0, hi: 16.0 });
-                add(format!("{l}linear_attn.norm.weight"), vec![t.linear_value_head_dim], Init::Normal { mean: 1.0, std: 0.1 });
-                add(format!("{l}linear_attn.out_proj.weight"), vec![h, t.value_dim()], n(fan(t.value_dim()) * out_scale));
+                add(
+                    format!("{l}linear_attn.norm.weight"),
+                    vec![t.linear_value_head_dim],
+                    Init::Normal { mean: 1.0, std: 0.1 },
+                );
+                add(
+                    format!("{l}linear_attn.out_proj.weight"),
+                    vec![h, t.value_dim()],
+                    n(fan(t.value_dim()) * out_scale),
+                );
             }
         }
     }
@@ -137,7 +155,11 @@ pub fn model_specs(cfg: &ModelConfig, dtype: SynthDtype) -> Result<Vec<Spec>> {
         add(format!("{b}attn.proj.bias"), vec![d], n(0.02));
         add(format!("{b}mlp.linear_fc1.weight"), vec![v.intermediate_size, d], n(fan(d)));
         add(format!("{b}mlp.linear_fc1.bias"), vec![v.intermediate_size], n(0.02));
-        add(format!("{b}mlp.linear_fc2.weight"), vec![d, v.intermediate_size], n(fan(v.intermediate_size) * v_out));
+        add(
+            format!("{b}mlp.linear_fc2.weight"),
+            vec![d, v.intermediate_size],
+            n(fan(v.intermediate_size) * v_out),
+        );
         add(format!("{b}mlp.linear_fc2.bias"), vec![d], n(0.02));
     }
     let m = d * v.spatial_merge_size * v.spatial_merge_size;
@@ -149,4 +171,3 @@ pub fn model_specs(cfg: &ModelConfig, dtype: SynthDtype) -> Result<Vec<Spec>> {
     add(format!("{vp}merger.linear_fc2.bias"), vec![v.out_hidden_size], n(0.02));
     Ok(specs)
 }
-

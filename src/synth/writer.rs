@@ -48,7 +48,12 @@ fn encode(spec: &Spec, seed: u64) -> Vec<Encoded> {
             let (q, s) = quantize_fp8_blocks(&v, rows, cols);
             let sname = scale_name(&spec.name);
             vec![
-                Encoded { name: spec.name.clone(), dtype: dtype_name(Store::Fp8), shape: spec.shape.clone(), bytes: q },
+                Encoded {
+                    name: spec.name.clone(),
+                    dtype: dtype_name(Store::Fp8),
+                    shape: spec.shape.clone(),
+                    bytes: q,
+                },
                 Encoded {
                     name: sname,
                     dtype: "F32",
@@ -72,14 +77,22 @@ pub fn stored_bytes(spec: &Spec) -> u64 {
 
 /// Writes safetensors files, streaming: the header is computed from the specs, then each tensor
 /// is generated and written in header order.
-pub fn write_safetensors(path: &Path, specs: &[Spec], seed: u64, mut on_tensor: impl FnMut(u64)) -> Result<()> {
+pub fn write_safetensors(
+    path: &Path,
+    specs: &[Spec],
+    seed: u64,
+    mut on_tensor: impl FnMut(u64),
+) -> Result<()> {
     // Layout pass: names, dtypes, shapes and offsets without generating any values.
     let mut entries = serde_json::Map::new();
     entries.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut offset = 0u64;
     for s in specs {
         let mut push = |name: &str, dtype: &str, shape: &[usize], len: u64| {
-            entries.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len]}));
+            entries.insert(
+                name.to_string(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len]}),
+            );
             offset += len;
         };
         let n = s.shape.iter().product::<usize>() as u64;
@@ -110,4 +123,3 @@ pub fn write_safetensors(path: &Path, specs: &[Spec], seed: u64, mut on_tensor: 
     w.flush()?;
     Ok(())
 }
-

@@ -58,8 +58,7 @@ pub fn dequantize_act_1x128(q: &[u8], s: &[f32], m: usize, mpad: usize, k: usize
     let mut out = vec![0f32; m * k];
     for r in 0..m {
         for c in 0..k {
-            out[r * k + c] =
-                lut[q[r * k + c] as usize] * s[act_scale_index(r, c / FP8_BLOCK, mpad)];
+            out[r * k + c] = lut[q[r * k + c] as usize] * s[act_scale_index(r, c / FP8_BLOCK, mpad)];
         }
     }
     out
@@ -93,7 +92,8 @@ pub fn dequantize_fp8_blocks(
     if rows.div_ceil(bn) != sr || cols.div_ceil(bk) != sc {
         bail!("weight_scale_inv shape {scale_shape:?} does not tile weight shape {shape:?}");
     }
-    let scales: Vec<f32> = scale.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let scales: Vec<f32> =
+        scale.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     if scales.len() != sr * sc {
         bail!("weight_scale_inv must be F32 with {} values", sr * sc);
     }
@@ -195,9 +195,8 @@ mod tests {
     #[test]
     fn activation_quantisation_error_is_e4m3_sized() {
         let (m, k) = (5, 384);
-        let x: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 << (i % 5)) as f32)
-            .collect();
+        let x: Vec<f32> =
+            (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 << (i % 5)) as f32).collect();
         let (q, s) = quantize_act_1x128(&x, m, k);
         let back = dequantize_act_1x128(&q, &s, m, fp8_rows(m), k);
         for r in 0..m {
@@ -207,12 +206,7 @@ mod tests {
                 for i in blk {
                     // 3 mantissa bits: half an ulp is ≤ 1/16 relative, plus subnormal spacing near 0.
                     let tol = x[i].abs() / 16.0 + amax / 448.0 * 2f32.powi(-9);
-                    assert!(
-                        (back[i] - x[i]).abs() <= tol * 1.0001,
-                        "x {} back {}",
-                        x[i],
-                        back[i]
-                    );
+                    assert!((back[i] - x[i]).abs() <= tol * 1.0001, "x {} back {}", x[i], back[i]);
                 }
             }
         }
@@ -227,7 +221,8 @@ mod tests {
 
     #[test]
     fn fp8_blocks_round_trip_within_e4m3_precision() {
-        let w: Vec<f32> = (0..200 * 300).map(|i| ((i as f32) * 0.37).sin() * (1.0 + (i / 300) as f32)).collect();
+        let w: Vec<f32> =
+            (0..200 * 300).map(|i| ((i as f32) * 0.37).sin() * (1.0 + (i / 300) as f32)).collect();
         let (q, s) = quantize_fp8_blocks(&w, 200, 300);
         assert_eq!(s.len(), 2 * 3);
         let back = dequantize_fp8_blocks(

@@ -74,7 +74,9 @@ impl<'a> TensorRef<'a> {
             bail!("tensor {} has {} bytes, expected {}", self.name, self.bytes.len(), n * self.dtype.size());
         }
         Ok(match self.dtype {
-            StoredDtype::F32 => self.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            StoredDtype::F32 => {
+                self.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
             StoredDtype::BF16 => self
                 .bytes
                 .chunks_exact(2)
@@ -89,8 +91,14 @@ impl<'a> TensorRef<'a> {
                 let scale = self
                     .scale_inv
                     .ok_or_else(|| anyhow!("FP8 tensor {} has no weight_scale_inv", self.name))?;
-                super::fp8::dequantize_fp8_blocks(self.bytes, self.shape, scale.bytes, scale.shape, scale.block)
-                    .with_context(|| format!("dequantising {}", self.name))?
+                super::fp8::dequantize_fp8_blocks(
+                    self.bytes,
+                    self.shape,
+                    scale.bytes,
+                    scale.shape,
+                    scale.block,
+                )
+                .with_context(|| format!("dequantising {}", self.name))?
             }
         })
     }
@@ -126,8 +134,8 @@ impl WeightStore {
         let files: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("reading {}", index_path.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("parsing {}", index_path.display()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -147,7 +155,10 @@ impl WeightStore {
                 .collect();
             found.sort();
             if found.is_empty() {
-                bail!("{} holds no model.safetensors, no model.safetensors.index.json and no *.safetensors", dir.display());
+                bail!(
+                    "{} holds no model.safetensors, no model.safetensors.index.json and no *.safetensors",
+                    dir.display()
+                );
             }
             found
         };
@@ -230,9 +241,7 @@ impl WeightStore {
         let bytes = &self.files[e.file].map[e.start..e.end];
         let scale_inv = if e.dtype == StoredDtype::F8E4M3 {
             let sname = scale_name(name);
-            let (se, sbytes) = self
-                .raw(&sname)
-                .ok_or_else(|| anyhow!("FP8 tensor {name} has no {sname}"))?;
+            let (se, sbytes) = self.raw(&sname).ok_or_else(|| anyhow!("FP8 tensor {name} has no {sname}"))?;
             if se.dtype != StoredDtype::F32 {
                 bail!("{sname} must be F32");
             }

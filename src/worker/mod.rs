@@ -138,7 +138,12 @@ impl WorkerHandle {
 
 /// Starts the engine thread: it loads the model with `load`, then runs jobs ([`run_jobs`]) until
 /// every handle is dropped and the queue is empty.
-pub fn spawn<F>(load: F, capacity: usize, limits: BatchLimits, metrics: Arc<EngineMetrics>) -> (WorkerHandle, JoinHandle<()>)
+pub fn spawn<F>(
+    load: F,
+    capacity: usize,
+    limits: BatchLimits,
+    metrics: Arc<EngineMetrics>,
+) -> (WorkerHandle, JoinHandle<()>)
 where
     F: FnOnce() -> anyhow::Result<Box<dyn DecisionEngine>> + Send + 'static,
 {
@@ -210,7 +215,9 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
         if let Some(why) = job.stop_reason() {
             h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
             match why {
-                StopReason::CallerGone => tracing::info!(request_id = %job.id, "caller left while queued; skipped"),
+                StopReason::CallerGone => {
+                    tracing::info!(request_id = %job.id, "caller left while queued; skipped")
+                }
                 StopReason::Deadline => {
                     let error = job.stopped(why);
                     let _ = job.reply.send(Err(error));

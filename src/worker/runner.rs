@@ -103,11 +103,16 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         let layout = self.layout(&plan.prefix, images, 0)?;
         // Per scored question: the prefix state extended with the tokens all its passes share — when that
         // saves enough work; otherwise those tokens stay at the front of every pass's suffix.
-        let saved: usize = plan.scored.iter().map(|q| q.common.len() * q.passes.len().saturating_sub(1)).sum();
+        let saved: usize =
+            plan.scored.iter().map(|q| q.common.len() * q.passes.len().saturating_sub(1)).sum();
         let share_commons = saved >= limits.min_shared_tokens;
         // Every pass (scored question q, pass p) and the tokens it runs after its question's state.
-        let passes: Vec<(usize, usize)> =
-            plan.scored.iter().enumerate().flat_map(|(q, sp)| (0..sp.passes.len()).map(move |p| (q, p))).collect();
+        let passes: Vec<(usize, usize)> = plan
+            .scored
+            .iter()
+            .enumerate()
+            .flat_map(|(q, sp)| (0..sp.passes.len()).map(move |p| (q, p)))
+            .collect();
         let suffix: Vec<std::borrow::Cow<'_, [u32]>> = passes
             .iter()
             .map(|&(q, p)| {
@@ -146,7 +151,10 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
 
         let t = Instant::now();
         let mut prefix = self.new_state()?;
-        self.forward(&[crate::engine::Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut prefix])?;
+        self.forward(
+            &[crate::engine::Segment { layout: &layout, images: &feats, parent: None }],
+            &mut [&mut prefix],
+        )?;
         prefix.share(&self.backend)?;
         out.tokens += layout.ids.len();
         out.prefill_ms = ms(t);
@@ -174,8 +182,10 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
         let indices: Vec<usize> = (0..passes.len()).collect();
         for chunk in batches(&indices, |&i| suffix[i].len(), limits) {
-            let mut states: Vec<State<B>> =
-                chunk.iter().map(|&i| question_states[passes[i].0].as_ref().unwrap_or(&prefix).fork()).collect();
+            let mut states: Vec<State<B>> = chunk
+                .iter()
+                .map(|&i| question_states[passes[i].0].as_ref().unwrap_or(&prefix).fork())
+                .collect();
             prof.mark(&self.backend, "fork");
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| suffix[i].as_ref()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;
@@ -212,7 +222,8 @@ fn batches<T: Copy>(items: &[T], tokens: impl Fn(&T) -> usize, limits: BatchLimi
     let mut cur_tokens = 0;
     for it in items {
         let n = tokens(it);
-        if !cur.is_empty() && (cur.len() >= limits.max_sequences.max(1) || cur_tokens + n > limits.max_tokens) {
+        if !cur.is_empty() && (cur.len() >= limits.max_sequences.max(1) || cur_tokens + n > limits.max_tokens)
+        {
             out.push(std::mem::take(&mut cur));
             cur_tokens = 0;
         }
@@ -232,7 +243,8 @@ mod tests {
     #[test]
     fn batches_respect_limits() {
         let items: Vec<usize> = vec![3, 3, 3, 10, 1, 1];
-        let b = batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2, min_shared_tokens: 0 });
+        let b =
+            batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2, min_shared_tokens: 0 });
         assert_eq!(b, vec![vec![3, 3], vec![3], vec![10], vec![1, 1]]);
     }
 }

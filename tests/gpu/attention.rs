@@ -13,23 +13,8 @@ use imajev_serve::synth::rng::SplitMix;
 
 /// The cases: Qwen3.5-4B shapes, a tree call, the tiny and an odd-headed model, vision.
 pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
-    let d4b = AttentionDims {
-        heads: 16,
-        kv_heads: 4,
-        head_dim: 256,
-        rotary_dim: 64,
-        norm_eps: 1e-6,
-    };
-    attention_case(
-        g,
-        c,
-        rep,
-        rng,
-        "4B",
-        d4b,
-        &[&[70, 1, 133], &[5, 64, 1], &[2, 3, 100]],
-        &[],
-    )?;
+    let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
+    attention_case(g, c, rep, rng, "4B", d4b, &[&[70, 1, 133], &[5, 64, 1], &[2, 3, 100]], &[])?;
     // A prefix and its continuations in one call (the parent's rows become the children's
     // shared part), next to an independent sequence; then every cache continues.
     attention_case(
@@ -59,23 +44,20 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     // The default is the wgmma kernel on Hopper: the 128-row mma.sync kernel explicitly too.
     let q128 = variant(g, |o| o.attention = AttentionKernel::Rows128)?;
     attention_case(&q128, c, rep, rng, "4B, 128-row kernel", d4b, lengths, &[])?;
-    attention_case(&q128, c, rep, rng, "4B, 128-row kernel", d4b, &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]], &[None, Some(0), Some(0), None, Some(3)])?;
+    attention_case(
+        &q128,
+        c,
+        rep,
+        rng,
+        "4B, 128-row kernel",
+        d4b,
+        &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]],
+        &[None, Some(0), Some(0), None, Some(3)],
+    )?;
     vision_case(&q128, c, rep, rng, 16, 64, &[1, 127, 4097])?;
-    let tiny = AttentionDims {
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        rotary_dim: 16,
-        norm_eps: 1e-6,
-    };
+    let tiny = AttentionDims { heads: 4, kv_heads: 2, head_dim: 32, rotary_dim: 16, norm_eps: 1e-6 };
     attention_case(g, c, rep, rng, "tiny", tiny, &[&[37, 100], &[3, 1]], &[])?;
-    let alt = AttentionDims {
-        heads: 3,
-        kv_heads: 1,
-        head_dim: 64,
-        rotary_dim: 16,
-        norm_eps: 1e-6,
-    };
+    let alt = AttentionDims { heads: 3, kv_heads: 1, head_dim: 64, rotary_dim: 16, norm_eps: 1e-6 };
     attention_case(g, c, rep, rng, "alt", alt, &[&[50], &[20]], &[])?;
     vision_case(g, c, rep, rng, 16, 64, &[100, 64, 256])?;
     vision_case(g, c, rep, rng, 16, 64, &[1, 127, 4097])?;
@@ -94,8 +76,26 @@ pub fn wgmma_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     let w = variant(g, |o| o.attention = AttentionKernel::Wgmma)?;
     let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
     attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[70, 1, 133], &[5, 64, 1]], &[])?;
-    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]], &[])?;
-    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]], &[None, Some(0), Some(0), None, Some(3)])?;
+    attention_case(
+        &w,
+        c,
+        rep,
+        rng,
+        "4B wgmma",
+        d4b,
+        &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]],
+        &[],
+    )?;
+    attention_case(
+        &w,
+        c,
+        rep,
+        rng,
+        "4B wgmma",
+        d4b,
+        &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]],
+        &[None, Some(0), Some(0), None, Some(3)],
+    )?;
     attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[16384], &[73]], &[])?;
     vision_case(&w, c, rep, rng, 16, 64, &[100, 64, 256])?;
     vision_case(&w, c, rep, rng, 16, 64, &[1, 127, 4097])?;
@@ -117,20 +117,10 @@ pub fn attention_case(
     calls: &[&[usize]],
     tree: &[Option<usize>],
 ) -> Result<()> {
-    let AttentionDims {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        rotary_dim: rot,
-        ..
-    } = dims;
+    let AttentionDims { heads, kv_heads: kvh, head_dim: hd, rotary_dim: rot, .. } = dims;
     let nseq = calls[0].len();
-    let mut gc = (0..nseq)
-        .map(|_| g.new_kv_cache(&dims))
-        .collect::<Result<Vec<_>>>()?;
-    let mut cc = (0..nseq)
-        .map(|_| c.new_kv_cache(&dims))
-        .collect::<Result<Vec<_>>>()?;
+    let mut gc = (0..nseq).map(|_| g.new_kv_cache(&dims)).collect::<Result<Vec<_>>>()?;
+    let mut cc = (0..nseq).map(|_| c.new_kv_cache(&dims)).collect::<Result<Vec<_>>>()?;
     let mut pos0 = vec![0i64; nseq];
     let qn = MemoryTensor::f32("q_norm", &[hd], &rng.bf16_normals(hd, 0.1));
     let kn = MemoryTensor::f32("k_norm", &[hd], &rng.bf16_normals(hd, 0.1));
@@ -171,13 +161,7 @@ pub fn attention_case(
                     b.upload(&cos, &[n, rot])?,
                     b.upload(&sin, &[n, rot])?,
                 );
-                let inputs = AttentionInputs {
-                    qkv: &t.0,
-                    q_norm: &t.1,
-                    k_norm: &t.2,
-                    cos: &t.3,
-                    sin: &t.4,
-                };
+                let inputs = AttentionInputs { qkv: &t.0, q_norm: &t.1, k_norm: &t.2, cos: &t.3, sin: &t.4 };
                 let mut refs: Vec<_> = $caches.iter_mut().collect();
                 let o = b.$op(&inputs, &dims, &segs, parents, &mut refs)?;
                 b.download(&o)?
@@ -198,13 +182,21 @@ pub fn attention_case(
             }
             worst = worst.max(rel(last, full));
         }
-        rep.check("attn", format!("… last rows only, call {ci}: short rows ≠ full call (bitwise count)"), bits as f64, 0.0);
+        rep.check(
+            "attn",
+            format!("… last rows only, call {ci}: short rows ≠ full call (bitwise count)"),
+            bits as f64,
+            0.0,
+        );
         rep.check("attn", format!("… last rows only, call {ci}: vs full call"), worst, 2e-2);
         let oc = run!(c, cc);
         let lens_ok = gc.iter().zip(&cc).all(|(a, b)| g.kv_len(a) == c.kv_len(b));
         rep.check(
             "attn",
-            format!("gated_attention {name} h{heads}/{kvh} d{hd} rot{rot} call {ci} lens {lens:?}{}", tree_note(parents)),
+            format!(
+                "gated_attention {name} h{heads}/{kvh} d{hd} rot{rot} call {ci} lens {lens:?}{}",
+                tree_note(parents)
+            ),
             rel(&og, &oc),
             2e-2,
         );
@@ -259,11 +251,6 @@ pub fn vision_case(
             &segs,
         )?
         .data;
-    rep.check(
-        "attn",
-        format!("vision_attention h{heads} d{hd} segments {lens:?}"),
-        rel(&og, &oc),
-        2e-2,
-    );
+    rep.check("attn", format!("vision_attention h{heads} d{hd} segments {lens:?}"), rel(&og, &oc), 2e-2);
     Ok(())
 }

@@ -30,7 +30,16 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     let gf = variant(g, |o| o.gdn_ffma = other)?;
     let tag = if gf.options().gdn_ffma { "FMA scan" } else { "tensor-core scan" };
     delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[70, 1, 130], &[3, 64, 65]], &[])?;
-    delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]], &tree)?;
+    delta_case(
+        &gf,
+        c,
+        rep,
+        rng,
+        &format!("4B, {tag}"),
+        d4b,
+        &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]],
+        &tree,
+    )?;
     delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]], &[])?;
     pipelined_cases(g, c, rep, rng)
 }
@@ -51,7 +60,12 @@ pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
     let (piped, plain) = (tc(GdnScan::Pipelined)?, tc(GdnScan::Plain)?);
     let forced = |be: &CudaBackend, scan| !be.options().gdn_ffma && be.options().gdn_scan == scan;
     if !(forced(&piped, GdnScan::Pipelined) && forced(&plain, GdnScan::Plain)) {
-        rep.flag("gdn", "pipelined vs plain tensor-core scan", false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
+        rep.flag(
+            "gdn",
+            "pipelined vs plain tensor-core scan",
+            false,
+            "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it",
+        );
         return Ok(());
     }
     let twin = Some(("plain tc scan", &plain));
@@ -61,7 +75,17 @@ pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
     let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
     let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
     delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined scan", d4b, lens, &tree)?;
-    delta_case_vs(&piped, twin, c, rep, rng, "alt, pipelined scan", alt, &[&[100, 5, 700], &[1, 70, 64]], &[])?;
+    delta_case_vs(
+        &piped,
+        twin,
+        c,
+        rep,
+        rng,
+        "alt, pipelined scan",
+        alt,
+        &[&[100, 5, 700], &[1, 70, 64]],
+        &[],
+    )?;
     batch_invariance_across_scans(g, rep, rng)
 }
 
@@ -74,14 +98,24 @@ fn batch_invariance_across_scans(g: &CudaBackend, rep: &mut Report, rng: &mut Sp
         o.gdn_scan = GdnScan::ByLength;
     })?;
     if be.options().gdn_ffma || be.options().gdn_scan != GdnScan::ByLength {
-        rep.flag("gdn", "batch invariance across the scans", false, "IMAJEV_GDN_FFMA / IMAJEV_GDN_SCAN force one scan: unset them");
+        rep.flag(
+            "gdn",
+            "batch invariance across the scans",
+            false,
+            "IMAJEV_GDN_FFMA / IMAJEV_GDN_SCAN force one scan: unset them",
+        );
         return Ok(());
     }
     let dims = DELTANET_4B;
     let (short, long): (usize, usize) = ((PIPELINED_MIN_CHUNKS - 1) * 64 - 1, 16384);
     let (alone, _) = scan_kernel(be.options(), dims.key_dim, short.div_ceil(64));
     let (beside, _) = scan_kernel(be.options(), dims.key_dim, long.div_ceil(64));
-    rep.flag("gdn", format!("scan by length: {short} tokens alone run {alone}, beside {long} {beside}"), alone != beside, "");
+    rep.flag(
+        "gdn",
+        format!("scan by length: {short} tokens alone run {alone}, beside {long} {beside}"),
+        alone != beside,
+        "",
+    );
     let wts = DeltaWeights::random(rng, dims);
     let pw = dims.proj_width();
     let mut base = vec![be.new_delta_state(&dims)?];
@@ -94,7 +128,8 @@ fn batch_invariance_across_scans(g: &CudaBackend, rep: &mut Report, rng: &mut Sp
     let both = [xl.as_slice(), xs.as_slice()].concat();
     let o_beside = be.download(&wts.run(&be, &both, dims, &tiling(&[long, short]), &[], &mut s_beside)?)?;
     let w = dims.value_heads * dims.value_dim;
-    let diff = bit_diff(&o_alone, &o_beside[long * w..]) + bit_diff(&s_alone[0].recurrent()?, &s_beside[1].recurrent()?);
+    let diff = bit_diff(&o_alone, &o_beside[long * w..])
+        + bit_diff(&s_alone[0].recurrent()?, &s_beside[1].recurrent()?);
     rep.check(
         "gdn",
         format!("batch invariance: {short} tokens alone vs beside {long}: output and state values whose bits differ"),
@@ -115,14 +150,8 @@ pub const DELTANET_4B: DeltaNetDims = DeltaNetDims {
 };
 
 /// Small Gated DeltaNet shapes whose value_dim is not a multiple of 32 (nor 128).
-pub const DELTANET_SMALL_VALUE_DIM: DeltaNetDims = DeltaNetDims {
-    key_heads: 2,
-    value_heads: 6,
-    key_dim: 32,
-    value_dim: 24,
-    conv_kernel: 4,
-    norm_eps: 1e-6,
-};
+pub const DELTANET_SMALL_VALUE_DIM: DeltaNetDims =
+    DeltaNetDims { key_heads: 2, value_heads: 6, key_dim: 32, value_dim: 24, conv_kernel: 4, norm_eps: 1e-6 };
 
 /// The parameters of a Gated DeltaNet layer besides its projections, random (conv taps, A_log,
 /// dt_bias, the gated-norm weight), and one mixer call with them.
@@ -163,7 +192,8 @@ impl DeltaWeights {
             be.param(&self.dtb.r())?,
             be.param(&self.nw.r())?,
         );
-        let inputs = DeltaNetInputs { proj: &t.0, conv_weight: &t.1, a_log: &t.2, dt_bias: &t.3, norm_weight: &t.4 };
+        let inputs =
+            DeltaNetInputs { proj: &t.0, conv_weight: &t.1, a_log: &t.2, dt_bias: &t.3, norm_weight: &t.4 };
         let mut refs: Vec<_> = states.iter_mut().collect();
         be.gated_delta_net(&inputs, &dims, segs, parents, &mut refs)
     }
@@ -197,19 +227,11 @@ pub fn delta_case_vs(
     calls: &[&[usize]],
     tree: &[Option<usize>],
 ) -> Result<()> {
-    let DeltaNetDims {
-        value_heads: vh,
-        value_dim: dv,
-        ..
-    } = dims;
+    let DeltaNetDims { value_heads: vh, value_dim: dv, .. } = dims;
     let ch = dims.conv_channels();
     let nseq = calls[0].len();
-    let mut gs = (0..nseq)
-        .map(|_| g.new_delta_state(&dims))
-        .collect::<Result<Vec<_>>>()?;
-    let mut cs = (0..nseq)
-        .map(|_| c.new_delta_state(&dims))
-        .collect::<Result<Vec<_>>>()?;
+    let mut gs = (0..nseq).map(|_| g.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+    let mut cs = (0..nseq).map(|_| c.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
     let mut ts = match twin {
         Some((_, t)) => (0..nseq).map(|_| t.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?,
         None => Vec::new(),
@@ -265,12 +287,7 @@ pub fn delta_case_vs(
     let x = rng.bf16_normals(dims.proj_width(), 1.0);
     wts.run(g, &x, dims, &tiling(&[1]), &[], &mut gs[..1])?;
     let same = fork.recurrent()? == before && gs[0].recurrent()? != before;
-    rep.flag(
-        "gdn",
-        format!("gated_delta_net {name}: cloned state independent of the original"),
-        same,
-        "",
-    );
+    rep.flag("gdn", format!("gated_delta_net {name}: cloned state independent of the original"), same, "");
     Ok(())
 }
 
@@ -284,11 +301,7 @@ pub fn delta_pair(
     lens: &[usize],
     zero_head: bool,
 ) -> Result<(CudaTensor, CudaTensor)> {
-    let DeltaNetDims {
-        value_heads: vh,
-        value_dim: dv,
-        ..
-    } = dims;
+    let DeltaNetDims { value_heads: vh, value_dim: dv, .. } = dims;
     let ch = dims.conv_channels();
     let n: usize = lens.iter().sum();
     let wts = DeltaWeights::random(rng, dims);

@@ -16,8 +16,7 @@ use std::time::Instant;
 
 pub fn engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let p = "engine";
-    let doc: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json"))?)?;
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json"))?)?;
     let mut models = HashMap::new();
     for m in doc["models"].as_array().unwrap() {
         models.insert(m["name"].as_str().unwrap().to_string(), synthesize(m)?);
@@ -28,9 +27,7 @@ pub fn engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
         let name = case["model"].as_str().unwrap().to_string();
         let with_adapter = case["adapter"].as_bool().unwrap();
         let s = &models[&name];
-        if let std::collections::hash_map::Entry::Vacant(e) =
-            loaded.entry((name.clone(), with_adapter))
-        {
+        if let std::collections::hash_map::Entry::Vacant(e) = loaded.entry((name.clone(), with_adapter)) {
             let ad = with_adapter.then_some(s.adapter.as_path());
             e.insert((
                 Qwen35::load(CpuBackend::default(), &s.model, ad)?,
@@ -62,12 +59,7 @@ pub fn engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
         );
         if with_adapter {
             let (lg, lc) = (gm.readout(&hg)?.remove(0), cm.readout(&hc)?.remove(0));
-            rep.check(
-                p,
-                format!("case {i:2}: readout logits vs CPU"),
-                rel(&lg, &lc),
-                3e-2,
-            );
+            rep.check(p, format!("case {i:2}: readout logits vs CPU"), rel(&lg, &lc), 3e-2);
             rep.flag(
                 p,
                 format!("case {i:2}: readout argmax agrees"),
@@ -136,19 +128,13 @@ pub fn fused_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let mut fu = vec![su.fork(), su.fork()];
     let eg = gm.backend.download(&gm.extend(&mut fg, &[&s1, &s2])?)?;
     let eu = um.backend.download(&um.extend(&mut fu, &[&s1, &s2])?)?;
-    rep.check(
-        p,
-        "… extend of 2 forks: hidden ≠ unfused (bitwise)",
-        bit_diff(&eg, &eu) as f64,
-        0.0,
-    );
+    rep.check(p, "… extend of 2 forks: hidden ≠ unfused (bitwise)", bit_diff(&eg, &eu) as f64, 0.0);
     Ok(())
 }
 
 pub fn prefix_extend(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let p = "extend";
-    let doc: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json"))?)?;
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json"))?)?;
     let spec = doc["models"]
         .as_array()
         .unwrap()
@@ -200,12 +186,7 @@ pub fn prefix_extend(g: &CudaBackend, rep: &mut Report) -> Result<()> {
             "",
         );
     }
-    rep.flag(
-        p,
-        "prefix state untouched by extending its forks",
-        st.tokens == tokens_before,
-        "",
-    );
+    rep.flag(p, "prefix state untouched by extending its forks", st.tokens == tokens_before, "");
     // The prefix and both suffixes as ONE forward (the forks made inside it) equal prefill,
     // share, fork, extend — bitwise, as every row's arithmetic is the same — and the states it
     // leaves continue like the forks'.
@@ -236,25 +217,10 @@ pub fn prefix_extend(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     // The original, extended alone, equals fork 0 extended in a batch of two: the forks did not
     // write into its caches, and a row does not depend on its batch companions.
     let mut alone = vec![st];
-    let ha = model
-        .backend
-        .download(&model.extend(&mut alone, &[suffix])?)?;
+    let ha = model.backend.download(&model.extend(&mut alone, &[suffix])?)?;
     let e = rel(&ha, &hv[..d]);
-    let bitwise = ha
-        .iter()
-        .zip(&hv[..d])
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    rep.check(
-        p,
-        "original extended alone vs fork 0 extended in a batch of 2",
-        e,
-        3e-2,
-    );
-    rep.flag(
-        p,
-        "… bitwise identical (batch invariance)",
-        bitwise,
-        format!("max rel diff {e:.2e}"),
-    );
+    let bitwise = ha.iter().zip(&hv[..d]).all(|(a, b)| a.to_bits() == b.to_bits());
+    rep.check(p, "original extended alone vs fork 0 extended in a batch of 2", e, 3e-2);
+    rep.flag(p, "… bitwise identical (batch invariance)", bitwise, format!("max rel diff {e:.2e}"));
     Ok(())
 }

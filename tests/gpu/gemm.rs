@@ -32,11 +32,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
         .iter()
         .enumerate()
         .map(|(i, &o)| {
-            MemoryTensor::bf16(
-                &format!("qkv{i}.weight"),
-                &[o, k2],
-                &rng.bf16_normals(o * k2, 0.03),
-            )
+            MemoryTensor::bf16(&format!("qkv{i}.weight"), &[o, k2], &rng.bf16_normals(o * k2, 0.03))
         })
         .collect();
     let bias: Vec<MemoryTensor> = (0..3)
@@ -46,29 +42,15 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
         .map(|i| MemoryTensor::bf16(&format!("l{i}.A"), &[16, k2], &rng.bf16_normals(16 * k2, 0.05)))
         .collect();
     let lb: Vec<MemoryTensor> = (0..2)
-        .map(|i| {
-            MemoryTensor::bf16(
-                &format!("l{i}.B"),
-                &[1024, 16],
-                &rng.bf16_normals(1024 * 16, 0.05),
-            )
-        })
+        .map(|i| MemoryTensor::bf16(&format!("l{i}.B"), &[1024, 16], &rng.bf16_normals(1024 * 16, 0.05)))
         .collect();
     let parts: Vec<LinearPart> = (0..3)
         .map(|i| LinearPart {
             weight: parts_w[i].r(),
             bias: Some(bias[i].r()),
             lora: match i {
-                0 => Some(LoraPair {
-                    a: la[0].r(),
-                    b: lb[0].r(),
-                    scale: 2.0,
-                }),
-                2 => Some(LoraPair {
-                    a: la[1].r(),
-                    b: lb[1].r(),
-                    scale: 0.5,
-                }),
+                0 => Some(LoraPair { a: la[0].r(), b: lb[0].r(), scale: 2.0 }),
+                2 => Some(LoraPair { a: la[1].r(), b: lb[1].r(), scale: 0.5 }),
                 _ => None,
             },
         })
@@ -79,15 +61,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
         &g.download(&g.matmul(&g.upload(&x2, &[m2, k2])?, &lg)?)?,
         &c.matmul(&c.upload(&x2, &[m2, k2])?, &lc)?.data,
     );
-    rep.check(
-        p,
-        format!(
-            "bf16 + bias + LoRA r16 on parts 0,2 [{}] M=201",
-            lg.summary()
-        ),
-        e,
-        1e-2,
-    );
+    rep.check(p, format!("bf16 + bias + LoRA r16 on parts 0,2 [{}] M=201", lg.summary()), e, 1e-2);
 
     // Block FP8, activation magnitudes varying per (row, 128-block), weight magnitudes per block.
     let (n, k, m) = (2560, 4096, 300);
@@ -106,11 +80,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
         })
         .collect();
     let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
-    ensure!(
-        lg.summary() == "fp8[0..2560]",
-        "FP8 checkpoint weight placed as {}",
-        lg.summary()
-    );
+    ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
     let xg = g.upload(&x, &[m, k])?;
     let yg = g.download(&g.matmul(&xg, &lg)?)?;
     // The quantiser against its CPU twin.
@@ -123,12 +93,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
         byte_diff as f64 / qh.len() as f64,
         1e-4,
     );
-    rep.check(
-        p,
-        "fp8 act quant: scales [K/128][M] vs CPU twin",
-        rel(&sg, &sh),
-        1e-6,
-    );
+    rep.check(p, "fp8 act quant: scales [K/128][M] vs CPU twin", rel(&sg, &sh), 1e-6);
     // The GEMM against an f32 GEMM of exactly its dequantised operands.
     let mpad = fp8_rows(m);
     let xd = dequantize_act_1x128(&qg, &sg, m, mpad, k);
@@ -141,18 +106,8 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     )?;
     let mut yref = vec![0f32; m * n];
     matmul_xwt(&xd, m, k, &wd, n, &mut yref, false);
-    rep.check(
-        p,
-        "fp8 N=2560 K=4096 M=300 vs dequantised operands (max)",
-        rel(&yg, &yref),
-        1e-2,
-    );
-    rep.check(
-        p,
-        "fp8 … same (rms, probe measured 1.7e-3)",
-        rms_rel(&yg, &yref),
-        3e-3,
-    );
+    rep.check(p, "fp8 N=2560 K=4096 M=300 vs dequantised operands (max)", rel(&yg, &yref), 1e-2);
+    rep.check(p, "fp8 … same (rms, probe measured 1.7e-3)", rms_rel(&yg, &yref), 3e-3);
     rep.check(
         p,
         "fp8 … vs CPU f32 activations (quantisation error)",
@@ -189,16 +144,8 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
             weight: ws[i].r(),
             bias: None,
             lora: match i {
-                0 => Some(LoraPair {
-                    a: la[0].r(),
-                    b: lb[0].r(),
-                    scale: 2.0,
-                }),
-                2 => Some(LoraPair {
-                    a: la[1].r(),
-                    b: lb[1].r(),
-                    scale: 2.0,
-                }),
+                0 => Some(LoraPair { a: la[0].r(), b: lb[0].r(), scale: 2.0 }),
+                2 => Some(LoraPair { a: la[1].r(), b: lb[1].r(), scale: 2.0 }),
                 _ => None,
             },
         })
@@ -208,26 +155,13 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
     let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
     let n = 12352;
-    let fp8_cols: Vec<(Vec<f32>, Vec<f32>)> = (0..m)
-        .map(|r| {
-            (
-                yg[r * n..r * n + 12288].to_vec(),
-                yc[r * n..r * n + 12288].to_vec(),
-            )
-        })
-        .collect();
+    let fp8_cols: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..m).map(|r| (yg[r * n..r * n + 12288].to_vec(), yc[r * n..r * n + 12288].to_vec())).collect();
     let bf_cols: Vec<(Vec<f32>, Vec<f32>)> = (0..m)
-        .map(|r| {
-            (
-                yg[r * n + 12288..(r + 1) * n].to_vec(),
-                yc[r * n + 12288..(r + 1) * n].to_vec(),
-            )
-        })
+        .map(|r| (yg[r * n + 12288..(r + 1) * n].to_vec(), yc[r * n + 12288..(r + 1) * n].to_vec()))
         .collect();
     let cat = |v: &[(Vec<f32>, Vec<f32>)], first: bool| -> Vec<f32> {
-        v.iter()
-            .flat_map(|p| if first { p.0.clone() } else { p.1.clone() })
-            .collect()
+        v.iter().flat_map(|p| if first { p.0.clone() } else { p.1.clone() }).collect()
     };
     rep.check(
         p,
@@ -247,23 +181,13 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     let (n, k, m) = (1024, 2560, 33);
     let w = MemoryTensor::bf16("q.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
     let lq = gq.linear(&[part(&w)])?;
-    ensure!(
-        lq.summary() == "fp8[0..1024]",
-        "quantize_fp8 placed {}",
-        lq.summary()
-    );
+    ensure!(lq.summary() == "fp8[0..1024]", "quantize_fp8 placed {}", lq.summary());
     let x = rng.bf16_normals(m * k, 1.0);
     let e = rel(
         &gq.download(&gq.matmul(&gq.upload(&x, &[m, k])?, &lq)?)?,
-        &c.matmul(&c.upload(&x, &[m, k])?, &c.linear(&[part(&w)])?)?
-            .data,
+        &c.matmul(&c.upload(&x, &[m, k])?, &c.linear(&[part(&w)])?)?.data,
     );
-    rep.check(
-        p,
-        "quantize_fp8 at load: N=1024 K=2560 M=33 vs CPU bf16 weights",
-        e,
-        1e-1,
-    );
+    rep.check(p, "quantize_fp8 at load: N=1024 K=2560 M=33 vs CPU bf16 weights", e, 1e-1);
     Ok(())
 }
 
@@ -282,11 +206,7 @@ pub fn invariance(
     let mut worst = 0f64;
     for mm in [1usize, 7, 64, 129] {
         let y = g.download(&g.matmul(&g.upload(&x[..mm * k], &[mm, k])?, w)?)?;
-        bad += y
-            .iter()
-            .zip(&full[..mm * n])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        bad += y.iter().zip(&full[..mm * n]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         worst = worst.max(rel(&y, &full[..mm * n]));
     }
     rep.check(
@@ -307,7 +227,11 @@ pub fn invariance(
 pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let m = 46_000;
     let before = g.gemm_fallbacks();
-    for (name, n, k, fp8) in [("bf16 LoRA A", 64usize, 2560usize, false), ("bf16 in_proj b", 32, 2560, false), ("fp8 down", 2560, 9216, true)] {
+    for (name, n, k, fp8) in [
+        ("bf16 LoRA A", 64usize, 2560usize, false),
+        ("bf16 in_proj b", 32, 2560, false),
+        ("fp8 down", 2560, 9216, true),
+    ] {
         let v = rng.bf16_normals(n * k, 0.02);
         let w = if fp8 { MemoryTensor::fp8("w", &[n, k], &v) } else { MemoryTensor::bf16("w", &[n, k], &v) };
         let l = g.linear(&[part(&w)])?;
@@ -317,11 +241,25 @@ pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> R
         // The first rows alone, and the last rows alone (they sit in the last row block).
         for (first, rows) in [(0usize, 1usize), (0, 129), (m - 77, 77)] {
             let y = g.download(&g.matmul(&g.upload(&x[first * k..(first + rows) * k], &[rows, k])?, &l)?)?;
-            bad += y.iter().zip(&full[first * n..(first + rows) * n]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            bad += y
+                .iter()
+                .zip(&full[first * n..(first + rows) * n])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
         }
-        rep.check("gemm", format!("{name} N={n} K={k}: rows of M=46000 ≠ the same rows alone (bitwise count)"), bad as f64, 0.0);
+        rep.check(
+            "gemm",
+            format!("{name} N={n} K={k}: rows of M=46000 ≠ the same rows alone (bitwise count)"),
+            bad as f64,
+            0.0,
+        );
     }
-    rep.check("gemm", "GEMM calls that left their fixed algorithm at M=46000", (g.gemm_fallbacks() - before) as f64, 0.0);
+    rep.check(
+        "gemm",
+        "GEMM calls that left their fixed algorithm at M=46000",
+        (g.gemm_fallbacks() - before) as f64,
+        0.0,
+    );
     Ok(())
 }
 
@@ -337,11 +275,7 @@ pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mu
     let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
     let lora = [lora_part(&w8, &la, &lb, 2.0)];
     let lgl = g.linear(&lora)?;
-    ensure!(
-        lg.summary() == "fp8[0..2560]",
-        "FP8 checkpoint weight placed as {}",
-        lg.summary()
-    );
+    ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
     for m in [1usize, 37, 130] {
         let gu = rng.bf16_normals(m * 2 * k, 2.0);
         let gug = g.upload(&gu, &[m, 2 * k])?;

@@ -31,7 +31,10 @@ pub fn gpu(test: &str) -> Option<Gpu> {
         let g = CudaBackend::new(0, CudaOptions::default()).map_err(|e| format!("{e:#}"))?;
         let i = g.info();
         println!("{}", imajev_serve::backend::Backend::describe(&g));
-        println!("kernels: {} from cache, {} compiled, {:.2} s", i.kernels_cached, i.kernels_compiled, i.kernel_seconds);
+        println!(
+            "kernels: {} from cache, {} compiled, {:.2} s",
+            i.kernels_cached, i.kernels_compiled, i.kernel_seconds
+        );
         Ok(g)
     });
     match backend {
@@ -71,23 +74,10 @@ pub struct Report {
 impl Report {
     pub fn check(&mut self, part: &'static str, name: impl Into<String>, value: f64, tol: f64) -> bool {
         let ok = value.is_finite() && value <= tol;
-        self.rows.push(Row {
-            part,
-            name: name.into(),
-            value,
-            tol,
-            ok,
-            note: String::new(),
-        });
+        self.rows.push(Row { part, name: name.into(), value, tol, ok, note: String::new() });
         ok
     }
-    pub fn flag(
-        &mut self,
-        part: &'static str,
-        name: impl Into<String>,
-        ok: bool,
-        note: impl Into<String>,
-    ) {
+    pub fn flag(&mut self, part: &'static str, name: impl Into<String>, ok: bool, note: impl Into<String>) {
         self.rows.push(Row {
             part,
             name: name.into(),
@@ -97,21 +87,8 @@ impl Report {
             note: note.into(),
         });
     }
-    pub fn info(
-        &mut self,
-        part: &'static str,
-        name: impl Into<String>,
-        value: f64,
-        note: impl Into<String>,
-    ) {
-        self.rows.push(Row {
-            part,
-            name: name.into(),
-            value,
-            tol: f64::NAN,
-            ok: true,
-            note: note.into(),
-        });
+    pub fn info(&mut self, part: &'static str, name: impl Into<String>, value: f64, note: impl Into<String>) {
+        self.rows.push(Row { part, name: name.into(), value, tol: f64::NAN, ok: true, note: note.into() });
     }
     pub fn fail(&mut self, part: &'static str, name: impl Into<String>, e: anyhow::Error) {
         self.rows.push(Row {
@@ -141,22 +118,11 @@ impl Report {
         assert!(failed.is_empty(), "{test}: {} GPU checks failed:\n{}", failed.len(), failed.join("\n"));
     }
     pub fn print(&self) {
-        println!(
-            "\n{:<6} {:<64} {:>10} {:>9}  {:<4} note",
-            "part", "check", "value", "tol", "ok"
-        );
+        println!("\n{:<6} {:<64} {:>10} {:>9}  {:<4} note", "part", "check", "value", "tol", "ok");
         println!("{}", "-".repeat(110));
         for r in &self.rows {
-            let v = if r.value.is_nan() {
-                "-".to_string()
-            } else {
-                format!("{:.3e}", r.value)
-            };
-            let t = if r.tol.is_nan() {
-                "-".to_string()
-            } else {
-                format!("{:.0e}", r.tol)
-            };
+            let v = if r.value.is_nan() { "-".to_string() } else { format!("{:.3e}", r.value) };
+            let t = if r.tol.is_nan() { "-".to_string() } else { format!("{:.0e}", r.tol) };
             println!(
                 "{:<6} {:<64} {:>10} {:>9}  {:<4} {}",
                 r.part,
@@ -177,18 +143,14 @@ pub fn rel(got: &[f32], want: &[f32]) -> f64 {
     if got.len() != want.len() {
         return f64::INFINITY;
     }
-    let scale = want
-        .iter()
-        .fold(0f64, |m, v| m.max(v.abs() as f64))
-        .max(1e-30);
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - *w as f64).abs())
-        .fold(
-            0f64,
-            |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) },
-        )
-        / scale
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    got.iter().zip(want).map(|(g, w)| (*g as f64 - *w as f64).abs()).fold(0f64, |m, d| {
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    }) / scale
 }
 
 /// `‖got − want‖₂ / ‖want‖₂`.
@@ -203,13 +165,7 @@ pub fn rms_rel(got: &[f32], want: &[f32]) -> f64 {
 
 /// Index of the largest value (the first on ties).
 pub fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &x)| if x > b.1 { (i, x) } else { b },
-        )
-        .0
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
 }
 
 /// Positions where two f32 slices differ in their bits (a length mismatch counts every position of
@@ -248,19 +204,17 @@ pub fn cat_cols(n: usize, parts: &[&[f32]]) -> (Vec<f32>, usize) {
 
 /// A projection block without bias or LoRA.
 pub fn part(w: &MemoryTensor) -> LinearPart<'_> {
-    LinearPart {
-        weight: w.r(),
-        bias: None,
-        lora: None,
-    }
+    LinearPart { weight: w.r(), bias: None, lora: None }
 }
 
 /// A block with a LoRA adapter `scale · (x·Aᵀ)·Bᵀ`.
-pub fn lora_part<'a>(w: &'a MemoryTensor, a: &'a MemoryTensor, b: &'a MemoryTensor, scale: f32) -> LinearPart<'a> {
-    LinearPart {
-        lora: Some(LoraPair { a: a.r(), b: b.r(), scale }),
-        ..part(w)
-    }
+pub fn lora_part<'a>(
+    w: &'a MemoryTensor,
+    a: &'a MemoryTensor,
+    b: &'a MemoryTensor,
+    scale: f32,
+) -> LinearPart<'a> {
+    LinearPart { lora: Some(LoraPair { a: a.r(), b: b.r(), scale }), ..part(w) }
 }
 
 /// ` parents [..]` for a call that runs a tree, else nothing.
@@ -285,11 +239,7 @@ pub fn fixtures() -> PathBuf {
 
 /// A JSON array of numbers as f32.
 pub fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_f64().expect("number") as f32)
-        .collect()
+    v.as_array().expect("array").iter().map(|x| x.as_f64().expect("number") as f32).collect()
 }
 
 /// A synthetic model and adapter written from a golden case's spec (removed on drop).
@@ -325,11 +275,7 @@ pub fn synthesize(spec: &Value) -> Result<Synthesized> {
         seed,
         &adapter,
     )?;
-    Ok(Synthesized {
-        _dir: dir,
-        model,
-        adapter,
-    })
+    Ok(Synthesized { _dir: dir, model, adapter })
 }
 
 /// A golden case's images, preprocessed for the model.

@@ -19,10 +19,7 @@ pub fn row_norms(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Sp
     let w = MemoryTensor::f32("norm", &[d], &rng.bf16_normals(d, 0.2));
     let (xg, xc) = (g.upload(&x, &[m, d])?, c.upload(&x, &[m, d])?);
     let (wg, wc) = (g.param(&w.r())?, c.param(&w.r())?);
-    let e = rel(
-        &g.download(&g.rms_norm(&xg, &wg, 1e-6, 1.0)?)?,
-        &c.rms_norm(&xc, &wc, 1e-6, 1.0)?.data,
-    );
+    let e = rel(&g.download(&g.rms_norm(&xg, &wg, 1e-6, 1.0)?)?, &c.rms_norm(&xc, &wc, 1e-6, 1.0)?.data);
     rep.check(p, "rms_norm [300, 2560] offset 1", e, 1e-2);
     let (d2, m2) = (1024, 420);
     let x2 = rng.bf16_normals(m2 * d2, 3.0);
@@ -33,8 +30,7 @@ pub fn row_norms(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Sp
     let (x2g, x2c) = (g.upload(&x2, &[m2, d2])?, c.upload(&x2, &[m2, d2])?);
     let e = rel(
         &g.download(&g.layer_norm(&x2g, &g.param(&lw.r())?, &g.param(&lb.r())?, 1e-6)?)?,
-        &c.layer_norm(&x2c, &c.param(&lw.r())?, &c.param(&lb.r())?, 1e-6)?
-            .data,
+        &c.layer_norm(&x2c, &c.param(&lw.r())?, &c.param(&lb.r())?, 1e-6)?.data,
     );
     rep.check(p, "layer_norm [420, 1024]", e, 1e-2);
     // Residual add fused with the next RMSNorm: vs the CPU add + norm, and bitwise vs the
@@ -45,29 +41,16 @@ pub fn row_norms(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Sp
         let w = MemoryTensor::f32("norm", &[d], &rng.bf16_normals(d, 0.2));
         let (wg, wc) = (g.param(&w.r())?, c.param(&w.r())?);
         let (yg, yc) = (g.upload(&y, &[rows, d])?, c.upload(&y, &[rows, d])?);
-        let (mut fg, mut ug, mut xc) = (
-            g.upload(&x, &[rows, d])?,
-            g.upload(&x, &[rows, d])?,
-            c.upload(&x, &[rows, d])?,
-        );
+        let (mut fg, mut ug, mut xc) =
+            (g.upload(&x, &[rows, d])?, g.upload(&x, &[rows, d])?, c.upload(&x, &[rows, d])?);
         let hg = g.download(&g.add_rms_norm(&mut fg, &yg, &wg, 1e-6, off)?)?;
         c.add_assign(&mut xc, &yc)?;
         let hc = c.rms_norm(&xc, &wc, 1e-6, off)?.data;
         g.add_assign(&mut ug, &yg)?;
         let hu = g.download(&g.rms_norm(&ug, &wg, 1e-6, off)?)?;
         let xf = g.download(&fg)?;
-        rep.check(
-            p,
-            format!("add_rms_norm [{rows}, {d}] offset {off}: norm vs CPU"),
-            rel(&hg, &hc),
-            1e-2,
-        );
-        rep.check(
-            p,
-            format!("add_rms_norm [{rows}, {d}]: updated x vs CPU"),
-            rel(&xf, &xc.data),
-            1e-2,
-        );
+        rep.check(p, format!("add_rms_norm [{rows}, {d}] offset {off}: norm vs CPU"), rel(&hg, &hc), 1e-2);
+        rep.check(p, format!("add_rms_norm [{rows}, {d}]: updated x vs CPU"), rel(&xf, &xc.data), 1e-2);
         rep.check(
             p,
             format!("add_rms_norm [{rows}, {d}]: norm, x vs GPU add_assign + rms_norm (bitwise)"),
@@ -114,7 +97,12 @@ pub fn same_norm_quant(
         0.0,
     );
     if dy + codes + ds > 0 {
-        rep.info(p, format!("{name}: … mismatches"), f64::NAN, format!("bf16 {dy}, codes {codes}, scales {ds}"));
+        rep.info(
+            p,
+            format!("{name}: … mismatches"),
+            f64::NAN,
+            format!("bf16 {dy}, codes {codes}, scales {ds}"),
+        );
     }
     let (m, k) = fused.rows_cols();
     let (qh, sh) = quantize_act_1x128(&yf, m, k);
@@ -168,7 +156,12 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
         let copy = g.gather_rows(t, &(0..m).collect::<Vec<_>>())?;
         ensure!(!copy.has_fp8_activations(), "gather_rows copied an attachment");
         let (a, b) = (g.download(&g.matmul(t, l)?)?, g.download(&g.matmul(&copy, l)?)?);
-        rep.check(p, format!("{name}: matmul on it ≠ on a copy without (bitwise count)"), bit_diff(&a, &b) as f64, 0.0);
+        rep.check(
+            p,
+            format!("{name}: matmul on it ≠ on a copy without (bitwise count)"),
+            bit_diff(&a, &b) as f64,
+            0.0,
+        );
         Ok(())
     };
     for (m, d, off, zeros) in [
@@ -229,7 +222,9 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
     let (m, d) = (37, 2560);
     let w = MemoryTensor::f32("norm", &[d], &rng.bf16_normals(d, 0.2));
     let wg = g.param(&w.r())?;
-    let fresh = |rng: &mut SplitMix| -> Result<_> { g.rms_norm(&g.upload(&input(rng, m, d), &[m, d])?, &wg, 1e-6, 1.0) };
+    let fresh = |rng: &mut SplitMix| -> Result<_> {
+        g.rms_norm(&g.upload(&input(rng, m, d), &[m, d])?, &wg, 1e-6, 1.0)
+    };
     let other = g.upload(&rng.bf16_normals(m * d, 1.0), &[m, d])?;
     let mut t = fresh(rng)?;
     let attached = t.has_fp8_activations();
@@ -272,12 +267,7 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
     // value_dim ≠ 128: the plain kernel, no attachment, same output.
     let alt = DELTANET_SMALL_VALUE_DIM;
     let (og, ou) = delta_pair(g, &u, rng, alt, &[20, 3], false)?;
-    rep.flag(
-        p,
-        "gated_delta_net value_dim 24: no FP8 attachment",
-        !og.has_fp8_activations(),
-        "",
-    );
+    rep.flag(p, "gated_delta_net value_dim 24: no FP8 attachment", !og.has_fp8_activations(), "");
     rep.check(
         p,
         "gated_delta_net value_dim 24: output ≠ unfused backend (bitwise count)",

@@ -18,14 +18,9 @@ pub(super) struct Asset {
 }
 
 /// Step 3: every file part of a multipart body belongs to an asset.
-pub(super) fn check_parts_claimed(
-    parts: &[Upload],
-    assets: &[Asset],
-    loc: Loc,
-) -> Result<(), ApiError> {
-    if let Some(p) = parts
-        .iter()
-        .find(|p| p.is_file && !assets.iter().any(|a| a.part.as_deref() == Some(&p.name)))
+pub(super) fn check_parts_claimed(parts: &[Upload], assets: &[Asset], loc: Loc) -> Result<(), ApiError> {
+    if let Some(p) =
+        parts.iter().find(|p| p.is_file && !assets.iter().any(|a| a.part.as_deref() == Some(&p.name)))
     {
         return Err(ApiError::invalid(
             loc,
@@ -52,10 +47,7 @@ pub(super) fn decode_assets(
         let what = format!("asset {:?}", a.placeholder);
         let bytes = match (&a.part, &a.data_base64) {
             (Some(name), _) => {
-                let part = parts
-                    .iter()
-                    .find(|p| &p.name == name)
-                    .expect("claimed parts exist");
+                let part = parts.iter().find(|p| &p.name == name).expect("claimed parts exist");
                 if part.bytes.len() > max_bytes {
                     return Err(image_too_large(&what, part.bytes.len(), max_bytes));
                 }
@@ -90,11 +82,7 @@ pub(super) fn parse_assets(
     for (ph, a) in map {
         let l = loc.at(ph.as_str());
         if ph.is_empty() {
-            return Err(ApiError::invalid(
-                l,
-                "asset placeholders must be non-empty strings",
-                "value_error",
-            ));
+            return Err(ApiError::invalid(l, "asset placeholders must be non-empty strings", "value_error"));
         }
         let Value::Object(a) = a else {
             return Err(ApiError::invalid(
@@ -125,17 +113,13 @@ pub(super) fn parse_assets(
                     ));
                 }
                 match a.get("data_base64") {
-                    Some(Value::String(d)) => out.push(Asset {
-                        placeholder: ph.clone(),
-                        part: None,
-                        data_base64: Some(d.clone()),
-                    }),
+                    Some(Value::String(d)) => {
+                        out.push(Asset { placeholder: ph.clone(), part: None, data_base64: Some(d.clone()) })
+                    }
                     _ => {
                         return Err(ApiError::invalid(
                             l.at("data_base64"),
-                            format!(
-                                "asset {ph:?} needs a data_base64 string (or a multipart 'part')"
-                            ),
+                            format!("asset {ph:?} needs a data_base64 string (or a multipart 'part')"),
                             "missing",
                         ))
                     }
@@ -181,11 +165,7 @@ pub(super) fn parse_assets(
                         "value_error",
                     ));
                 }
-                out.push(Asset {
-                    placeholder: ph.clone(),
-                    part: Some(name.clone()),
-                    data_base64: None,
-                });
+                out.push(Asset { placeholder: ph.clone(), part: Some(name.clone()), data_base64: None });
             }
             Some(_) => {
                 return Err(ApiError::invalid(
@@ -241,9 +221,7 @@ impl Replacer {
         match v {
             Value::String(s) => Value::String(self.text(s)),
             Value::Array(a) => Value::Array(a.iter().map(|x| self.value(x)).collect()),
-            Value::Object(m) => {
-                Value::Object(m.iter().map(|(k, x)| (k.clone(), self.value(x))).collect())
-            }
+            Value::Object(m) => Value::Object(m.iter().map(|(k, x)| (k.clone(), self.value(x))).collect()),
             other => other.clone(),
         }
     }
@@ -275,16 +253,8 @@ mod tests {
             }
         });
         let files = MultipartFiles {
-            images: vec![Upload {
-                name: "image".into(),
-                is_file: true,
-                bytes: png.clone(),
-            }],
-            parts: vec![Upload {
-                name: "asset-0".into(),
-                is_file: true,
-                bytes: png.clone(),
-            }],
+            images: vec![Upload { name: "image".into(), is_file: true, bytes: png.clone() }],
+            parts: vec![Upload { name: "asset-0".into(), is_file: true, bytes: png.clone() }],
         };
         let c = ctx(ContractMode::Typesafe);
         // upload = image 1, embedded data URL = image 2 ... that is 4 images: too many.
@@ -293,15 +263,9 @@ mod tests {
         // Without the upload and the embedded URL: assets are images 1 and 2 in 'assets' order.
         let mut body2 = body.clone();
         body2["state"]["photo"] = json!(format!("look at {ph2}"));
-        let files2 = MultipartFiles {
-            images: vec![],
-            parts: files.parts.clone(),
-        };
+        let files2 = MultipartFiles { images: vec![], parts: files.parts.clone() };
         let r = check_request(body2.clone(), Some(files2.clone()), &c).unwrap();
-        assert_eq!(
-            r.state,
-            json!({"photo": "look at [image 2]", "list": ["[image 1]"], ph1: "keys stay"})
-        );
+        assert_eq!(r.state, json!({"photo": "look at [image 2]", "list": ["[image 1]"], ph1: "keys stay"}));
         assert_eq!(
             r.questions[0].kind,
             QuestionKind::Noul {
@@ -315,10 +279,7 @@ mod tests {
             r.questions[1].kind,
             QuestionKind::Choice {
                 question: "Which?".into(),
-                options: vec![
-                    (ph1.into(), Some("same as [image 2]".into())),
-                    ("b".into(), None)
-                ]
+                options: vec![(ph1.into(), Some("same as [image 2]".into())), ("b".into(), None)]
             }
         );
         assert_eq!(r.images.len(), 2);
@@ -329,47 +290,31 @@ mod tests {
         let r = check_request(body3, Some(MultipartFiles::default()), &c).unwrap();
         assert_eq!(r.state["list"], json!(["[image 2]"]));
         // A part reference in a JSON body, an unclaimed file part, a part claimed twice, a missing part.
-        assert!(check_request(body2.clone(), None, &c)
-            .unwrap_err()
-            .summary()
-            .contains("not multipart"));
+        assert!(check_request(body2.clone(), None, &c).unwrap_err().summary().contains("not multipart"));
         let extra = MultipartFiles {
             images: vec![],
             parts: vec![
                 files.parts[0].clone(),
-                Upload {
-                    name: "asset-9".into(),
-                    is_file: true,
-                    bytes: png.clone(),
-                },
+                Upload { name: "asset-9".into(), is_file: true, bytes: png.clone() },
             ],
         };
-        assert!(check_request(body2.clone(), Some(extra), &c)
-            .unwrap_err()
-            .summary()
-            .contains("not claimed"));
+        assert!(check_request(body2.clone(), Some(extra), &c).unwrap_err().summary().contains("not claimed"));
         let mut twice = body2.clone();
         twice["assets"][ph1] = json!({"type": "image", "part": "asset-0"});
         assert!(check_request(twice, Some(files2.clone()), &c)
             .unwrap_err()
             .summary()
             .contains("more than one asset"));
-        assert!(
-            check_request(body2.clone(), Some(MultipartFiles::default()), &c)
-                .unwrap_err()
-                .summary()
-                .contains("does not have")
-        );
+        assert!(check_request(body2.clone(), Some(MultipartFiles::default()), &c)
+            .unwrap_err()
+            .summary()
+            .contains("does not have"));
         // Unclaimed text parts are ignored.
         let text = MultipartFiles {
             images: vec![],
             parts: vec![
                 files.parts[0].clone(),
-                Upload {
-                    name: "note".into(),
-                    is_file: false,
-                    bytes: b"hi".to_vec(),
-                },
+                Upload { name: "note".into(), is_file: false, bytes: b"hi".to_vec() },
             ],
         };
         assert!(check_request(body2.clone(), Some(text), &c).is_ok());
@@ -385,12 +330,7 @@ mod tests {
             json!({"p": {"type": "image", "format": "png"}}),
             json!({"p": "QUJD"}),
         ] {
-            let e = check_request(
-                json!({"state": "", "questions": q, "assets": bad}),
-                None,
-                &c,
-            )
-            .unwrap_err();
+            let e = check_request(json!({"state": "", "questions": q, "assets": bad}), None, &c).unwrap_err();
             assert_eq!((e.status, e.code), (422, "invalid_request"), "{bad}");
         }
         let e = check_request(
@@ -404,14 +344,8 @@ mod tests {
 
     #[test]
     fn replacer_is_leftmost_longest_single_pass() {
-        let r = Replacer::new(vec![
-            ("ab".into(), "[image 1]".into()),
-            ("abc".into(), "[image 2]".into()),
-        ]);
-        assert_eq!(
-            r.text("xabcab abab"),
-            "x[image 2][image 1] [image 1][image 1]"
-        );
+        let r = Replacer::new(vec![("ab".into(), "[image 1]".into()), ("abc".into(), "[image 2]".into())]);
+        assert_eq!(r.text("xabcab abab"), "x[image 2][image 1] [image 1][image 1]");
         // Replacements are never re-scanned.
         let r = Replacer::new(vec![("[".into(), "[image 1]".into())]);
         assert_eq!(r.text("a[b"), "a[image 1]b");

@@ -34,10 +34,7 @@ pub(super) fn explicit_images(v: Option<&Value>, root: &Loc) -> Result<Vec<Value
     match v {
         None => Ok(Vec::new()),
         Some(Value::Array(a)) => Ok(a.clone()),
-        Some(_) => Err(ApiError::bad_image(
-            root.at("images"),
-            "'images' must be a list of data URL strings",
-        )),
+        Some(_) => Err(ApiError::bad_image(root.at("images"), "'images' must be a list of data URL strings")),
     }
 }
 
@@ -91,11 +88,7 @@ pub(super) fn encoded_images(
     for (i, v) in explicit.iter().enumerate() {
         let loc = root.at("images").at(i);
         let what = format!("images[{i}]");
-        blobs.push(ImageBlob {
-            bytes: decode_data_url(v, &loc, &what, max_bytes)?,
-            loc,
-            what,
-        });
+        blobs.push(ImageBlob { bytes: decode_data_url(v, &loc, &what, max_bytes)?, loc, what });
     }
     for (i, url) in embedded.iter().enumerate() {
         let loc = root.at("state");
@@ -120,9 +113,8 @@ pub fn decode_images(
     let each: Vec<Result<(RequestImage, PatchedImage), ApiError>> = blobs
         .par_iter()
         .map(|b| {
-            let (img, patched) =
-                load_and_preprocess(&b.bytes, &ctx.image_limits, &ctx.image_config)
-                    .map_err(|e| image_error(e, b))?;
+            let (img, patched) = load_and_preprocess(&b.bytes, &ctx.image_limits, &ctx.image_config)
+                .map_err(|e| image_error(e, b))?;
             let tokens = patched.merged_tokens();
             Ok((
                 RequestImage {
@@ -161,11 +153,7 @@ fn is_b64_char(b: u8) -> bool {
 /// The length of a match of `data:image/[\w.+-]+;base64,[A-Za-z0-9+/=]+` at the start of `s`.
 fn embedded_match(s: &str) -> Option<usize> {
     let rest = s.strip_prefix("data:image/")?;
-    let sub: usize = rest
-        .chars()
-        .take_while(|&c| is_mime_char(c))
-        .map(char::len_utf8)
-        .sum();
+    let sub: usize = rest.chars().take_while(|&c| is_mime_char(c)).map(char::len_utf8).sum();
     if sub == 0 {
         return None;
     }
@@ -216,14 +204,10 @@ pub fn extract_embedded(v: Value, found: &mut Vec<String>) -> Value {
             Some(t) => Value::String(t),
             None => Value::String(s),
         },
-        Value::Array(a) => {
-            Value::Array(a.into_iter().map(|x| extract_embedded(x, found)).collect())
+        Value::Array(a) => Value::Array(a.into_iter().map(|x| extract_embedded(x, found)).collect()),
+        Value::Object(m) => {
+            Value::Object(m.into_iter().map(|(k, x)| (k, extract_embedded(x, found))).collect())
         }
-        Value::Object(m) => Value::Object(
-            m.into_iter()
-                .map(|(k, x)| (k, extract_embedded(x, found)))
-                .collect(),
-        ),
         other => other,
     }
 }
@@ -248,10 +232,7 @@ pub fn strict_b64_decode(s: &str) -> Result<Vec<u8>, &'static str> {
     let bytes = s.as_bytes();
     let data_len = bytes.iter().position(|&b| b == b'=').unwrap_or(bytes.len());
     let (data, pad) = bytes.split_at(data_len);
-    if !data
-        .iter()
-        .all(|&b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
-    {
+    if !data.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/') {
         return Err("only base64 characters (A-Z a-z 0-9 + / =) are allowed, without whitespace");
     }
     if pad.iter().any(|&b| b != b'=') {
@@ -292,19 +273,13 @@ pub(super) fn strict_b64(
             format!("{what}: its base64 is {n} characters, more than 20 MiB of image ({} characters): downscale or recompress it", max_b64_len(max_bytes)),
         ));
     }
-    strict_b64_decode(payload).map_err(|why| {
-        ApiError::bad_image(loc.clone(), format!("{what} is not valid base64: {why}"))
-    })
+    strict_b64_decode(payload)
+        .map_err(|why| ApiError::bad_image(loc.clone(), format!("{what} is not valid base64: {why}")))
 }
 
 /// `server.decode_data_url`: `^data:(mime)?(;base64)?,(payload)$` on the stripped string,
 /// `;base64` required, then a strict base64 decode.
-pub fn decode_data_url(
-    v: &Value,
-    loc: &Loc,
-    what: &str,
-    max_bytes: usize,
-) -> Result<Vec<u8>, ApiError> {
+pub fn decode_data_url(v: &Value, loc: &Loc, what: &str, max_bytes: usize) -> Result<Vec<u8>, ApiError> {
     let s = match v {
         Value::String(s) if !s.is_empty() => py_strip(s),
         _ => {
@@ -323,18 +298,10 @@ pub fn decode_data_url(
     let rest = s.strip_prefix("data:").ok_or_else(not_url)?;
     // Optional `type/subtype`.
     let mut rest = rest;
-    let t: usize = rest
-        .chars()
-        .take_while(|&c| is_mime_char(c))
-        .map(char::len_utf8)
-        .sum();
+    let t: usize = rest.chars().take_while(|&c| is_mime_char(c)).map(char::len_utf8).sum();
     if t > 0 {
         if let Some(after) = rest[t..].strip_prefix('/') {
-            let st: usize = after
-                .chars()
-                .take_while(|&c| is_mime_char(c))
-                .map(char::len_utf8)
-                .sum();
+            let st: usize = after.chars().take_while(|&c| is_mime_char(c)).map(char::len_utf8).sum();
             if st > 0 {
                 rest = &after[st..];
             }
@@ -369,10 +336,7 @@ mod tests {
         let d = |s: &str| decode_data_url(&json!(s), &l, "images[0]", max);
         assert_eq!(d("data:image/png;base64,QUJD").unwrap(), b"ABC");
         assert_eq!(d("  data:;base64,QUI=\n").unwrap(), b"AB");
-        assert_eq!(
-            d("data:application/octet-stream;base64,QQ==").unwrap(),
-            b"A"
-        );
+        assert_eq!(d("data:application/octet-stream;base64,QQ==").unwrap(), b"A");
         assert_eq!(d("data:image/png;base64,").unwrap(), b"");
         for bad in [
             "https://example.com/a.png",
@@ -388,19 +352,12 @@ mod tests {
             let e = d(bad).expect_err(bad);
             assert_eq!((e.status, e.code), (422, "bad_image"), "{bad}");
         }
-        assert_eq!(
-            decode_data_url(&json!(5), &l, "x", max).unwrap_err().code,
-            "bad_image"
-        );
+        assert_eq!(decode_data_url(&json!(5), &l, "x", max).unwrap_err().code, "bad_image");
         // Longer than the base64 of 20 MiB: 413 before decoding (even if it is not base64).
         let long = format!("data:image/png;base64,{}", "*".repeat(max_b64_len(max) + 1));
         let e = d(&long).unwrap_err();
         assert_eq!((e.status, e.code), (413, "image_too_large"));
-        assert!(d(&format!(
-            "data:image/png;base64,{}",
-            "A".repeat(max_b64_len(max))
-        ))
-        .is_ok());
+        assert!(d(&format!("data:image/png;base64,{}", "A".repeat(max_b64_len(max)))).is_ok());
     }
 
     #[test]
@@ -452,17 +409,9 @@ mod tests {
         let r = check(json!({"state": format!("photo: {url}"), "images": [url.clone()], "questions": {"q": noul(json!("?"))}})).unwrap();
         assert_eq!(r.state, json!("photo: [image 1]"));
         assert_eq!(r.images.len(), 2);
-        assert_eq!(
-            r.images[1].what,
-            "the data URL image 1 embedded in the state"
-        );
+        assert_eq!(r.images[1].what, "the data URL image 1 embedded in the state");
         // Not a string state: nothing to extract.
-        assert!(
-            check(json!({"state": 5, "questions": {"q": noul(json!("?"))}}))
-                .unwrap()
-                .images
-                .is_empty()
-        );
+        assert!(check(json!({"state": 5, "questions": {"q": noul(json!("?"))}})).unwrap().images.is_empty());
     }
 
     #[test]
@@ -473,16 +422,13 @@ mod tests {
             assert_eq!((e.status, e.code), (422, "bad_image"));
         }
         // Corrupt image bytes pass the wire rules and fail decoding.
-        let r =
-            check(json!({"images": ["data:image/png;base64,aGVsbG8="], "questions": q})).unwrap();
+        let r = check(json!({"images": ["data:image/png;base64,aGVsbG8="], "questions": q})).unwrap();
         let e = decode_images(&r.images, &ctx(ContractMode::Imajev)).unwrap_err();
         assert_eq!((e.status, e.code), (422, "bad_image"));
         // A real PNG decodes; sha256 is of the encoded bytes.
         let png = png();
-        let r = check(
-            json!({"images": [format!("data:image/png;base64,{}", b64(&png))], "questions": q}),
-        )
-        .unwrap();
+        let r = check(json!({"images": [format!("data:image/png;base64,{}", b64(&png))], "questions": q}))
+            .unwrap();
         let (imgs, _) = decode_images(&r.images, &ctx(ContractMode::Imajev)).unwrap();
         use sha2::Digest;
         assert_eq!(imgs[0].sha256, hex::encode(sha2::Sha256::digest(&png)));
@@ -493,49 +439,20 @@ mod tests {
     fn multipart_uploads() {
         let png = png();
         let q = json!({"q": noul(json!("?"))});
-        let up = |name: &str, is_file: bool, bytes: Vec<u8>| Upload {
-            name: name.into(),
-            is_file,
-            bytes,
-        };
+        let up = |name: &str, is_file: bool, bytes: Vec<u8>| Upload { name: name.into(), is_file, bytes };
         let files = MultipartFiles {
-            images: vec![
-                up("image", true, png.clone()),
-                up("images", true, png.clone()),
-            ],
+            images: vec![up("image", true, png.clone()), up("images", true, png.clone())],
             parts: vec![],
         };
-        let r = check_request(
-            json!({"questions": q}),
-            Some(files),
-            &ctx(ContractMode::Imajev),
-        )
-        .unwrap();
+        let r = check_request(json!({"questions": q}), Some(files), &ctx(ContractMode::Imajev)).unwrap();
         assert_eq!(r.images.len(), 2);
-        let files = MultipartFiles {
-            images: vec![up("image", false, png.clone())],
-            parts: vec![],
-        };
+        let files = MultipartFiles { images: vec![up("image", false, png.clone())], parts: vec![] };
         assert_eq!(
-            check_request(
-                json!({"questions": q}),
-                Some(files),
-                &ctx(ContractMode::Imajev)
-            )
-            .unwrap_err()
-            .code,
+            check_request(json!({"questions": q}), Some(files), &ctx(ContractMode::Imajev)).unwrap_err().code,
             "bad_image"
         );
-        let big = MultipartFiles {
-            images: vec![up("image", true, vec![0; (20 << 20) + 1])],
-            parts: vec![],
-        };
-        let e = check_request(
-            json!({"questions": q}),
-            Some(big),
-            &ctx(ContractMode::Imajev),
-        )
-        .unwrap_err();
+        let big = MultipartFiles { images: vec![up("image", true, vec![0; (20 << 20) + 1])], parts: vec![] };
+        let e = check_request(json!({"questions": q}), Some(big), &ctx(ContractMode::Imajev)).unwrap_err();
         assert_eq!((e.status, e.code), (413, "image_too_large"));
     }
 }

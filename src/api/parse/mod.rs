@@ -26,12 +26,12 @@ mod test_support;
 
 pub use assets::Replacer;
 pub use images::{
-    decode_data_url, decode_images, extract_embedded, max_b64_len, strict_b64_decode, ImageBlob,
-    IMAGE_KEYS, MAX_IMAGES,
+    decode_data_url, decode_images, extract_embedded, max_b64_len, strict_b64_decode, ImageBlob, IMAGE_KEYS,
+    MAX_IMAGES,
 };
 pub use questions::{
-    flatten_description, flatten_instructions, DEFAULT_MULTI_THRESHOLD, MAX_MULTI_LABELS,
-    MAX_OPTION_VALUE, MAX_SCORE_LEVELS, MAX_TEXT, MIN_SCORE_LEVELS,
+    flatten_description, flatten_instructions, DEFAULT_MULTI_THRESHOLD, MAX_MULTI_LABELS, MAX_OPTION_VALUE,
+    MAX_SCORE_LEVELS, MAX_TEXT, MIN_SCORE_LEVELS,
 };
 pub use state::{check_state, MAX_STATE_BYTES, MAX_STATE_DEPTH};
 
@@ -56,11 +56,7 @@ pub struct ParseContext {
 
 impl ParseContext {
     /// The rules for a loaded adapter: its contract mode and option limit.
-    pub fn for_decider(
-        decider: &Decider,
-        max_questions: usize,
-        image_config: ImageProcessorConfig,
-    ) -> Self {
+    pub fn for_decider(decider: &Decider, max_questions: usize, image_config: ImageProcessorConfig) -> Self {
         ParseContext {
             mode: decider.settings.mode,
             max_questions,
@@ -124,21 +120,13 @@ pub struct ParsedRequest {
 /// The entry point: every step, from the body's bytes to a request ready to plan.
 pub fn parse_request(body: RequestBody, ctx: &ParseContext) -> Result<ParsedRequest, ApiError> {
     let RequestBody { json, files } = body;
-    let json_loc = if files.is_some() {
-        Loc::body().at("request")
-    } else {
-        Loc::body()
-    };
+    let json_loc = if files.is_some() { Loc::body().at("request") } else { Loc::body() };
     let value = parse_json(&json, json_loc)?;
     drop(json);
     let checked = check_request(value, files, ctx)?;
     let (images, pixels) = decode_images(&checked.images, ctx)?;
     Ok(ParsedRequest {
-        request: DecisionRequest {
-            state: checked.state,
-            questions: checked.questions,
-            images,
-        },
+        request: DecisionRequest { state: checked.state, questions: checked.questions, images },
         pixels,
     })
 }
@@ -159,11 +147,7 @@ pub fn check_request(
 ) -> Result<CheckedRequest, ApiError> {
     let root = Loc::body();
     let Value::Object(mut obj) = body else {
-        return Err(ApiError::bad_request(
-            root,
-            "the request must be a JSON object",
-            "type_error",
-        ));
+        return Err(ApiError::bad_request(root, "the request must be a JSON object", "type_error"));
     };
     let multipart = files.is_some();
     let files = files.unwrap_or_default();
@@ -175,11 +159,7 @@ pub fn check_request(
     state::require_state(&state, has_state, ctx.mode, root.at("state"))?;
     // 2. data URLs embedded in the state
     let mut embedded = Vec::new();
-    let state = if state.is_null() {
-        state
-    } else {
-        extract_embedded(state, &mut embedded)
-    };
+    let state = if state.is_null() { state } else { extract_embedded(state, &mut embedded) };
     // 3. uploads, assets and the parts they claim, the image count
     images::check_uploads(&files, &root)?;
     let assets = match obj.get("assets") {
@@ -187,10 +167,7 @@ pub fn check_request(
         None => Vec::new(),
     };
     assets::check_parts_claimed(&files.parts, &assets, root.at("assets"))?;
-    images::check_image_count(
-        files.images.len() + explicit.len() + embedded.len() + assets.len(),
-        &root,
-    )?;
+    images::check_image_count(files.images.len() + explicit.len() + embedded.len() + assets.len(), &root)?;
     // 4. the encoded bytes of every image, in prompt order
     let max_bytes = ctx.image_limits.max_bytes;
     let mut blobs = images::encoded_images(&files.images, &explicit, &embedded, max_bytes, &root)?;
@@ -198,13 +175,8 @@ pub fn check_request(
     // 5. the state
     let state = state::finish_state(state, has_state, &replace, &root.at("state"))?;
     // 6. the questions
-    let questions =
-        questions::check_questions(obj.get("questions"), ctx, &replace, root.at("questions"))?;
-    Ok(CheckedRequest {
-        state,
-        questions,
-        images: blobs,
-    })
+    let questions = questions::check_questions(obj.get("questions"), ctx, &replace, root.at("questions"))?;
+    Ok(CheckedRequest { state, questions, images: blobs })
 }
 
 #[cfg(test)]

@@ -81,11 +81,7 @@ fn question(
     replace: &Replacer,
 ) -> Result<QuestionKind, ApiError> {
     if name.is_empty() {
-        return Err(ApiError::invalid(
-            loc.clone(),
-            "question ids must be non-empty strings",
-            "value_error",
-        ));
+        return Err(ApiError::invalid(loc.clone(), "question ids must be non-empty strings", "value_error"));
     }
     let Value::Object(q) = q else {
         return Err(ApiError::invalid(
@@ -95,13 +91,9 @@ fn question(
         ));
     };
     let kind = match q.get("type") {
-        Some(Value::String(t)) if matches!(t.as_str(), "noul" | "choice" | "score" | "multi") => {
-            t.as_str()
-        }
+        Some(Value::String(t)) if matches!(t.as_str(), "noul" | "choice" | "score" | "multi") => t.as_str(),
         other => {
-            let shown = other
-                .map(|v| v.to_string())
-                .unwrap_or_else(|| "missing".into());
+            let shown = other.map(|v| v.to_string()).unwrap_or_else(|| "missing".into());
             return Err(ApiError::invalid(
                 loc.at("type"),
                 format!("question {name:?} has unsupported type {shown}; use noul, choice, score or multi"),
@@ -144,8 +136,7 @@ fn question(
             };
             let side = |key: &str| -> Result<Option<String>, ApiError> {
                 let l = cloc.at(key);
-                let d =
-                    flatten_description(&replace.value(c.get(key).unwrap_or(&Value::Null)), &l)?;
+                let d = flatten_description(&replace.value(c.get(key).unwrap_or(&Value::Null)), &l)?;
                 d.map(|d| check_text(d, &l)).transpose()
             };
             let yes = side("true")?;
@@ -160,31 +151,21 @@ fn question(
                     )
                 })?,
             };
-            Ok(QuestionKind::Noul {
-                question: check_text(question, &iloc)?,
-                yes,
-                no,
-            })
+            Ok(QuestionKind::Noul { question: check_text(question, &iloc)?, yes, no })
         }
         "choice" => {
             let instructions = instructions.expect("checked above");
             let Value::Object(c) = criteria else {
                 return Err(ApiError::invalid(
                     cloc,
-                    format!(
-                        "choice question {name:?} needs a criteria object of option → description"
-                    ),
+                    format!("choice question {name:?} needs a criteria object of option → description"),
                     "type_error",
                 ));
             };
             if c.len() < 2 || c.len() > ctx.max_options {
                 return Err(ApiError::invalid(
                     cloc,
-                    format!(
-                        "choice question {name:?} needs 2-{} options; got {}",
-                        ctx.max_options,
-                        c.len()
-                    ),
+                    format!("choice question {name:?} needs 2-{} options; got {}", ctx.max_options, c.len()),
                     if c.len() < 2 { "too_short" } else { "too_long" },
                 ));
             }
@@ -206,15 +187,11 @@ fn question(
                         "value_error",
                     ));
                 }
-                let d = flatten_description(&replace.value(desc), &l)?
-                    .map(|d| check_text(d, &l))
-                    .transpose()?;
+                let d =
+                    flatten_description(&replace.value(desc), &l)?.map(|d| check_text(d, &l)).transpose()?;
                 options.push((value.clone(), d));
             }
-            Ok(QuestionKind::Choice {
-                question: check_text(instructions, &iloc)?,
-                options,
-            })
+            Ok(QuestionKind::Choice { question: check_text(instructions, &iloc)?, options })
         }
         "score" => {
             let instructions = instructions.expect("checked above");
@@ -228,7 +205,10 @@ fn question(
             if levels.len() < MIN_SCORE_LEVELS || levels.len() > MAX_SCORE_LEVELS {
                 return Err(ApiError::invalid(
                     cloc,
-                    format!("score question {name:?} needs {MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels; got {}", levels.len()),
+                    format!(
+                        "score question {name:?} needs {MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels; got {}",
+                        levels.len()
+                    ),
                     if levels.len() < MIN_SCORE_LEVELS { "too_short" } else { "too_long" },
                 ));
             }
@@ -236,38 +216,28 @@ fn question(
             for (i, d) in levels.iter().enumerate() {
                 let l = cloc.at(i);
                 let Some(d) = flatten_description(&replace.value(d), &l)? else {
-                    return Err(ApiError::invalid(
-                        l,
-                        format!("level {i} needs a description"),
-                        "missing",
-                    ));
+                    return Err(ApiError::invalid(l, format!("level {i} needs a description"), "missing"));
                 };
                 out.push(check_text(d, &l)?);
             }
-            Ok(QuestionKind::Score {
-                question: check_text(instructions, &iloc)?,
-                levels: out,
-            })
+            Ok(QuestionKind::Score { question: check_text(instructions, &iloc)?, levels: out })
         }
         _ => {
             let instructions = instructions.expect("checked above");
             let c = match criteria {
                 Value::Object(c) if !c.is_empty() => c,
-                _ => {
-                    return Err(ApiError::invalid(
-                        cloc,
-                        format!("multi question {name:?} needs a non-empty criteria object of label → description"),
-                        if criteria.is_object() { "too_short" } else { "type_error" },
-                    ))
-                }
+                _ => return Err(ApiError::invalid(
+                    cloc,
+                    format!(
+                        "multi question {name:?} needs a non-empty criteria object of label → description"
+                    ),
+                    if criteria.is_object() { "too_short" } else { "type_error" },
+                )),
             };
             if c.len() > MAX_MULTI_LABELS {
                 return Err(ApiError::invalid(
                     cloc,
-                    format!(
-                        "multi question {name:?} has {} labels; at most {MAX_MULTI_LABELS}",
-                        c.len()
-                    ),
+                    format!("multi question {name:?} has {} labels; at most {MAX_MULTI_LABELS}", c.len()),
                     "too_long",
                 ));
             }
@@ -285,11 +255,7 @@ fn question(
                     }
                 },
                 Some(_) => {
-                    return Err(ApiError::invalid(
-                        tloc,
-                        "threshold must be a number in [0, 1]",
-                        "type_error",
-                    ))
+                    return Err(ApiError::invalid(tloc, "threshold must be a number in [0, 1]", "type_error"))
                 }
             };
             let mut labels = Vec::with_capacity(c.len());
@@ -299,11 +265,7 @@ fn question(
                 check_text(multi_label_question(&instructions, label, d.as_deref()), &l)?;
                 labels.push((label.clone(), d));
             }
-            Ok(QuestionKind::Multi {
-                instructions,
-                labels,
-                threshold,
-            })
+            Ok(QuestionKind::Multi { instructions, labels, threshold })
         }
     }
 }
@@ -315,10 +277,7 @@ fn text_of(v: &Value, loc: &Loc) -> Result<String, ApiError> {
         other => pyjson::dumps(other, pyjson::PLAIN).map_err(|e| {
             ApiError::invalid(
                 loc.clone(),
-                format!(
-                    "contains the number {} that is not finite; send finite numbers",
-                    e.0
-                ),
+                format!("contains the number {} that is not finite; send finite numbers", e.0),
                 "value_error",
             )
         }),
@@ -331,10 +290,8 @@ pub fn flatten_instructions(v: &Value, loc: &Loc) -> Result<String, ApiError> {
     match v {
         Value::String(s) if !s.is_empty() => Ok(s.clone()),
         Value::Object(m) if !m.is_empty() => {
-            let lines: Result<Vec<String>, ApiError> = m
-                .iter()
-                .map(|(k, v)| Ok(format!("{k}: {}", text_of(v, loc)?)))
-                .collect();
+            let lines: Result<Vec<String>, ApiError> =
+                m.iter().map(|(k, v)| Ok(format!("{k}: {}", text_of(v, loc)?))).collect();
             Ok(lines?.join("\n"))
         }
         Value::Array(a) if !a.is_empty() => {
@@ -356,10 +313,8 @@ pub fn flatten_description(v: &Value, loc: &Loc) -> Result<Option<String>, ApiEr
         Value::Null => return Ok(None),
         Value::String(s) => s.clone(),
         Value::Object(m) => {
-            let parts: Result<Vec<String>, ApiError> = m
-                .iter()
-                .map(|(k, v)| Ok(format!("{k}: {}", text_of(v, loc)?)))
-                .collect();
+            let parts: Result<Vec<String>, ApiError> =
+                m.iter().map(|(k, v)| Ok(format!("{k}: {}", text_of(v, loc)?))).collect();
             parts?.join("; ")
         }
         Value::Array(a) => {
@@ -381,11 +336,7 @@ pub fn flatten_description(v: &Value, loc: &Loc) -> Result<Option<String>, ApiEr
 fn check_text(s: String, loc: &Loc) -> Result<String, ApiError> {
     let n = py_len(&s);
     if n == 0 {
-        return Err(ApiError::invalid(
-            loc.clone(),
-            "must not be empty",
-            "too_short",
-        ));
+        return Err(ApiError::invalid(loc.clone(), "must not be empty", "too_short"));
     }
     if n > MAX_TEXT {
         return Err(ApiError::invalid(
@@ -408,26 +359,14 @@ mod tests {
         assert_eq!(err(json!({"state": {}})).1, "invalid_request");
         assert_eq!(err(json!({"questions": {}})).1, "invalid_request");
         assert_eq!(err(json!({"questions": []})).1, "invalid_request");
-        let many: Map<String, Value> = (0..65)
-            .map(|i| (format!("q{i}"), noul(json!("?"))))
-            .collect();
+        let many: Map<String, Value> = (0..65).map(|i| (format!("q{i}"), noul(json!("?")))).collect();
         assert!(err(json!({"questions": many})).2.contains("at most 64"));
-        let many: Map<String, Value> = (0..64)
-            .map(|i| (format!("q{i}"), noul(json!("?"))))
-            .collect();
+        let many: Map<String, Value> = (0..64).map(|i| (format!("q{i}"), noul(json!("?")))).collect();
         assert!(check(json!({"questions": many})).is_ok());
-        assert_eq!(
-            err(json!({"questions": {"": noul(json!("?"))}})).1,
-            "invalid_request"
-        );
-        assert!(err(json!({"questions": {"q": "Is it?"}}))
-            .2
-            .contains("must be an object"));
+        assert_eq!(err(json!({"questions": {"": noul(json!("?"))}})).1, "invalid_request");
+        assert!(err(json!({"questions": {"q": "Is it?"}})).2.contains("must be an object"));
         let m = err(json!({"questions": {"q": {"type": "boolean", "instructions": "?"}}})).2;
-        assert!(
-            m.contains("unsupported type \"boolean\"; use noul, choice, score or multi"),
-            "{m}"
-        );
+        assert!(m.contains("unsupported type \"boolean\"; use noul, choice, score or multi"), "{m}");
         assert!(err(json!({"questions": {"q": {"instructions": "?"}}}))
             .2
             .contains("unsupported type missing"));
@@ -440,9 +379,7 @@ mod tests {
 
     #[test]
     fn instructions_flattening() {
-        let q = |i: Value| {
-            check(json!({"questions": {"q": noul(i)}})).map(|r| r.questions[0].kind.clone())
-        };
+        let q = |i: Value| check(json!({"questions": {"q": noul(i)}})).map(|r| r.questions[0].kind.clone());
         let text = |k: QuestionKind| match k {
             QuestionKind::Noul { question, .. } => question,
             _ => unreachable!(),
@@ -452,51 +389,35 @@ mod tests {
             text(q(json!({"task": "Decide", "include": ["refunds", "chargebacks"], "n": 1.0, "o": {"a": null}})).unwrap()),
             "task: Decide\ninclude: [\"refunds\", \"chargebacks\"]\nn: 1.0\no: {\"a\": null}"
         );
-        assert_eq!(
-            text(q(json!(["Route it.", 5, ["x"], "é"])).unwrap()),
-            "Route it.\n5\n[\"x\"]\né"
-        );
-        for bad in [
-            json!(""),
-            json!({}),
-            json!([]),
-            json!(null),
-            json!(7),
-            json!(true),
-        ] {
+        assert_eq!(text(q(json!(["Route it.", 5, ["x"], "é"])).unwrap()), "Route it.\n5\n[\"x\"]\né");
+        for bad in [json!(""), json!({}), json!([]), json!(null), json!(7), json!(true)] {
             assert_eq!(q(bad.clone()).unwrap_err().status, 422, "{bad}");
         }
         assert!(q(json!("i".repeat(2000))).is_ok());
-        assert!(q(json!("é".repeat(2001)))
-            .unwrap_err()
-            .summary()
-            .contains("2001 characters"));
+        assert!(q(json!("é".repeat(2001))).unwrap_err().summary().contains("2001 characters"));
         // Missing instructions: refused in imajev mode, for every type in TypeSafe mode but noul.
-        assert!(check(
-            json!({"questions": {"q": {"type": "noul", "criteria": {"true": "yes it is"}}}})
-        )
-        .is_err());
+        assert!(
+            check(json!({"questions": {"q": {"type": "noul", "criteria": {"true": "yes it is"}}}})).is_err()
+        );
         let r = check_ts(json!({"state": "", "questions": {"q": {"type": "noul", "criteria": {"true": {"a": 1}, "false": "no"}}}})).unwrap();
         assert_eq!(
             r.questions[0].kind,
-            QuestionKind::Noul {
-                question: "a: 1".into(),
-                yes: Some("a: 1".into()),
-                no: Some("no".into())
-            }
+            QuestionKind::Noul { question: "a: 1".into(), yes: Some("a: 1".into()), no: Some("no".into()) }
         );
-        let r = check_ts(json!({"state": "", "questions": {"q": {"type": "noul", "criteria": {"false": "nope"}}}})).unwrap();
+        let r = check_ts(
+            json!({"state": "", "questions": {"q": {"type": "noul", "criteria": {"false": "nope"}}}}),
+        )
+        .unwrap();
         assert_eq!(
             r.questions[0].kind,
-            QuestionKind::Noul {
-                question: "nope".into(),
-                yes: None,
-                no: Some("nope".into())
-            }
+            QuestionKind::Noul { question: "nope".into(), yes: None, no: Some("nope".into()) }
         );
         assert!(check_ts(json!({"state": "", "questions": {"q": {"type": "noul"}}})).is_err());
         assert!(check_ts(json!({"state": "", "questions": {"q": {"type": "noul", "instructions": null, "criteria": {"true": "x"}}}})).is_err());
-        assert!(check_ts(json!({"state": "", "questions": {"q": {"type": "choice", "criteria": {"a": null, "b": null}}}})).is_err());
+        assert!(check_ts(
+            json!({"state": "", "questions": {"q": {"type": "choice", "criteria": {"a": null, "b": null}}}})
+        )
+        .is_err());
     }
 
     #[test]
@@ -507,20 +428,13 @@ mod tests {
         assert_eq!(flatten_description(&json!({}), &l).unwrap(), None);
         assert_eq!(flatten_description(&json!([]), &l).unwrap(), None);
         assert_eq!(flatten_description(&json!([""]), &l).unwrap(), None);
+        assert_eq!(flatten_description(&json!("x"), &l).unwrap().as_deref(), Some("x"));
         assert_eq!(
-            flatten_description(&json!("x"), &l).unwrap().as_deref(),
-            Some("x")
-        );
-        assert_eq!(
-            flatten_description(&json!({"owns": ["invoices", "refunds"], "n": 2}), &l)
-                .unwrap()
-                .as_deref(),
+            flatten_description(&json!({"owns": ["invoices", "refunds"], "n": 2}), &l).unwrap().as_deref(),
             Some("owns: [\"invoices\", \"refunds\"]; n: 2")
         );
         assert_eq!(
-            flatten_description(&json!(["bugs", null, 1e2]), &l)
-                .unwrap()
-                .as_deref(),
+            flatten_description(&json!(["bugs", null, 1e2]), &l).unwrap().as_deref(),
             Some("bugs; null; 100.0")
         );
         assert!(flatten_description(&json!(5), &l).is_err());
@@ -529,25 +443,22 @@ mod tests {
 
     #[test]
     fn noul_choice_score_multi() {
-        let one =
-            |q: Value| check(json!({"questions": {"q": q}})).map(|r| r.questions[0].kind.clone());
+        let one = |q: Value| check(json!({"questions": {"q": q}})).map(|r| r.questions[0].kind.clone());
         // noul criteria
         assert_eq!(
-            one(json!({"type": "noul", "instructions": "?", "criteria": {"true": "yes", "false": null}})).unwrap(),
+            one(json!({"type": "noul", "instructions": "?", "criteria": {"true": "yes", "false": null}}))
+                .unwrap(),
             QuestionKind::Noul { question: "?".into(), yes: Some("yes".into()), no: None }
         );
         assert!(one(json!({"type": "noul", "instructions": "?", "criteria": null})).is_ok());
         assert!(one(json!({"type": "noul", "instructions": "?", "criteria": "yes"})).is_err());
-        assert!(one(
-            json!({"type": "noul", "instructions": "?", "criteria": {"true": "d".repeat(2001)}})
-        )
-        .is_err());
+        assert!(one(json!({"type": "noul", "instructions": "?", "criteria": {"true": "d".repeat(2001)}}))
+            .is_err());
         // choice
-        let c = |crit: Value| {
-            one(json!({"type": "choice", "instructions": "Which?", "criteria": crit}))
-        };
+        let c = |crit: Value| one(json!({"type": "choice", "instructions": "Which?", "criteria": crit}));
         assert_eq!(
-            c(json!({"Billing": {"owns": ["a"]}, "Tech": ["bugs", "outages"], "Sales": "", "Other": null})).unwrap(),
+            c(json!({"Billing": {"owns": ["a"]}, "Tech": ["bugs", "outages"], "Sales": "", "Other": null}))
+                .unwrap(),
             QuestionKind::Choice {
                 question: "Which?".into(),
                 options: vec![
@@ -570,14 +481,9 @@ mod tests {
         let n255: Map<String, Value> = (0..255).map(|i| (i.to_string(), Value::Null)).collect();
         assert!(c(Value::Object(n255)).is_ok());
         let n256: Map<String, Value> = (0..256).map(|i| (i.to_string(), Value::Null)).collect();
-        assert!(c(Value::Object(n256))
-            .unwrap_err()
-            .summary()
-            .contains("2-255 options; got 256"));
+        assert!(c(Value::Object(n256)).unwrap_err().summary().contains("2-255 options; got 256"));
         // score
-        let s = |crit: Value| {
-            one(json!({"type": "score", "instructions": "How much?", "criteria": crit}))
-        };
+        let s = |crit: Value| one(json!({"type": "score", "instructions": "How much?", "criteria": crit}));
         assert_eq!(
             s(json!(["low", {"label": "high"}])).unwrap(),
             QuestionKind::Score {
@@ -612,27 +518,13 @@ mod tests {
             matches!(m(json!({"a": null}), None).unwrap(), QuestionKind::Multi { threshold, .. } if threshold == 0.5)
         );
         assert!(m(json!({}), None).is_err());
-        assert!(m(
-            json!((0..33)
-                .map(|i| (format!("l{i}"), Value::Null))
-                .collect::<Map<_, _>>()),
-            None
-        )
-        .is_err());
-        assert!(m(
-            json!((0..32)
-                .map(|i| (format!("l{i}"), Value::Null))
-                .collect::<Map<_, _>>()),
-            None
-        )
-        .is_ok());
-        for t in [
-            json!(1.5),
-            json!(-0.1),
-            json!(true),
-            json!(null),
-            json!("0.5"),
-        ] {
+        assert!(
+            m(json!((0..33).map(|i| (format!("l{i}"), Value::Null)).collect::<Map<_, _>>()), None).is_err()
+        );
+        assert!(
+            m(json!((0..32).map(|i| (format!("l{i}"), Value::Null)).collect::<Map<_, _>>()), None).is_ok()
+        );
+        for t in [json!(1.5), json!(-0.1), json!(true), json!(null), json!("0.5")] {
             assert!(m(json!({"a": null}), Some(t.clone())).is_err(), "{t}");
         }
         // The label's question (instructions + label + description) must fit in 2000 characters.

@@ -22,11 +22,7 @@ pub(super) fn require_state(
     loc: Loc,
 ) -> Result<(), ApiError> {
     if mode == ContractMode::Typesafe && state.is_null() {
-        let why = if present {
-            "'state' must not be null"
-        } else {
-            "'state' is required"
-        };
+        let why = if present { "'state' must not be null" } else { "'state' is required" };
         return Err(ApiError::invalid(
             loc,
             format!("{why}: send a string, an object or an array (use \"\" or {{}} for no state)"),
@@ -81,17 +77,17 @@ pub fn check_state(state: &Value, loc: &Loc) -> Result<(), ApiError> {
     let compact = pyjson::dumps(state, pyjson::COMPACT).map_err(|e| {
         ApiError::invalid(
             loc.clone(),
-            format!(
-                "State contains the number {} that is not finite; send finite numbers",
-                e.0
-            ),
+            format!("State contains the number {} that is not finite; send finite numbers", e.0),
             "value_error",
         )
     })?;
     if compact.len() > MAX_STATE_BYTES {
         return Err(ApiError::invalid(
             loc.clone(),
-            format!("State exceeds {MAX_STATE_BYTES} bytes ({} bytes of compact UTF-8 JSON): shorten it", compact.len()),
+            format!(
+                "State exceeds {MAX_STATE_BYTES} bytes ({} bytes of compact UTF-8 JSON): shorten it",
+                compact.len()
+            ),
             "too_long",
         ));
     }
@@ -108,46 +104,18 @@ mod tests {
     fn state_defaults_and_wrapping() {
         let q = json!({"q": noul(json!("Is it?"))});
         assert_eq!(check(json!({"questions": q})).unwrap().state, json!({}));
+        assert_eq!(check(json!({"state": null, "questions": q})).unwrap().state, json!({"state": null}));
         assert_eq!(
-            check(json!({"state": null, "questions": q})).unwrap().state,
-            json!({"state": null})
-        );
-        assert_eq!(
-            check(json!({"state": [1, "a"], "questions": q}))
-                .unwrap()
-                .state,
+            check(json!({"state": [1, "a"], "questions": q})).unwrap().state,
             json!({"state": [1, "a"]})
         );
-        assert_eq!(
-            check(json!({"state": 3.5, "questions": q})).unwrap().state,
-            json!({"state": 3.5})
-        );
-        assert_eq!(
-            check(json!({"state": "text", "questions": q}))
-                .unwrap()
-                .state,
-            json!("text")
-        );
-        assert_eq!(
-            check(json!({"state": {"a": 1}, "questions": q}))
-                .unwrap()
-                .state,
-            json!({"a": 1})
-        );
+        assert_eq!(check(json!({"state": 3.5, "questions": q})).unwrap().state, json!({"state": 3.5}));
+        assert_eq!(check(json!({"state": "text", "questions": q})).unwrap().state, json!("text"));
+        assert_eq!(check(json!({"state": {"a": 1}, "questions": q})).unwrap().state, json!({"a": 1}));
         // TypeSafe: state required and not null; lists still wrapped.
         assert_eq!(check_ts(json!({"questions": q})).unwrap_err().status, 422);
-        assert_eq!(
-            check_ts(json!({"state": null, "questions": q}))
-                .unwrap_err()
-                .status,
-            422
-        );
-        assert_eq!(
-            check_ts(json!({"state": ["a"], "questions": q}))
-                .unwrap()
-                .state,
-            json!({"state": ["a"]})
-        );
+        assert_eq!(check_ts(json!({"state": null, "questions": q})).unwrap_err().status, 422);
+        assert_eq!(check_ts(json!({"state": ["a"], "questions": q})).unwrap().state, json!({"state": ["a"]}));
         // model and unknown fields are ignored.
         assert!(check(json!({"model": 5, "x_trace": {}, "seed": 7, "questions": q})).is_ok());
     }
@@ -175,9 +143,7 @@ mod tests {
         let ok = "z".repeat(MAX_STATE_BYTES - 8);
         assert!(check(json!({"state": {"s": ok}, "questions": q})).is_ok());
         let over = "z".repeat(MAX_STATE_BYTES - 7);
-        assert!(err(json!({"state": {"s": over}, "questions": q}))
-            .2
-            .contains("131072"));
+        assert!(err(json!({"state": {"s": over}, "questions": q})).2.contains("131072"));
         // Multi-byte characters count as their UTF-8 bytes.
         let e = "é".repeat(MAX_STATE_BYTES / 2);
         assert_eq!(err(json!({"state": {"s": e}, "questions": q})).0, 422);

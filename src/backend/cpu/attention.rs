@@ -2,8 +2,8 @@
 //! sharing an immutable prefix, and the vision tower's bidirectional attention. CPU twins of
 //! kernels/attention.cu (src/backend/cuda/attention.rs).
 
-use super::norm::rms_norm;
 use super::elementwise::sigmoid;
+use super::norm::rms_norm;
 use super::{CpuBackend, CpuTensor};
 use crate::backend::{check_parents, AttentionDims, AttentionInputs, Backend};
 use anyhow::{ensure, Result};
@@ -46,7 +46,11 @@ pub fn rotate_half_inplace(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 
 /// The first `visible` rows of key/value `parts` (row width `w`) as `(first row, rows, part)`,
 /// skipping empty parts.
-fn visible_parts<'a>(parts: &'a [&'a [f32]], w: usize, visible: usize) -> impl Iterator<Item = (usize, usize, &'a [f32])> {
+fn visible_parts<'a>(
+    parts: &'a [&'a [f32]],
+    w: usize,
+    visible: usize,
+) -> impl Iterator<Item = (usize, usize, &'a [f32])> {
     parts
         .iter()
         .scan(0usize, move |col, part| {
@@ -215,7 +219,8 @@ pub(super) fn share_kv(cache: &mut CpuKvCache) -> Result<()> {
 }
 
 /// `Backend::gated_attention` (the trait documents the contract).
-pub(super) fn gated_attention(be: &CpuBackend,
+pub(super) fn gated_attention(
+    be: &CpuBackend,
     x: &AttentionInputs<CpuTensor>,
     dims: &AttentionDims,
     segments: &[Range<usize>],
@@ -305,7 +310,17 @@ pub(super) fn vision_attention(
     let mut out = vec![0f32; n * d];
     for seg in segments {
         let r = seg.start * d..seg.end * d;
-        let o = attention(&q[r.clone()], &k[r.clone()], &v[r.clone()], seg.len(), seg.len(), heads, heads, hd, false);
+        let o = attention(
+            &q[r.clone()],
+            &k[r.clone()],
+            &v[r.clone()],
+            seg.len(),
+            seg.len(),
+            heads,
+            heads,
+            hd,
+            false,
+        );
         out[r].copy_from_slice(&o);
     }
     CpuTensor::new(out, &[n, d])

@@ -35,7 +35,14 @@ impl CpuDeltaState {
 ///
 /// `x`: `[n, c]` new inputs; `hist`: `[kernel−1, c]` previous inputs (oldest first), updated to
 /// the last `kernel−1` inputs; `w`: `[c, kernel]` with tap `kernel−1` on the current token.
-pub fn causal_conv_silu(x: &[f32], n: usize, c: usize, hist: &mut [f32], w: &[f32], kernel: usize) -> Vec<f32> {
+pub fn causal_conv_silu(
+    x: &[f32],
+    n: usize,
+    c: usize,
+    hist: &mut [f32],
+    w: &[f32],
+    kernel: usize,
+) -> Vec<f32> {
     let h = kernel - 1;
     assert_eq!(hist.len(), h * c);
     let at = |i: isize, ch: usize| -> f32 {
@@ -268,14 +275,16 @@ pub fn delta_rule_chunked(x: &DeltaRuleInputs, state: &mut [f32], chunk: usize) 
 }
 
 /// `Backend::gated_delta_net` (the trait documents the contract).
-pub(super) fn gated_delta_net(be: &CpuBackend,
+pub(super) fn gated_delta_net(
+    be: &CpuBackend,
     x: &DeltaNetInputs<CpuTensor>,
     dims: &DeltaNetDims,
     segments: &[Range<usize>],
     parents: &[Option<usize>],
     states: &mut [&mut CpuDeltaState],
 ) -> Result<CpuTensor> {
-    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel, norm_eps } = *dims;
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel, norm_eps } =
+        *dims;
     let c = dims.conv_channels();
     ensure!(segments.len() == states.len(), "one state per segment");
     let tree = check_parents(parents, segments.len())?;

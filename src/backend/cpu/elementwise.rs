@@ -36,7 +36,7 @@ pub fn gelu(x: f32, tanh: bool) -> f32 {
 }
 
 /// `Backend::embed` (the trait documents the contract).
-pub(super) fn embed( table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+pub(super) fn embed(table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
     let (v, d) = table.rows_cols();
     let mut out = Vec::with_capacity(ids.len() * d);
     for &id in ids {
@@ -47,7 +47,7 @@ pub(super) fn embed( table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
 }
 
 /// `Backend::embed_bag` (the trait documents the contract).
-pub(super) fn embed_bag( table: &CpuTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CpuTensor> {
+pub(super) fn embed_bag(table: &CpuTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CpuTensor> {
     let (v, d) = table.rows_cols();
     ensure!(idx.len() == w.len() && taps > 0 && idx.len() % taps == 0, "embed_bag shapes");
     let n = idx.len() / taps;
@@ -67,7 +67,7 @@ pub(super) fn embed_bag( table: &CpuTensor, idx: &[u32], w: &[f32], taps: usize)
 }
 
 /// `Backend::scatter_rows` (the trait documents the contract).
-pub(super) fn scatter_rows( dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor) -> Result<()> {
+pub(super) fn scatter_rows(dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor) -> Result<()> {
     let (n, d) = dst.rows_cols();
     let (sn, sd) = src.rows_cols();
     ensure!(sd == d && sn == rows.len(), "scatter_rows: {} rows of width {sd} into width {d}", rows.len());
@@ -79,7 +79,7 @@ pub(super) fn scatter_rows( dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor
 }
 
 /// `Backend::gather_rows` (the trait documents the contract).
-pub(super) fn gather_rows( x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+pub(super) fn gather_rows(x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
     let (n, d) = x.rows_cols();
     let mut out = Vec::with_capacity(rows.len() * d);
     for &r in rows {
@@ -90,7 +90,7 @@ pub(super) fn gather_rows( x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
 }
 
 /// `Backend::split_cols` (the trait documents the contract).
-pub(super) fn split_cols( x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+pub(super) fn split_cols(x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
     let (n, d) = x.rows_cols();
     ensure!(widths.iter().sum::<usize>() == d, "split_cols: widths {widths:?} do not sum to {d}");
     let mut outs: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(n * w)).collect();
@@ -105,7 +105,7 @@ pub(super) fn split_cols( x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTens
 }
 
 /// `Backend::concat_rows` (the trait documents the contract).
-pub(super) fn concat_rows( parts: &[&CpuTensor]) -> Result<CpuTensor> {
+pub(super) fn concat_rows(parts: &[&CpuTensor]) -> Result<CpuTensor> {
     let d = parts.first().map(|p| p.rows_cols().1).unwrap_or(0);
     let mut out = Vec::new();
     for p in parts {
@@ -117,14 +117,14 @@ pub(super) fn concat_rows( parts: &[&CpuTensor]) -> Result<CpuTensor> {
 }
 
 /// `Backend::add_assign` (the trait documents the contract).
-pub(super) fn add_assign( x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+pub(super) fn add_assign(x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
     ensure!(x.data.len() == y.data.len(), "add: shapes {:?} and {:?}", x.shape, y.shape);
     x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
     Ok(())
 }
 
 /// `Backend::swiglu` (the trait documents the contract).
-pub(super) fn swiglu( gate_up: &CpuTensor) -> Result<CpuTensor> {
+pub(super) fn swiglu(gate_up: &CpuTensor) -> Result<CpuTensor> {
     let (n, d2) = gate_up.rows_cols();
     ensure!(d2 % 2 == 0, "swiglu needs an even width");
     let d = d2 / 2;

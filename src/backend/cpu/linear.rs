@@ -100,8 +100,20 @@ pub(super) fn linear(parts: &[LinearPart]) -> Result<CpuLinear> {
         if let Some(l) = &p.lora {
             let (r, ai) = check_2d(&l.a)?;
             let (bo, br) = check_2d(&l.b)?;
-            ensure!(ai == in_dim && bo == o && br == r, "LoRA {} / {} shapes do not fit {}", l.a.name, l.b.name, p.weight.name);
-            loras.push(CpuLora { rows: out_dim..out_dim + o, a: l.a.to_f32()?, b: l.b.to_f32()?, rank: r, scale: l.scale });
+            ensure!(
+                ai == in_dim && bo == o && br == r,
+                "LoRA {} / {} shapes do not fit {}",
+                l.a.name,
+                l.b.name,
+                p.weight.name
+            );
+            loras.push(CpuLora {
+                rows: out_dim..out_dim + o,
+                a: l.a.to_f32()?,
+                b: l.b.to_f32()?,
+                rank: r,
+                scale: l.scale,
+            });
         }
         out_dim += o;
     }

@@ -134,7 +134,11 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32, offset: f32) -> Result<CpuTensor> {
         let d = w.data.len();
-        ensure!(d > 0 && x.data.len() % d == 0, "rms_norm: {} values do not split into rows of {d}", x.data.len());
+        ensure!(
+            d > 0 && x.data.len() % d == 0,
+            "rms_norm: {} values do not split into rows of {d}",
+            x.data.len()
+        );
         Ok(CpuTensor { data: norm::rms_norm(&x.data, &w.data, eps, offset), shape: x.shape.clone() })
     }
 

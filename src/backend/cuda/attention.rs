@@ -146,8 +146,8 @@ impl CudaBackend {
         gate: Option<(u64, usize, usize)>,
         out: &CudaSlice<bf16>,
     ) -> Result<()> {
-        let hdp = layout::attention_head_dim(hd)
-            .ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
+        let hdp =
+            layout::attention_head_dim(hd).ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
         if segments.iter().all(|s| s.is_empty()) {
             return Ok(());
         }
@@ -191,7 +191,9 @@ impl CudaBackend {
         let name = format!("attn_fwd_q128_{hdp}");
         let (threads, smem) = (layout::attention_q128_threads(hdp), layout::attention_q128_smem_bytes(hdp));
         let subset = |idx: &[usize]| -> Result<CudaSlice<i64>> {
-            self.htod(&idx.iter().flat_map(|&si| meta_host[8 * si..8 * si + 8].iter().copied()).collect::<Vec<_>>())
+            self.htod(
+                &idx.iter().flat_map(|&si| meta_host[8 * si..8 * si + 8].iter().copied()).collect::<Vec<_>>(),
+            )
         };
         if !whole.is_empty() && longest(&whole) > 0 {
             let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
@@ -245,16 +247,8 @@ impl CudaBackend {
 
 /// `Backend::new_kv_cache` (the trait documents the contract).
 pub(super) fn new_kv_cache(dims: &AttentionDims) -> Result<CudaKvCache> {
-    Ok(CudaKvCache {
-        shared: None,
-        k: None,
-        v: None,
-        width: dims.kv_heads * dims.head_dim,
-        cap: 0,
-        len: 0,
-    })
+    Ok(CudaKvCache { shared: None, k: None, v: None, width: dims.kv_heads * dims.head_dim, cap: 0, len: 0 })
 }
-
 
 /// Rows in the cache: the shared prefix and the own rows.
 pub(super) fn kv_len(cache: &CudaKvCache) -> usize {
@@ -262,8 +256,7 @@ pub(super) fn kv_len(cache: &CudaKvCache) -> usize {
 }
 
 /// `Backend::share_kv` (the trait documents the contract).
-pub(super) fn share_kv(
-    be: &CudaBackend, c: &mut CudaKvCache) -> Result<()> {
+pub(super) fn share_kv(be: &CudaBackend, c: &mut CudaKvCache) -> Result<()> {
     if c.len == 0 {
         return Ok(());
     }
@@ -272,23 +265,16 @@ pub(super) fn share_kv(
     let (old, own) = (c.shared_len() * c.width, c.len * c.width);
     let k = be.alloc_bf16(old + own)?;
     let v = be.alloc_bf16(old + own)?;
-    for (dst, sh, mine) in [
-        (&k, c.shared.as_ref().map(|s| &s.k), &c.k),
-        (&v, c.shared.as_ref().map(|s| &s.v), &c.v),
-    ] {
+    for (dst, sh, mine) in
+        [(&k, c.shared.as_ref().map(|s| &s.k), &c.k), (&v, c.shared.as_ref().map(|s| &s.v), &c.v)]
+    {
         if let Some(sh) = sh {
             be.dtod_bytes(be.p(dst), be.p(sh), 2 * old)?;
         }
-        let mine = mine
-            .as_ref()
-            .ok_or_else(|| anyhow!("KV cache has rows but no buffer"))?;
+        let mine = mine.as_ref().ok_or_else(|| anyhow!("KV cache has rows but no buffer"))?;
         be.dtod_bytes(be.p(dst) + 2 * old as u64, be.p(mine), 2 * own)?;
     }
-    c.shared = Some(Arc::new(SharedKv {
-        k,
-        v,
-        len: c.shared_len() + c.len,
-    }));
+    c.shared = Some(Arc::new(SharedKv { k, v, len: c.shared_len() + c.len }));
     c.k = None;
     c.v = None;
     c.cap = 0;
@@ -336,44 +322,21 @@ fn attend(
     caches: &mut [&mut CudaKvCache],
     last_only: bool,
 ) -> Result<CudaTensor> {
-    let AttentionDims {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        rotary_dim: rot,
-        norm_eps,
-    } = *dims;
+    let AttentionDims { heads, kv_heads: kvh, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
     ensure!(segments.len() == caches.len(), "one cache per segment");
     let Tree { parent, is_parent } = check_parents(parents, segments.len())?;
     let (n, width) = x.qkv.rows_cols();
-    ensure!(
-        width == dims.qkv_width(),
-        "attention input width {width} != {}",
-        dims.qkv_width()
-    );
-    ensure!(
-        x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot),
-        "rotary table shapes"
-    );
-    ensure!(
-        kvh > 0 && heads % kvh == 0,
-        "{heads} heads do not group over {kvh} kv heads"
-    );
+    ensure!(width == dims.qkv_width(), "attention input width {width} != {}", dims.qkv_width());
+    ensure!(x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot), "rotary table shapes");
+    ensure!(kvh > 0 && heads % kvh == 0, "{heads} heads do not group over {kvh} kv heads");
     ensure!(
         hd <= 256 && rot <= hd && rot % 2 == 0,
         "head_dim {hd} / rotary_dim {rot} not supported (head_dim ≤ 256)"
     );
-    ensure!(
-        x.q_norm.numel() == hd && x.k_norm.numel() == hd,
-        "q/k norm weights must have {hd} values"
-    );
+    ensure!(x.q_norm.numel() == hd && x.k_norm.numel() == hd, "q/k norm weights must have {hd} values");
     check_tiling(segments, n)?;
     for c in caches.iter() {
-        ensure!(
-            c.width == kvh * hd,
-            "KV cache width {} does not match {kvh}×{hd}",
-            c.width
-        );
+        ensure!(c.width == kvh * hd, "KV cache width {} does not match {kvh}×{hd}", c.width);
     }
     if n == 0 {
         return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, heads * hd]));
@@ -403,10 +366,7 @@ fn attend(
             // The parent's own rows, this call's included, become the immutable prefix its
             // children read: the own buffers move into the shared part as they are (the
             // prep launch writes this call's rows into them), so nothing is copied.
-            ensure!(
-                c.shared.is_none(),
-                "a parent's KV cache must not continue a shared cache"
-            );
+            ensure!(c.shared.is_none(), "a parent's KV cache must not continue a shared cache");
             let (k, v) = (c.k.take().expect("reserved"), c.v.take().expect("reserved"));
             let (kp, vp, before) = (be.p(&k), be.p(&v), c.len);
             c.shared = Some(Arc::new(SharedKv { k, v, len: before + seg.len() }));
@@ -418,10 +378,7 @@ fn attend(
             Some(s) => (be.p(&s.k), be.p(&s.v), s.len),
             None => (0, 0, 0),
         };
-        let (kc, vc) = (
-            c.k.as_ref().expect("reserved"),
-            c.v.as_ref().expect("reserved"),
-        );
+        let (kc, vc) = (c.k.as_ref().expect("reserved"), c.v.as_ref().expect("reserved"));
         meta.extend([
             seg.start as i64,
             seg.len() as i64,
@@ -499,20 +456,11 @@ pub(super) fn vision_attention(
     segments: &[Range<usize>],
 ) -> Result<CudaTensor> {
     let (n, w) = qkv.rows_cols();
-    ensure!(
-        heads > 0 && w % (3 * heads) == 0,
-        "vision qkv width {w} is not 3·heads·head_dim"
-    );
+    ensure!(heads > 0 && w % (3 * heads) == 0, "vision qkv width {w} is not 3·heads·head_dim");
     let hd = w / (3 * heads);
     let d = heads * hd;
-    ensure!(
-        hd <= 256 && hd % 2 == 0,
-        "vision head_dim {hd} not supported"
-    );
-    ensure!(
-        cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd),
-        "vision rotary shapes"
-    );
+    ensure!(hd <= 256 && hd % 2 == 0, "vision head_dim {hd} not supported");
+    ensure!(cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd), "vision rotary shapes");
     check_tiling(segments, n)?;
     if n == 0 {
         return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, d]));

@@ -11,10 +11,10 @@ use super::launch::{KernelFile, KERNELS};
 use super::CudaOptions;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{CudaContext, CudaFunction};
-use std::collections::HashMap;
-use std::sync::Arc;
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Prepended to every kernel file (shared typedefs and reductions).
 pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
@@ -38,9 +38,8 @@ pub fn compile_options(arch: &str, include_dir: &Path) -> Vec<String> {
 /// Cache key: hex SHA-256 over the program, its options and the device/driver tag.
 pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
     let mut h = Sha256::new();
-    for part in std::iter::once(source)
-        .chain(options.iter().map(|s| s.as_str()))
-        .chain(std::iter::once(device_tag))
+    for part in
+        std::iter::once(source).chain(options.iter().map(|s| s.as_str())).chain(std::iter::once(device_tag))
     {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
@@ -51,11 +50,7 @@ pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
 /// `$IMAJEV_KERNEL_CACHE`, else `$XDG_CACHE_HOME/imajev-serve/kernels`, else
 /// `~/.cache/imajev-serve/kernels`; `None` when none can be determined (then nothing is cached).
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     env("IMAJEV_KERNEL_CACHE")
         .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("imajev-serve/kernels")))
         .or_else(|| env("HOME").map(|p| p.join(".cache/imajev-serve/kernels")))
@@ -95,9 +90,7 @@ pub fn read_cache(path: &Path) -> Option<Vec<u8>> {
 
 /// Writes a cache file atomically (temporary file + rename).
 pub fn write_cache(path: &Path, payload: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
+    let dir = path.parent().ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut bytes = Vec::with_capacity(MAGIC.len() + 32 + payload.len());
@@ -115,8 +108,8 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
     use cudarc::nvrtc::{result, sys};
     let src = std::ffi::CString::new(source).context("kernel source contains a NUL byte")?;
     let fname = std::ffi::CString::new(format!("{name}.cu"))?;
-    let prog = result::create_program(&src, Some(&fname))
-        .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+    let prog =
+        result::create_program(&src, Some(&fname)).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
     let out = (|| -> Result<Vec<u8>> {
         // SAFETY: `prog` was created above and is destroyed only after this closure.
         let compiled = unsafe { result::compile_program(prog, options) };
@@ -134,7 +127,9 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
             .result()
             .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
         if size == 0 {
-            bail!("NVRTC produced no CUBIN for kernels/{name}.cu (is --gpu-architecture a real sm_XY target?)");
+            bail!(
+                "NVRTC produced no CUBIN for kernels/{name}.cu (is --gpu-architecture a real sm_XY target?)"
+            );
         }
         let mut buf = vec![0u8; size];
         unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) }
@@ -169,10 +164,7 @@ pub(super) fn load_kernels(
         Ok(p) | Err(p) => p.clone(),
     };
     let opts = compile_options(arch, &include_path);
-    let cache_dir = options
-        .kernel_cache_dir
-        .clone()
-        .or_else(default_cache_dir);
+    let cache_dir = options.kernel_cache_dir.clone().or_else(default_cache_dir);
     struct Job {
         file: KernelFile,
         source: String,
@@ -184,16 +176,9 @@ pub(super) fn load_kernels(
         .map(|f| {
             let source = full_source(f);
             let key = cache_key(&source, &opts, device_tag);
-            let path = cache_dir
-                .as_ref()
-                .map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
+            let path = cache_dir.as_ref().map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
             let cubin = path.as_deref().and_then(read_cache);
-            Job {
-                file: *f,
-                source,
-                path,
-                cubin,
-            }
+            Job { file: *f, source, path, cubin }
         })
         .collect();
     let mut modules = HashMap::new();
@@ -215,10 +200,7 @@ pub(super) fn load_kernels(
             }
         }
     }
-    let todo: Vec<&Job> = jobs
-        .iter()
-        .filter(|j| !modules.contains_key(j.file.name))
-        .collect();
+    let todo: Vec<&Job> = jobs.iter().filter(|j| !modules.contains_key(j.file.name)).collect();
     let compiled = todo.len();
     if !todo.is_empty() {
         if let Err(p) = &include {
@@ -228,21 +210,12 @@ pub(super) fn load_kernels(
                 p.display()
             );
         }
-        tracing::info!(
-            count = todo.len(),
-            arch,
-            "compiling CUDA kernels with NVRTC"
-        );
+        tracing::info!(count = todo.len(), arch, "compiling CUDA kernels with NVRTC");
         let bins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
-            let hs: Vec<_> = todo
-                .iter()
-                .map(|j| s.spawn(|| nvrtc_cubin(j.file.name, &j.source, &opts)))
-                .collect();
+            let hs: Vec<_> =
+                todo.iter().map(|j| s.spawn(|| nvrtc_cubin(j.file.name, &j.source, &opts))).collect();
             hs.into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked")))
-                })
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked"))))
                 .collect()
         });
         for (j, bin) in todo.iter().zip(bins) {
@@ -261,9 +234,7 @@ pub(super) fn load_kernels(
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
     let mut funcs = HashMap::new();
     for file in KERNELS {
-        let m = modules
-            .get(file.name)
-            .ok_or_else(|| anyhow!("kernels/{}.cu is not loaded", file.name))?;
+        let m = modules.get(file.name).ok_or_else(|| anyhow!("kernels/{}.cu is not loaded", file.name))?;
         for kf in file.functions {
             let f = m
                 .load_function(kf.name)
@@ -286,16 +257,9 @@ mod tests {
         assert!(COMMON.contains("block_sum"));
         for f in KERNELS {
             assert!(f.source.contains("__global__"), "{} has no kernel", f.name);
-            assert!(
-                f.source.contains("CPU twin"),
-                "{} does not name its CPU twin",
-                f.name
-            );
+            assert!(f.source.contains("CPU twin"), "{} does not name its CPU twin", f.name);
             let full = full_source(f);
-            assert!(
-                full.starts_with(COMMON)
-                    && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name))
-            );
+            assert!(full.starts_with(COMMON) && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name)));
         }
     }
 
@@ -317,10 +281,7 @@ mod tests {
             )
         );
         // Length-prefixed: moving bytes between fields changes the key.
-        assert_ne!(
-            cache_key("ab", &["c".into()], "d"),
-            cache_key("a", &["bc".into()], "d")
-        );
+        assert_ne!(cache_key("ab", &["c".into()], "d"), cache_key("a", &["bc".into()], "d"));
     }
 
     /// Where NVRTC and the CUDA headers are installed (no GPU needed), every kernel file must
@@ -338,17 +299,9 @@ mod tests {
         let opts = compile_options("sm_90a", &include);
         for f in KERNELS {
             let cubin = nvrtc_cubin(f.name, &full_source(f), &opts).unwrap();
-            assert!(
-                cubin.starts_with(b"\x7fELF"),
-                "kernels/{}.cu: not an ELF CUBIN",
-                f.name
-            );
+            assert!(cubin.starts_with(b"\x7fELF"), "kernels/{}.cu: not an ELF CUBIN", f.name);
         }
-        eprintln!(
-            "NVRTC {:?}: {} kernel files compiled for sm_90a",
-            nvrtc_version().unwrap(),
-            KERNELS.len()
-        );
+        eprintln!("NVRTC {:?}: {} kernel files compiled for sm_90a", nvrtc_version().unwrap(), KERNELS.len());
     }
 
     #[test]
@@ -367,11 +320,7 @@ mod tests {
         // Truncated and foreign files are misses too.
         std::fs::write(&p, &bytes[..20]).unwrap();
         assert!(read_cache(&p).is_none());
-        std::fs::write(
-            &p,
-            b"not a cache file at all, definitely longer than forty bytes",
-        )
-        .unwrap();
+        std::fs::write(&p, b"not a cache file at all, definitely longer than forty bytes").unwrap();
         assert!(read_cache(&p).is_none());
         // A rewrite repairs it.
         write_cache(&p, b"fresh").unwrap();

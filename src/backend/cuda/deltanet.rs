@@ -157,8 +157,14 @@ pub(super) fn gated_delta_net(
     y
 }
 
-fn check_inputs(x: &DeltaNetInputs<CudaTensor>, dims: &DeltaNetDims, segments: &[Range<usize>], states: usize) -> Result<()> {
-    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, .. } = *dims;
+fn check_inputs(
+    x: &DeltaNetInputs<CudaTensor>,
+    dims: &DeltaNetDims,
+    segments: &[Range<usize>],
+    states: usize,
+) -> Result<()> {
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, .. } =
+        *dims;
     ensure!(segments.len() == states, "one state per segment");
     let (n, pw) = x.proj.rows_cols();
     ensure!(pw == dims.proj_width(), "DeltaNet input width {pw} != {}", dims.proj_width());
@@ -245,7 +251,15 @@ fn plan_states(
     // The conv history of the parents is written before the conv (their children read it),
     // everyone else's after it (an in-place history is read by the conv); the scan of the
     // children runs after everyone else's (they start from their parents' states).
-    let rank = |si: usize| if is_parent[si] { 0 } else if parent[si].is_none() { 1 } else { 2 };
+    let rank = |si: usize| {
+        if is_parent[si] {
+            0
+        } else if parent[si].is_none() {
+            1
+        } else {
+            2
+        }
+    };
     let mut order: Vec<usize> = (0..segments.len()).collect();
     order.sort_by_key(|&si| rank(si));
     let mut entries = Vec::with_capacity(segments.len());
@@ -258,7 +272,10 @@ fn plan_states(
             replaced.push(std::mem::replace(&mut *states[si], fork).cur);
         }
         let st = &mut *states[si];
-        ensure!(st.cur.conv_len == conv_len && st.cur.recurrent_len == rec_len, "DeltaNet state of another shape");
+        ensure!(
+            st.cur.conv_len == conv_len && st.cur.recurrent_len == rec_len,
+            "DeltaNet state of another shape"
+        );
         let (conv_in, rec_in) = st.cur.ptrs(stream);
         if needs_fresh[si] {
             let off = slot * (conv_len + rec_len);
@@ -314,7 +331,8 @@ fn conv(
     plan: &StatePlan,
     n: usize,
 ) -> Result<ConvOutputs> {
-    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, .. } = *dims;
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, .. } =
+        *dims;
     let c = dims.conv_channels();
     let convw = be.bf16_of(x.conv_weight)?;
     let (alog, dtb) = (be.f32_of(x.a_log)?, be.f32_of(x.dt_bias)?);
@@ -343,7 +361,13 @@ fn conv(
         be.launch(
             "gdn_conv_hist",
             launch_config((grid1(c, 256), count as u32, 1), 256, 0),
-            &[Arg::Ptr(blocks.qkv), Arg::I64(blocks.ld), Arg::Ptr(meta), Arg::I32(c as i32), Arg::I32(kw as i32)],
+            &[
+                Arg::Ptr(blocks.qkv),
+                Arg::I64(blocks.ld),
+                Arg::Ptr(meta),
+                Arg::I32(c as i32),
+                Arg::I32(kw as i32),
+            ],
         )
     };
     history(0..plan.parents)?;
@@ -382,7 +406,13 @@ fn conv(
 /// triangular systems), then a chunk scan ([`scan_kernel`], chosen per launch) walking each
 /// sequence's chunks from its state, the roots first and then the children from their parents'
 /// new states. Returns the f32 output `[n·vh, dv]`.
-fn delta_rule(be: &CudaBackend, dims: &DeltaNetDims, x: &ConvOutputs, plan: &StatePlan, n: usize) -> Result<CudaSlice<f32>> {
+fn delta_rule(
+    be: &CudaBackend,
+    dims: &DeltaNetDims,
+    x: &ConvOutputs,
+    plan: &StatePlan,
+    n: usize,
+) -> Result<CudaSlice<f32>> {
     let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, .. } = *dims;
     let core = be.alloc_f32(n * vh * dv)?;
     if plan.chunk_count == 0 {
@@ -455,7 +485,10 @@ mod tests {
             for dk in [16, 32, 64, 128] {
                 for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
                     let (name, smem) = scan_kernel(&o, dk, longest);
-                    let f = table.iter().find(|f| f.name == name).unwrap_or_else(|| panic!("{name} is not in KERNELS"));
+                    let f = table
+                        .iter()
+                        .find(|f| f.name == name)
+                        .unwrap_or_else(|| panic!("{name} is not in KERNELS"));
                     assert_eq!(f.max_dynamic_smem, smem, "{name}");
                 }
             }

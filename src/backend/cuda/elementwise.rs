@@ -8,8 +8,7 @@ use crate::backend::Gelu;
 use anyhow::{bail, ensure, Result};
 
 /// `Backend::embed` (the trait documents the contract).
-pub(super) fn embed(
-    be: &CudaBackend, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
+pub(super) fn embed(be: &CudaBackend, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
     let (v, d) = table.rows_cols();
     if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
         bail!("token id {bad} is outside the embedding table ({v} rows)");
@@ -41,10 +40,7 @@ pub(super) fn embed_bag(
     taps: usize,
 ) -> Result<CudaTensor> {
     let (v, d) = table.rows_cols();
-    ensure!(
-        idx.len() == w.len() && taps > 0 && idx.len() % taps == 0,
-        "embed_bag shapes"
-    );
+    ensure!(idx.len() == w.len() && taps > 0 && idx.len() % taps == 0, "embed_bag shapes");
     if let Some(&bad) = idx.iter().find(|&&i| i as usize >= v) {
         bail!("embed_bag index {bad} out of range ({v} rows)");
     }
@@ -70,14 +66,14 @@ pub(super) fn embed_bag(
 
 /// `Backend::scatter_rows` (the trait documents the contract).
 pub(super) fn scatter_rows(
-    be: &CudaBackend, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
+    be: &CudaBackend,
+    dst: &mut CudaTensor,
+    rows: &[usize],
+    src: &CudaTensor,
+) -> Result<()> {
     let (n, d) = dst.rows_cols();
     let (sn, sd) = src.rows_cols();
-    ensure!(
-        sd == d && sn == rows.len(),
-        "scatter_rows: {} rows of width {sd} into width {d}",
-        rows.len()
-    );
+    ensure!(sd == d && sn == rows.len(), "scatter_rows: {} rows of width {sd} into width {d}", rows.len());
     if let Some(&r) = rows.iter().find(|&&r| r >= n) {
         bail!("scatter_rows: row {r} out of range");
     }
@@ -98,8 +94,7 @@ pub(super) fn scatter_rows(
 }
 
 /// `Backend::gather_rows` (the trait documents the contract).
-pub(super) fn gather_rows(
-    be: &CudaBackend, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+pub(super) fn gather_rows(be: &CudaBackend, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
     let (n, d) = x.rows_cols();
     if let Some(&r) = rows.iter().find(|&&r| r >= n) {
         bail!("gather_rows: row {r} out of range");
@@ -122,13 +117,9 @@ pub(super) fn gather_rows(
 }
 
 /// `Backend::split_cols` (the trait documents the contract).
-pub(super) fn split_cols(
-    be: &CudaBackend, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+pub(super) fn split_cols(be: &CudaBackend, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
     let (n, d) = x.rows_cols();
-    ensure!(
-        widths.iter().sum::<usize>() == d,
-        "split_cols: widths {widths:?} do not sum to {d}"
-    );
+    ensure!(widths.iter().sum::<usize>() == d, "split_cols: widths {widths:?} do not sum to {d}");
     let xs = be.bf16_of(x)?;
     let mut out = Vec::with_capacity(widths.len());
     let mut off = 0;
@@ -155,8 +146,7 @@ pub(super) fn split_cols(
 }
 
 /// `Backend::concat_rows` (the trait documents the contract).
-pub(super) fn concat_rows(
-    be: &CudaBackend, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+pub(super) fn concat_rows(be: &CudaBackend, parts: &[&CudaTensor]) -> Result<CudaTensor> {
     let d = parts.first().map(|p| p.rows_cols().1).unwrap_or(0);
     for p in parts {
         ensure!(p.rows_cols().1 == d, "concat_rows: widths differ");
@@ -171,11 +161,7 @@ pub(super) fn concat_rows(
             be.dtod_bytes(be.p(&y) + 4 * at as u64, be.p(s), 4 * p.numel())?;
             at += p.numel();
         }
-        return Ok(CudaTensor {
-            buf: Buf::F32(y),
-            shape: vec![rows, d],
-            fp8: None,
-        });
+        return Ok(CudaTensor { buf: Buf::F32(y), shape: vec![rows, d], fp8: None });
     }
     let y = be.alloc_bf16(total)?;
     let mut at = 0;
@@ -188,14 +174,8 @@ pub(super) fn concat_rows(
 }
 
 /// `Backend::add_assign` (the trait documents the contract).
-pub(super) fn add_assign(
-    be: &CudaBackend, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
-    ensure!(
-        x.numel() == y.numel(),
-        "add: shapes {:?} and {:?}",
-        x.shape,
-        y.shape
-    );
+pub(super) fn add_assign(be: &CudaBackend, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+    ensure!(x.numel() == y.numel(), "add: shapes {:?} and {:?}", x.shape, y.shape);
     let n = x.numel();
     let xb = be.bf16_for_update(x)?;
     let ys = be.bf16_of(y)?;
@@ -210,8 +190,7 @@ pub(super) fn add_assign(
 }
 
 /// `Backend::swiglu` (the trait documents the contract).
-pub(super) fn swiglu(
-    be: &CudaBackend, gate_up: &CudaTensor) -> Result<CudaTensor> {
+pub(super) fn swiglu(be: &CudaBackend, gate_up: &CudaTensor) -> Result<CudaTensor> {
     let (n, d2) = gate_up.rows_cols();
     ensure!(d2 % 2 == 0, "swiglu needs an even width");
     let d = d2 / 2;
@@ -221,31 +200,21 @@ pub(super) fn swiglu(
         be.launch(
             "swiglu",
             launch_config((grid1(n * d, 256), 1, 1), 256, 0),
-            &[
-                Arg::Ptr(be.p(gs.s())),
-                Arg::Ptr(be.p(&y)),
-                Arg::I64(n as i64),
-                Arg::I32(d as i32),
-            ],
+            &[Arg::Ptr(be.p(gs.s())), Arg::Ptr(be.p(&y)), Arg::I64(n as i64), Arg::I32(d as i32)],
         )?;
     }
     Ok(be.bf16_tensor(y, &[n, d]))
 }
 
 /// `Backend::gelu` (the trait documents the contract).
-pub(super) fn gelu(
-    be: &CudaBackend, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
+pub(super) fn gelu(be: &CudaBackend, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
     let n = x.numel();
     let xb = be.bf16_for_update(x)?;
     if n > 0 {
         be.launch(
             "gelu",
             launch_config((grid1(n, 256), 1, 1), 256, 0),
-            &[
-                Arg::Ptr(be.p(xb)),
-                Arg::I64(n as i64),
-                Arg::I32((kind == Gelu::Tanh) as i32),
-            ],
+            &[Arg::Ptr(be.p(xb)), Arg::I64(n as i64), Arg::I32((kind == Gelu::Tanh) as i32)],
         )?;
     }
     Ok(())

@@ -146,13 +146,8 @@ fn layouts(g: &Gemm, m: usize) -> Result<Layouts> {
         .map_err(|e| anyhow!("layout A: {e:?}"))?;
     out.0[1] = lt::create_matrix_layout(ab, g.k as u64, m as u64, g.ldx as i64)
         .map_err(|e| anyhow!("layout B: {e:?}"))?;
-    out.0[2] = lt::create_matrix_layout(
-        lts::cudaDataType_t::CUDA_R_16BF,
-        g.n as u64,
-        m as u64,
-        g.ldy as i64,
-    )
-    .map_err(|e| anyhow!("layout D: {e:?}"))?;
+    out.0[2] = lt::create_matrix_layout(lts::cudaDataType_t::CUDA_R_16BF, g.n as u64, m as u64, g.ldy as i64)
+        .map_err(|e| anyhow!("layout D: {e:?}"))?;
     Ok(out)
 }
 
@@ -162,12 +157,7 @@ fn set_desc<T>(
     v: &T,
 ) -> Result<()> {
     unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attr,
-            v as *const T as *const c_void,
-            std::mem::size_of::<T>(),
-        )
+        lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>())
     }
     .map_err(|e| anyhow!("cuBLASLt desc attribute {attr:?}: {e:?}"))
 }
@@ -178,20 +168,12 @@ fn set_pref<T>(
     v: &T,
 ) -> Result<()> {
     unsafe {
-        lt::set_matmul_pref_attribute(
-            pref,
-            attr,
-            v as *const T as *const c_void,
-            std::mem::size_of::<T>(),
-        )
+        lt::set_matmul_pref_attribute(pref, attr, v as *const T as *const c_void, std::mem::size_of::<T>())
     }
     .map_err(|e| anyhow!("cuBLASLt preference {attr:?}: {e:?}"))
 }
 
-fn algo_attr(
-    algo: &lts::cublasLtMatmulAlgo_t,
-    attr: lts::cublasLtMatmulAlgoConfigAttributes_t,
-) -> u32 {
+fn algo_attr(algo: &lts::cublasLtMatmulAlgo_t, attr: lts::cublasLtMatmulAlgoConfigAttributes_t) -> u32 {
     let mut v = 0u32;
     let mut written = 0usize;
     let _ = unsafe {
@@ -216,10 +198,7 @@ impl Blas {
             handle,
             stream,
             workspace,
-            state: Mutex::new(State {
-                plans: HashMap::new(),
-                fallbacks: 0,
-            }),
+            state: Mutex::new(State { plans: HashMap::new(), fallbacks: 0 }),
         })
     }
 
@@ -262,19 +241,9 @@ impl Blas {
         )?;
         results[..count.max(0) as usize]
             .iter()
-            .find(|r| {
-                r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && r.workspaceSize <= WORKSPACE
-            })
+            .find(|r| r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE)
             .map(|r| r.algo)
-            .ok_or_else(|| {
-                anyhow!(
-                    "cuBLASLt has no {:?} algorithm for N={} K={} M={m}",
-                    g.kind,
-                    g.n,
-                    g.k
-                )
-            })
+            .ok_or_else(|| anyhow!("cuBLASLt has no {:?} algorithm for N={} K={} M={m}", g.kind, g.n, g.k))
     }
 
     fn plan(&self, g: &Gemm) -> Result<Plan> {
@@ -285,8 +254,7 @@ impl Blas {
             lts::cudaDataType_t::CUDA_R_32F,
         )
         .map_err(|e| anyhow!("cublasLtMatmulDescCreate: {e:?}"))?;
-        let pref = lt::create_matmul_pref()
-            .map_err(|e| anyhow!("cublasLtMatmulPreferenceCreate: {e:?}"))?;
+        let pref = lt::create_matmul_pref().map_err(|e| anyhow!("cublasLtMatmulPreferenceCreate: {e:?}"))?;
         let mut plan = Plan {
             desc,
             pref,
@@ -314,11 +282,7 @@ impl Blas {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale)?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scale)?;
         }
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &(WORKSPACE as u64),
-        )?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(WORKSPACE as u64))?;
         // Narrow outputs (LoRA A, in_proj b/a: N <= 256) have too few output tiles to fill the GPU
         // at small M: they may split K, reduced out of place in f32 (deterministic, and the same
         // split for every M since the algorithm stays fixed), and their algorithm is chosen at a
@@ -331,26 +295,10 @@ impl Blas {
             lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32
         };
         set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes)?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-            &ptr_alignment(g.w),
-        )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-            &ptr_alignment(g.x),
-        )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-            &ptr_alignment(g.y),
-        )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            &ptr_alignment(g.y),
-        )?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ptr_alignment(g.w))?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ptr_alignment(g.x))?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ptr_alignment(g.y))?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ptr_alignment(g.y))?;
         let m_ref = if narrow { M_REF_NARROW } else { M_REF };
         let m_ref = match g.kind {
             GemmKind::Fp8Block => crate::weights::fp8::fp8_rows(m_ref),
@@ -397,10 +345,7 @@ impl Blas {
             align: [ptr_alignment(g.w), ptr_alignment(g.x), ptr_alignment(g.y)],
             accumulate: g.beta != 0.0,
         };
-        let mut state = self
-            .state
-            .lock()
-            .map_err(|_| anyhow!("gemm state poisoned"))?;
+        let mut state = self.state.lock().map_err(|_| anyhow!("gemm state poisoned"))?;
         if let std::collections::hash_map::Entry::Vacant(e) = state.plans.entry(key) {
             let p = self.plan(g)?;
             tracing::debug!(?p.info, "cuBLASLt plan");
@@ -410,16 +355,8 @@ impl Blas {
         let plan = plans.get_mut(&key).expect("plan just inserted");
         if g.kind == GemmKind::Fp8Block {
             use lts::cublasLtMatmulDescAttributes_t as D;
-            set_desc(
-                plan.desc,
-                D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                &g.w_scale,
-            )?;
-            set_desc(
-                plan.desc,
-                D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                &g.x_scale,
-            )?;
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale)?;
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scale)?;
         }
         if !plan.layouts.contains_key(&g.m) {
             if plan.layouts.len() >= 512 {

@@ -134,19 +134,12 @@ pub(super) fn grid1(n: usize, per_block: usize) -> u32 {
 
 /// A launch of `grid` blocks of `block` threads with `smem` bytes of dynamic shared memory.
 pub(super) fn launch_config(grid: (u32, u32, u32), block: u32, smem: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: smem as u32,
-    }
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 }
 }
 
 impl CudaBackend {
     fn func(&self, name: &str) -> Result<&CudaFunction> {
-        self.state
-            .funcs
-            .get(name)
-            .ok_or_else(|| anyhow!("kernel {name} is not loaded"))
+        self.state.funcs.get(name).ok_or_else(|| anyhow!("kernel {name} is not loaded"))
     }
 
     /// Queues kernel `name` on the backend's stream.
@@ -164,11 +157,8 @@ impl CudaBackend {
         // SAFETY: every kernel's parameter list matches the argument list its caller builds
         // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and the buffers
         // behind the pointers outlive the launch in stream order.
-        let mut go = move || {
-            unsafe { b.launch(cfg) }
-                .map(|_| ())
-                .map_err(|e| anyhow!("launching {name}: {e:?}"))
-        };
+        let mut go =
+            move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));
         match &self.state.profiler {
             Some(p) => p.time(name, go),
             None => go(),
@@ -178,9 +168,7 @@ impl CudaBackend {
     /// One cuBLASLt GEMM, timed under its kind and shape when kernel profiling is on.
     pub(super) fn gemm(&self, g: &Gemm) -> Result<()> {
         match &self.state.profiler {
-            Some(p) => p.time(format!("gemm.{:?} N={} K={}", g.kind, g.n, g.k), || {
-                self.state.blas.run(g)
-            }),
+            Some(p) => p.time(format!("gemm.{:?} N={} K={}", g.kind, g.n, g.k), || self.state.blas.run(g)),
             None => self.state.blas.run(g),
         }
     }

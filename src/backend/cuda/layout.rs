@@ -3,7 +3,6 @@
 //! sizes, and the NVRTC target name. All of it is unit-tested on CPU-only machines; the kernels
 //! that consume these layouts are tested on the GPU (`tests/gpu/`).
 
-
 use crate::weights::fp8::FP8_BLOCK;
 use crate::weights::StoredDtype;
 use std::ops::Range;
@@ -63,11 +62,7 @@ pub fn group_parts(parts: &[(PartFormat, usize)]) -> Vec<PartGroup> {
                 g.parts.end = i + 1;
                 g.cols.end = col + out;
             }
-            _ => groups.push(PartGroup {
-                format: f,
-                parts: i..i + 1,
-                cols: col..col + out,
-            }),
+            _ => groups.push(PartGroup { format: f, parts: i..i + 1, cols: col..col + out }),
         }
         col += out;
     }
@@ -106,10 +101,7 @@ pub fn chunk_table(segments: &[Range<usize>], chunk: usize) -> ChunkTable {
         }
         per_segment.push((first, chunks.len() / 2 - first));
     }
-    ChunkTable {
-        chunks,
-        per_segment,
-    }
+    ChunkTable { chunks, per_segment }
 }
 
 /// Capacity (rows) of a KV cache that holds `current` rows and must hold `needed`: at least 1.5×
@@ -247,37 +239,14 @@ mod tests {
 
     #[test]
     fn formats_follow_dtype_alignment_and_option() {
-        let p = |dtype, out, inp, sc| PartInfo {
-            dtype,
-            out,
-            inp,
-            scales_are_128x128: sc,
-        };
+        let p = |dtype, out, inp, sc| PartInfo { dtype, out, inp, scales_are_128x128: sc };
         use StoredDtype::*;
-        assert_eq!(
-            part_format(&p(F8E4M3, 8192, 2560, true), false, false),
-            PartFormat::Fp8
-        );
-        assert_eq!(
-            part_format(&p(F8E4M3, 8192, 2560, false), false, false),
-            PartFormat::Bf16
-        );
-        assert_eq!(
-            part_format(&p(F8E4M3, 32, 2560, true), false, false),
-            PartFormat::Bf16
-        );
-        assert_eq!(
-            part_format(&p(BF16, 8192, 2560, false), false, false),
-            PartFormat::Bf16
-        );
-        assert_eq!(
-            part_format(&p(BF16, 8192, 2560, false), true, false),
-            PartFormat::Fp8
-        );
-        assert_eq!(
-            part_format(&p(F32, 32, 2560, false), true, false),
-            PartFormat::Bf16
-        );
+        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, true), false, false), PartFormat::Fp8);
+        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, false), false, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(F8E4M3, 32, 2560, true), false, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(BF16, 8192, 2560, false), false, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(BF16, 8192, 2560, false), true, false), PartFormat::Fp8);
+        assert_eq!(part_format(&p(F32, 32, 2560, false), true, false), PartFormat::Bf16);
         assert_eq!(part_format(&p(BF16, 64, 64, false), true, false), PartFormat::Bf16);
         assert_eq!(part_format(&p(F8E4M3, 8192, 2560, true), false, true), PartFormat::Bf16);
     }
@@ -290,16 +259,8 @@ mod tests {
         assert_eq!(
             g,
             vec![
-                PartGroup {
-                    format: Fp8,
-                    parts: 0..2,
-                    cols: 0..12288
-                },
-                PartGroup {
-                    format: Bf16,
-                    parts: 2..4,
-                    cols: 12288..12352
-                },
+                PartGroup { format: Fp8, parts: 0..2, cols: 0..12288 },
+                PartGroup { format: Bf16, parts: 2..4, cols: 12288..12352 },
             ]
         );
         let g = group_parts(&[(Bf16, 10), (Fp8, 128), (Bf16, 5)]);
@@ -357,7 +318,10 @@ mod tests {
         assert_eq!(attention_key_ranges(73, 16_457), 5);
         assert_eq!(attention_key_ranges(73, 4096), 1);
         assert_eq!(attention_key_ranges(129, 50_000), 1);
-        assert!(ATTENTION_KEY_RANGE % attention_q128_key_tile(64) == 0 && ATTENTION_KEY_RANGE % attention_q128_key_tile(256) == 0);
+        assert!(
+            ATTENTION_KEY_RANGE % attention_q128_key_tile(64) == 0
+                && ATTENTION_KEY_RANGE % attention_q128_key_tile(256) == 0
+        );
         assert!(!attention_q128_serves(32) && !attention_q128_serves(250) && !attention_q128_serves(16));
         let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
@@ -370,7 +334,10 @@ mod tests {
         let tcp = delta_tc_pipelined_smem_bytes(128);
         assert_eq!(tcp, 224_768);
         assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
-        assert_eq!(delta_tc_pipelined_smem_bytes(16), (4 * 64 * 20 + 3 * 64 * 40 + 2 * 64 * 72 + 16 * 40 + 6 * 64) * 4);
+        assert_eq!(
+            delta_tc_pipelined_smem_bytes(16),
+            (4 * 64 * 20 + 3 * 64 * 40 + 2 * 64 * 72 + 16 * 40 + 6 * 64) * 4
+        );
     }
 
     #[test]

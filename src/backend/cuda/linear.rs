@@ -22,10 +22,7 @@ use std::sync::atomic::Ordering;
 
 enum GroupWeight {
     Bf16(CudaSlice<bf16>),
-    Fp8 {
-        w: CudaSlice<u8>,
-        scales: CudaSlice<f32>,
-    },
+    Fp8 { w: CudaSlice<u8>, scales: CudaSlice<f32> },
 }
 
 struct LinearGroup {
@@ -76,9 +73,7 @@ impl CudaLinear {
         s.join(" ")
     }
     pub fn has_fp8(&self) -> bool {
-        self.groups
-            .iter()
-            .any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
+        self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
     }
 }
 
@@ -96,18 +91,12 @@ fn fp8_part(t: &TensorRef) -> Result<(Vec<u8>, Vec<f32>)> {
     let (o, i) = check_2d(t)?;
     if t.dtype == StoredDtype::F8E4M3 && scales_are_128(t) {
         let s = t.scale_inv.expect("checked");
-        let scales = s
-            .bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let scales = s.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         return Ok((t.bytes.to_vec(), scales));
     }
     let w = t.to_f32()?;
-    let stripes: Vec<(Vec<u8>, Vec<f32>)> = w
-        .par_chunks(128 * i)
-        .map(|s| quantize_fp8_blocks(s, s.len() / i, i))
-        .collect();
+    let stripes: Vec<(Vec<u8>, Vec<f32>)> =
+        w.par_chunks(128 * i).map(|s| quantize_fp8_blocks(s, s.len() / i, i)).collect();
     let mut q = Vec::with_capacity(o * i);
     let mut sc = Vec::with_capacity(o / 128 * (i / 128));
     for (a, b) in stripes {
@@ -184,8 +173,7 @@ impl CudaBackend {
                     x_scale: 0,
                 },
             };
-            self.gemm(&gemm)
-                .with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+            self.gemm(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
         }
         if let Some(b) = &w.bias {
             if m > 0 {
@@ -242,27 +230,19 @@ impl CudaBackend {
 }
 
 /// `Backend::linear` (the trait documents the contract).
-pub(super) fn linear(
-    be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinear> {
+pub(super) fn linear(be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinear> {
     ensure!(!parts.is_empty(), "a projection needs at least one block");
     let in_dim = check_2d(&parts[0].weight)?.1;
     let mut formats = Vec::with_capacity(parts.len());
     for p in parts {
         let (o, i) = check_2d(&p.weight)?;
-        ensure!(
-            i == in_dim,
-            "{} has {} inputs, expected {}",
-            p.weight.name,
-            i,
-            in_dim
-        );
-        let info = PartInfo {
-            dtype: p.weight.dtype,
-            out: o,
-            inp: i,
-            scales_are_128x128: scales_are_128(&p.weight),
-        };
-        formats.push((layout::part_format(&info, be.state.options.quantize_fp8, be.state.options.dequantize_fp8), o));
+        ensure!(i == in_dim, "{} has {} inputs, expected {}", p.weight.name, i, in_dim);
+        let info =
+            PartInfo { dtype: p.weight.dtype, out: o, inp: i, scales_are_128x128: scales_are_128(&p.weight) };
+        formats.push((
+            layout::part_format(&info, be.state.options.quantize_fp8, be.state.options.dequantize_fp8),
+            o,
+        ));
     }
     let out_dim: usize = formats.iter().map(|f| f.1).sum();
     let mut groups = Vec::new();
@@ -272,15 +252,12 @@ pub(super) fn linear(
                 let mut q = Vec::with_capacity(g.cols.len() * in_dim);
                 let mut s = Vec::new();
                 for p in &parts[g.parts.clone()] {
-                    let (a, b) = fp8_part(&p.weight)
-                        .with_context(|| format!("FP8 weights of {}", p.weight.name))?;
+                    let (a, b) =
+                        fp8_part(&p.weight).with_context(|| format!("FP8 weights of {}", p.weight.name))?;
                     q.extend(a);
                     s.extend(b);
                 }
-                GroupWeight::Fp8 {
-                    w: be.htod(&q)?,
-                    scales: be.htod(&s)?,
-                }
+                GroupWeight::Fp8 { w: be.htod(&q)?, scales: be.htod(&s)? }
             }
             PartFormat::Bf16 => {
                 let mut w = Vec::with_capacity(g.cols.len() * in_dim);
@@ -290,10 +267,7 @@ pub(super) fn linear(
                 GroupWeight::Bf16(be.htod(&w)?)
             }
         };
-        groups.push(LinearGroup {
-            cols: g.cols,
-            weight,
-        });
+        groups.push(LinearGroup { cols: g.cols, weight });
     }
     let mut bias = None;
     if parts.iter().any(|p| p.bias.is_some()) {
@@ -359,29 +333,17 @@ pub(super) fn linear(
             scale: if same { common } else { 1.0 },
         });
     }
-    let linear = CudaLinear {
-        in_dim,
-        out_dim,
-        groups,
-        bias,
-        loras,
-    };
+    let linear = CudaLinear { in_dim, out_dim, groups, bias, loras };
     if linear.has_fp8() {
         be.state.fp8_linears.store(true, Ordering::Relaxed);
     }
     Ok(linear)
 }
 
-
 /// `Backend::matmul` (the trait documents the contract).
-pub(super) fn matmul(
-    be: &CudaBackend, x: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
+pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
     let (m, k) = x.rows_cols();
-    ensure!(
-        k == w.in_dim,
-        "matmul: input width {k}, projection expects {}",
-        w.in_dim
-    );
+    ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
     let xs = be.bf16_of(x)?;
     if !w.has_fp8() || m == 0 {
         return be.matmul_quantised(xs.s(), None, m, k, w);
@@ -402,8 +364,7 @@ pub(super) fn matmul(
 }
 
 /// `Backend::readout` (the trait documents the contract).
-pub(super) fn readout(
-    be: &CudaBackend, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {
+pub(super) fn readout(be: &CudaBackend, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {
     let (m, k) = h.rows_cols();
     let (rows, wk) = w.rows_cols();
     ensure!(k == wk, "readout: hidden {k} vs weight width {wk}");

@@ -169,10 +169,7 @@ impl CudaBackend {
         let count = CudaContext::device_count()
             .map_err(|e| anyhow!("no CUDA device: cuInit/cuDeviceGetCount failed ({e:?})"))?;
         ensure!(count > 0, "no CUDA device: the driver reports 0 GPUs");
-        ensure!(
-            ordinal < count as usize,
-            "CUDA device {ordinal} does not exist ({count} present)"
-        );
+        ensure!(ordinal < count as usize, "CUDA device {ordinal} does not exist ({count} present)");
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
         // SAFETY: called before any buffer exists; all work goes to the one stream below, so
@@ -192,7 +189,12 @@ impl CudaBackend {
             }
         }
         let cc = ctx.compute_capability()?;
-        ensure!(cc.0 >= 8, "GPU compute capability {}.{} is too old: the kernels need bf16 mma.sync (sm_80 or newer)", cc.0, cc.1);
+        ensure!(
+            cc.0 >= 8,
+            "GPU compute capability {}.{} is too old: the kernels need bf16 mma.sync (sm_80 or newer)",
+            cc.0,
+            cc.1
+        );
         let mut driver = 0i32;
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }.result()?;
         let name = ctx.name()?;
@@ -339,13 +341,7 @@ impl Backend for CudaBackend {
         elementwise::embed(self, table, ids)
     }
 
-    fn embed_bag(
-        &self,
-        table: &CudaTensor,
-        idx: &[u32],
-        w: &[f32],
-        taps: usize,
-    ) -> Result<CudaTensor> {
+    fn embed_bag(&self, table: &CudaTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CudaTensor> {
         elementwise::embed_bag(self, table, idx, w, taps)
     }
 
@@ -369,23 +365,11 @@ impl Backend for CudaBackend {
         linear::matmul(self, x, w)
     }
 
-    fn rms_norm(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-        offset: f32,
-    ) -> Result<CudaTensor> {
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32, offset: f32) -> Result<CudaTensor> {
         norm::rms_norm(self, x, w, eps, offset)
     }
 
-    fn layer_norm(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        b: &CudaTensor,
-        eps: f32,
-    ) -> Result<CudaTensor> {
+    fn layer_norm(&self, x: &CudaTensor, w: &CudaTensor, b: &CudaTensor, eps: f32) -> Result<CudaTensor> {
         norm::layer_norm(self, x, w, b, eps)
     }
 

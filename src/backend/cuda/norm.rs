@@ -46,7 +46,12 @@ impl CudaBackend {
         let fused = cols == d && self.fuse_act_quant(d);
         let (fp8, blocks) = if fused {
             let a = self.alloc_act_fp8(rows, d)?;
-            args.extend([Arg::Ptr(self.p(&a.q)), Arg::Ptr(self.p(&a.s)), Arg::I32(rows as i32), Arg::I32(a.mpad as i32)]);
+            args.extend([
+                Arg::Ptr(self.p(&a.q)),
+                Arg::Ptr(self.p(&a.s)),
+                Arg::I32(rows as i32),
+                Arg::I32(a.mpad as i32),
+            ]);
             let blocks = a.mpad;
             (Some(a), blocks)
         } else {
@@ -75,10 +80,22 @@ impl CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         let y = self.alloc_bf16(n * heads * d)?;
-        let mut args = vec![Arg::Ptr(self.p(core)), Arg::Ptr(z_ptr), Arg::I64(z_ld), Arg::I32(heads as i32), Arg::Ptr(self.p(w)), Arg::Ptr(self.p(&y))];
+        let mut args = vec![
+            Arg::Ptr(self.p(core)),
+            Arg::Ptr(z_ptr),
+            Arg::I64(z_ld),
+            Arg::I32(heads as i32),
+            Arg::Ptr(self.p(w)),
+            Arg::Ptr(self.p(&y)),
+        ];
         let (name, rows, fp8) = if n > 0 && d == FP8_BLOCK && self.fuse_act_quant(heads * d) {
             let a = self.alloc_act_fp8(n, heads * d)?;
-            args.extend([Arg::Ptr(self.p(&a.q)), Arg::Ptr(self.p(&a.s)), Arg::I32(n as i32), Arg::I32(a.mpad as i32)]);
+            args.extend([
+                Arg::Ptr(self.p(&a.q)),
+                Arg::Ptr(self.p(&a.s)),
+                Arg::I32(n as i32),
+                Arg::I32(a.mpad as i32),
+            ]);
             ("rms_norm_gated_quant", a.mpad * heads, Some(a))
         } else {
             args.push(Arg::I64((n * heads) as i64));
@@ -101,11 +118,7 @@ pub(super) fn rms_norm(
     offset: f32,
 ) -> Result<CudaTensor> {
     let d = w.numel();
-    ensure!(
-        d > 0 && x.numel() % d == 0,
-        "rms_norm: {} values do not split into rows of {d}",
-        x.numel()
-    );
+    ensure!(d > 0 && x.numel() % d == 0, "rms_norm: {} values do not split into rows of {d}", x.numel());
     let rows = x.numel() / d;
     let (xs, ws) = (be.bf16_of(x)?, be.f32_of(w)?);
     let y = be.alloc_bf16(rows * d)?;
@@ -124,18 +137,9 @@ pub(super) fn add_rms_norm(
     eps: f32,
     offset: f32,
 ) -> Result<CudaTensor> {
-    ensure!(
-        x.numel() == y.numel(),
-        "add: shapes {:?} and {:?}",
-        x.shape,
-        y.shape
-    );
+    ensure!(x.numel() == y.numel(), "add: shapes {:?} and {:?}", x.shape, y.shape);
     let d = w.numel();
-    ensure!(
-        d > 0 && x.numel() % d == 0,
-        "rms_norm: {} values do not split into rows of {d}",
-        x.numel()
-    );
+    ensure!(d > 0 && x.numel() % d == 0, "rms_norm: {} values do not split into rows of {d}", x.numel());
     let rows = x.numel() / d;
     let (shape, cols) = (x.shape.clone(), x.rows_cols().1);
     let xb = be.bf16_for_update(x)?;
@@ -156,10 +160,7 @@ pub(super) fn layer_norm(
     eps: f32,
 ) -> Result<CudaTensor> {
     let d = w.numel();
-    ensure!(
-        b.numel() == d && d > 0 && x.numel() % d == 0,
-        "layer_norm shapes"
-    );
+    ensure!(b.numel() == d && d > 0 && x.numel() % d == 0, "layer_norm shapes");
     let rows = x.numel() / d;
     let (xs, ws, bs) = (be.bf16_of(x)?, be.f32_of(w)?, be.f32_of(b)?);
     let y = be.alloc_bf16(rows * d)?;

@@ -30,10 +30,7 @@ impl CudaBackend {
                 &own
             }
         };
-        Ok((
-            self.state.stream.clone_dtoh(&a.q)?,
-            self.state.stream.clone_dtoh(&a.s)?,
-        ))
+        Ok((self.state.stream.clone_dtoh(&a.q)?, self.state.stream.clone_dtoh(&a.s)?))
     }
 
     /// Whether a row norm writing rows of width `k` also writes their FP8 quantisation: only once
@@ -67,8 +64,7 @@ impl CudaBackend {
 }
 
 /// `Backend::swiglu_matmul` (the trait documents the contract).
-pub(super) fn swiglu_matmul(
-    be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
+pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
     let (m, d2) = gate_up.rows_cols();
     let k = d2 / 2;
     if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || k % FP8_BLOCK != 0 {

@@ -25,12 +25,7 @@ impl Staging {
     pub(super) fn new(stream: Arc<CudaStream>) -> Result<Self> {
         stream.context().bind_to_thread()?;
         let ptr = unsafe { cudarc::driver::result::malloc_host(STAGING_BYTES, 0) }? as *mut u8;
-        Ok(Staging {
-            ptr,
-            size: STAGING_BYTES,
-            cursor: 0,
-            stream,
-        })
+        Ok(Staging { ptr, size: STAGING_BYTES, cursor: 0, stream })
     }
 }
 
@@ -56,11 +51,7 @@ impl CudaBackend {
         }
         // SAFETY: written by the copy below before any kernel reads it (stream order).
         let dst = unsafe { stream.alloc::<T>(v.len()) }?;
-        let mut st = self
-            .state
-            .staging
-            .lock()
-            .map_err(|_| anyhow!("staging buffer poisoned"))?;
+        let mut st = self.state.staging.lock().map_err(|_| anyhow!("staging buffer poisoned"))?;
         let mut at = st.cursor.div_ceil(256) * 256;
         if at + bytes > st.size {
             // Every earlier copy out of the ring must be done before its bytes are reused.

@@ -117,11 +117,7 @@ impl CudaBackend {
 
     /// A BF16 tensor of `shape` on `buf`, with no FP8 attachment.
     pub(super) fn bf16_tensor(&self, buf: CudaSlice<bf16>, shape: &[usize]) -> CudaTensor {
-        CudaTensor {
-            buf: Buf::Bf16(buf),
-            shape: shape.to_vec(),
-            fp8: None,
-        }
+        CudaTensor { buf: Buf::Bf16(buf), shape: shape.to_vec(), fp8: None }
     }
 
     /// `t` as BF16: its own buffer, or a converted copy of an F32 tensor (`cast_f32_bf16`).
@@ -179,10 +175,7 @@ impl CudaBackend {
     /// Uninitialised buffers for the FP8 activations of `m` rows of width `k` (the kernel that
     /// fills them writes every byte and scale, padding rows included).
     pub(super) fn alloc_act_fp8(&self, m: usize, k: usize) -> Result<ActFp8> {
-        ensure!(
-            k % FP8_BLOCK == 0,
-            "FP8 activations need K to be a multiple of 128, got {k}"
-        );
+        ensure!(k % FP8_BLOCK == 0, "FP8 activations need K to be a multiple of 128, got {k}");
         let mpad = fp8_rows(m);
         // SAFETY: every caller launches a kernel that writes all mpad·k bytes and all scales.
         let q = unsafe { self.state.stream.alloc::<u8>(mpad * k) }?;
@@ -194,12 +187,7 @@ impl CudaBackend {
     pub(super) fn dtod_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes > 0 {
             unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    dst,
-                    src,
-                    bytes,
-                    self.state.stream.cu_stream(),
-                )
+                cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.state.stream.cu_stream())
             }?;
         }
         Ok(())
@@ -207,8 +195,7 @@ impl CudaBackend {
 }
 
 /// `Backend::param` (the trait documents the contract).
-pub(super) fn param(
-    be: &CudaBackend, t: &TensorRef) -> Result<CudaTensor> {
+pub(super) fn param(be: &CudaBackend, t: &TensorRef) -> Result<CudaTensor> {
     if t.shape.len() <= 1 {
         return param_f32(be, t);
     }
@@ -217,58 +204,34 @@ pub(super) fn param(
 }
 
 /// `Backend::param_f32` (the trait documents the contract).
-pub(super) fn param_f32(
-    be: &CudaBackend, t: &TensorRef) -> Result<CudaTensor> {
-    Ok(CudaTensor {
-        buf: Buf::F32(be.htod(&t.to_f32()?)?),
-        shape: t.shape.to_vec(),
-        fp8: None,
-    })
+pub(super) fn param_f32(be: &CudaBackend, t: &TensorRef) -> Result<CudaTensor> {
+    Ok(CudaTensor { buf: Buf::F32(be.htod(&t.to_f32()?)?), shape: t.shape.to_vec(), fp8: None })
 }
 
 /// `Backend::upload` (the trait documents the contract).
-pub(super) fn upload(
-    be: &CudaBackend, data: &[f32], shape: &[usize]) -> Result<CudaTensor> {
+pub(super) fn upload(be: &CudaBackend, data: &[f32], shape: &[usize]) -> Result<CudaTensor> {
     let n: usize = shape.iter().product();
-    ensure!(
-        n == data.len(),
-        "tensor of shape {shape:?} needs {n} values, got {}",
-        data.len()
-    );
-    Ok(CudaTensor {
-        buf: Buf::F32(be.htod(data)?),
-        shape: shape.to_vec(),
-        fp8: None,
-    })
+    ensure!(n == data.len(), "tensor of shape {shape:?} needs {n} values, got {}", data.len());
+    Ok(CudaTensor { buf: Buf::F32(be.htod(data)?), shape: shape.to_vec(), fp8: None })
 }
 
 /// `Backend::download` (the trait documents the contract).
-pub(super) fn download(
-    be: &CudaBackend, t: &CudaTensor) -> Result<Vec<f32>> {
+pub(super) fn download(be: &CudaBackend, t: &CudaTensor) -> Result<Vec<f32>> {
     let n = t.numel();
     if n == 0 {
         return Ok(vec![]);
     }
     let s = &be.state.stream;
     Ok(match &t.buf {
-        Buf::Bf16(b) => s
-            .clone_dtoh(&b.slice(0..n))?
-            .into_iter()
-            .map(|v| v.to_f32())
-            .collect(),
+        Buf::Bf16(b) => s.clone_dtoh(&b.slice(0..n))?.into_iter().map(|v| v.to_f32()).collect(),
         Buf::F32(b) => s.clone_dtoh(&b.slice(0..n))?,
     })
 }
-
 
 /// `Backend::reshape` (the trait documents the contract).
 pub(super) fn reshape(t: CudaTensor, shape: &[usize]) -> Result<CudaTensor> {
     let n: usize = shape.iter().product();
     ensure!(n == t.numel(), "cannot reshape {:?} to {shape:?}", t.shape);
     // The attachment is dropped: a new column count would not match its layout.
-    Ok(CudaTensor {
-        buf: t.buf,
-        shape: shape.to_vec(),
-        fp8: None,
-    })
+    Ok(CudaTensor { buf: t.buf, shape: shape.to_vec(), fp8: None })
 }
