@@ -110,6 +110,9 @@ pub enum Command {
         /// HTTP worker threads.
         #[arg(long, env = "IMAJEV_HTTP_WORKERS")]
         http_workers: Option<usize>,
+        /// Do not serve the playground page at `/` (then `/` is a 404 like any unknown path).
+        #[arg(long, env = "IMAJEV_NO_PLAYGROUND")]
+        no_playground: bool,
     },
     /// Answer requests offline: one JSON request (or JSONL, one per line) → the response(s).
     Decide {
@@ -187,9 +190,11 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Serve { model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers } => {
-            serve_cmd(&model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers)
-        }
+        Command::Serve {
+            model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers, no_playground,
+        } => serve_cmd(
+            &model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers, !no_playground,
+        ),
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }
@@ -261,6 +266,7 @@ fn serve_cmd(
     max_questions: usize,
     max_body_mb: usize,
     http_workers: Option<usize>,
+    playground: bool,
 ) -> Result<()> {
     let api_keys = match &api_key_file {
         Some(p) => {
@@ -283,6 +289,7 @@ fn serve_cmd(
         api_keys,
         request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
         adapter_label: service.info.adapter.clone(),
+        playground,
         ..Default::default()
     };
     if let Some(w) = http_workers {
