@@ -84,7 +84,8 @@ impl ModelArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics and /openapi.json.
+    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics, /openapi.json and the
+    /// playground page at /.
     Serve {
         #[command(flatten)]
         model: ModelArgs,

@@ -44,6 +44,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = [ROOT / "tests/fixtures/golden/images/wide.png", ROOT / "tests/fixtures/golden/images/small.png"]
 THIRD = ROOT / "tests/fixtures/image/jpeg_420_96x72.jpg"
+EXAMPLE_PHOTOS = [ROOT / "src/api/playground/examples/reference.png", ROOT / "src/api/playground/examples/target.png"]
 EXPECTED_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; connect-src 'self'; "
                 "base-uri 'none'; form-action 'none'; frame-ancestors 'none'; require-trusted-types-for 'script'; "
                 "trusted-types 'none'")
@@ -225,7 +226,7 @@ def check_common(p, card, a):
         check_fact(p, card, "confidence", a["confidence"], lambda t: abs(float(t) - a["confidence"]) <= 0.0005 + 1e-9)
 
 
-def check_answers(p, resp):
+def check_answers(p, resp, images=IMAGES):
     answers = resp["answers"]
     cards = p.qa("#answers .answer")
     assert [c.get_attribute("data-qid") for c in cards] == list(answers), [c.get_attribute("data-qid") for c in cards]
@@ -252,7 +253,7 @@ def check_answers(p, resp):
         assert float(td.get_attribute("data-value")) == usage[field], (field, td.get_attribute("data-value"), usage[field])
     shown = json.loads(p.q('#usage td[data-field="images"]').get_attribute("data-value"))
     assert shown == usage["images"], (shown, usage["images"])
-    want = [hashlib.sha256(i.read_bytes()).hexdigest() for i in IMAGES]
+    want = [hashlib.sha256(i.read_bytes()).hexdigest() for i in images]
     assert [i["sha256"] for i in usage["images"]] == want, "the server got other bytes than the files attached"
     print(f"ok: {len(cards)} answers rendered exactly as the JSON says (bars, chosen option, unknown, abstained, "
           f"confidence, calibration, usage); the images arrived byte for byte")
@@ -396,9 +397,13 @@ def main():
             assert len(p.cards()) == 4, "the ticket-routing example is loaded at start"
             print(f"ok: the page loaded in Chromium and read /v1/models ({p.q('#model-info').text})")
             if args.readme_screenshot:
+                # The photo-comparison example, answered: what the README shows.
+                p.q("#example-photos").click()
+                p.wait(lambda: len(p.qa("#image-list .thumb img")) == 2 and all(
+                    i.get_attribute("naturalWidth") not in (None, "0") for i in p.qa("#image-list .thumb img")), 20, "the example photos")
                 if args.key:
                     p.fill(p.q("#api-key"), args.key)
-                p.send(200)
+                check_answers(p, p.send(200), images=EXAMPLE_PHOTOS)
                 p.screenshot(args.readme_screenshot)
 
             build_request(p)

@@ -104,7 +104,8 @@ async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
 mod tests {
     use super::*;
     use actix_web::http::{Method, StatusCode};
-    use actix_web::{test, App};
+    use actix_web::test as http;
+    use actix_web::App;
 
     fn directives() -> Vec<(String, Vec<String>)> {
         CONTENT_SECURITY_POLICY
@@ -167,24 +168,24 @@ mod tests {
 
     #[actix_web::test]
     async fn serves_every_asset_with_its_type_and_the_policy() {
-        let app = test::init_service(App::new().configure(register)).await;
+        let app = http::init_service(App::new().configure(register)).await;
         for a in ASSETS {
-            let res = test::call_service(&app, test::TestRequest::get().uri(a.path).to_request()).await;
+            let res = http::call_service(&app, http::TestRequest::get().uri(a.path).to_request()).await;
             assert_eq!(res.status(), StatusCode::OK, "{}", a.path);
             let h = res.headers();
             assert_eq!(h.get(header::CONTENT_TYPE).unwrap(), a.content_type, "{}", a.path);
             assert_eq!(h.get(header::CONTENT_SECURITY_POLICY).unwrap(), CONTENT_SECURITY_POLICY, "{}", a.path);
             assert_eq!(h.get(header::X_CONTENT_TYPE_OPTIONS).unwrap(), "nosniff");
             assert_eq!(h.get(header::X_FRAME_OPTIONS).unwrap(), "DENY");
-            let body = test::read_body(res).await;
+            let body = http::read_body(res).await;
             assert_eq!(&body[..], a.body, "{}", a.path);
         }
-        let res = test::call_service(&app, test::TestRequest::default().method(Method::HEAD).uri("/").to_request()).await;
+        let res = http::call_service(&app, http::TestRequest::default().method(Method::HEAD).uri("/").to_request()).await;
         assert_eq!(res.status(), StatusCode::OK);
-        let res = test::call_service(&app, test::TestRequest::post().uri("/").to_request()).await;
+        let res = http::call_service(&app, http::TestRequest::post().uri("/").to_request()).await;
         assert_eq!(res.status(), StatusCode::METHOD_NOT_ALLOWED);
         assert_eq!(res.headers().get(header::ALLOW).unwrap(), "GET, HEAD");
-        let v: serde_json::Value = serde_json::from_slice(&test::read_body(res).await).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&http::read_body(res).await).unwrap();
         assert_eq!(v["error"], "method_not_allowed");
         // The example photos are the PNGs the page says they are.
         for a in ASSETS.iter().filter(|a| a.content_type == "image/png") {
