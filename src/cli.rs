@@ -94,7 +94,8 @@ impl ModelArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics and /openapi.json.
+    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics, /openapi.json and the
+    /// playground page at /.
     Serve {
         #[command(flatten)]
         model: ModelArgs,
@@ -120,6 +121,9 @@ pub enum Command {
         /// HTTP worker threads.
         #[arg(long, env = "IMAJEV_HTTP_WORKERS")]
         http_workers: Option<usize>,
+        /// Do not serve the playground page at `/` (then `/` is a 404 like any unknown path).
+        #[arg(long, env = "IMAJEV_NO_PLAYGROUND")]
+        no_playground: bool,
     },
     /// Answer requests offline: one JSON request (or JSONL, one per line) → the response(s).
     Decide {
@@ -207,6 +211,7 @@ pub fn run(cli: Cli) -> Result<()> {
             max_questions,
             max_body_mb,
             http_workers,
+            no_playground,
         } => serve_cmd(
             &model,
             host,
@@ -217,6 +222,7 @@ pub fn run(cli: Cli) -> Result<()> {
             max_questions,
             max_body_mb,
             http_workers,
+            !no_playground,
         ),
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
@@ -294,6 +300,7 @@ fn serve_cmd(
     max_questions: usize,
     max_body_mb: usize,
     http_workers: Option<usize>,
+    playground: bool,
 ) -> Result<()> {
     let api_keys = api_key_file.as_deref().map(app::read_api_keys).transpose()?.unwrap_or_default();
     let mut http = crate::api::ServerConfig {
@@ -303,6 +310,7 @@ fn serve_cmd(
         max_questions,
         api_keys,
         request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
+        playground,
         ..Default::default()
     };
     if let Some(w) = http_workers {

@@ -8,7 +8,8 @@
 //! * [`body`] — media types, `Content-Encoding` with a decoded-size cap, multipart;
 //! * [`error`] — every refusal and its JSON shape (422 `detail[]`, else `{error_type, message}`);
 //! * [`schema`] — the wire types behind `schemas/*.json` and the OpenAPI document;
-//! * [`server`] — actix-web routes, auth, request ids, metrics, readiness, graceful shutdown.
+//! * [`server`] — actix-web routes, auth, request ids, metrics, readiness, graceful shutdown;
+//! * [`playground`] — the page at `/` for trying questions in a browser (assets compiled in).
 //!
 //! The API knows nothing about tensors: it hands a [`crate::decision::Plan`] and the pixels to
 //! the engine call and turns the logits it gets back into the response with the
@@ -19,6 +20,7 @@ pub mod error;
 pub mod metrics;
 pub mod parse;
 pub mod pipeline;
+pub mod playground;
 pub mod schema;
 pub mod server;
 

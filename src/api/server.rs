@@ -52,6 +52,8 @@ pub struct ServerConfig {
     pub release_date: String,
     /// `GET /v1/models` → `adapter` (e.g. the adapter folder).
     pub adapter_label: Option<String>,
+    /// Serve the playground page at `/` ([`super::playground`]); `--no-playground` turns it off.
+    pub playground: bool,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +69,7 @@ impl Default for ServerConfig {
             model_description: "imajev-4b typed decisions (noul, choice, score, multi) on Qwen3.5-4B with the imajev LoRA and readout".into(),
             release_date: "2026-09-26".into(),
             adapter_label: None,
+            playground: true,
         }
     }
 }
@@ -541,6 +544,7 @@ pub async fn run_http_server(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let grace = cfg.request_timeout.as_secs() + 5;
+    let playground = cfg.playground;
     let state = app.clone();
     let addr = listener.local_addr()?;
     let server = HttpServer::new(move || {
@@ -577,6 +581,11 @@ pub async fn run_http_server(
                     .route(web::get().to(openapi))
                     .default_service(web::to(method_not_allowed)),
             )
+            .configure(|c| {
+                if playground {
+                    super::playground::register(c)
+                }
+            })
             .default_service(web::to(not_found))
     })
     .on_connect(|conn, ext| {

@@ -226,13 +226,15 @@ fn question(
             let instructions = instructions.expect("checked above");
             let c = match criteria {
                 Value::Object(c) if !c.is_empty() => c,
-                _ => return Err(ApiError::invalid(
-                    cloc,
-                    format!(
+                _ => {
+                    return Err(ApiError::invalid(
+                        cloc,
+                        format!(
                         "multi question {name:?} needs a non-empty criteria object of label → description"
                     ),
-                    if criteria.is_object() { "too_short" } else { "type_error" },
-                )),
+                        if criteria.is_object() { "too_short" } else { "type_error" },
+                    ))
+                }
             };
             if c.len() > MAX_MULTI_LABELS {
                 return Err(ApiError::invalid(
