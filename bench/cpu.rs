@@ -9,8 +9,8 @@
 //!   dequantises every weight to f32: ~18 GB of RAM).
 
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::engine::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
+use imajev_serve::synth::{self, SynthDtype};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -38,7 +38,11 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from("bench/results/cpu.json"));
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_default();
 
     let dir = tempfile::tempdir()?;
@@ -104,7 +108,10 @@ fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let big_model = Qwen35::load(CpuBackend::default(), &work, None)?;
         let load_s = t.elapsed().as_secs_f64();
-        eprintln!("4B fp8 load into the CPU backend: {:.1} s ({} FP8 weights)", load_s, big_model.report.fp8_weights);
+        eprintln!(
+            "4B fp8 load into the CPU backend: {:.1} s ({} FP8 weights)",
+            load_s, big_model.report.fp8_weights
+        );
         let ids: Vec<u32> = (0..16u32).map(|i| 1000 + i).collect();
         let t = Instant::now();
         let (_, h, _) = big_model.prefill(&ids, &[])?;

@@ -7,7 +7,9 @@
 1. `imajev-serve synth` writes a random-weight checkpoint of the exact shapes (BF16, seed 0) and an
    imajev-style adapter (LoRA r64 / alpha 128 on the text projections, 256-row F32 readout).
 2. Requests: 3 questions (noul, 4-option choice, 5-level score) × 4 rotations over states of
-   ~256, 1K, 4K, 16K tokens with 0, 1 and 2 images of ~400 visual tokens each.
+   ~256, 1K, 4K, 16K tokens with 0, 1 and 2 images of ~400 visual tokens each; with `--long 1,2`
+   also the long bucket: a ~15K-token state with 1 and 2 photos of 4096×4096 (~16K visual
+   tokens each: 31K and 46K tokens in all; the peer runs `--long-peer-repeats` times).
 3. ours: `imajev-serve decide --quantize fp8` (block-FP8 projections, BF16 LoRA unmerged, FP32
    readout) runs every request `--repeats` times; p50/p95 of the whole request (parsing, image
    preprocessing, tokenisation, prefill, all passes). It also writes every pass's token ids.
@@ -57,18 +59,21 @@ def pct(xs, q):
 
 
 def make_image(path, seed, size=640):
-    """A deterministic photo-like PNG; 640×640 → 40×40 patches → 400 visual tokens."""
+    """A deterministic photo-like PNG; 640×640 → 40×40 patches → 400 visual tokens (4096×4096 →
+    256×256 patches → 16,384)."""
     from PIL import Image
     import numpy as np
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     base = np.stack([127 + 100 * np.sin(xx / (9 + seed)), 127 + 100 * np.cos(yy / 13.0), (xx + 2 * yy) % 256], -1)
-    img = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
-    Image.fromarray(img, "RGB").save(path)
+    noise = 20 if size <= 1024 else 6  # a large photo stays a few MB as JPEG
+    img = np.clip(base + rng.normal(0, noise, base.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(img, "RGB").save(path, quality=90)  # PNG, or JPEG by the path's suffix
 
 
 def data_url(path):
-    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
+    kind = "jpeg" if Path(path).suffix == ".jpg" else "png"
+    return f"data:image/{kind};base64," + base64.b64encode(Path(path).read_bytes()).decode()
 
 
 def state_text(n_words, seed):
@@ -77,6 +82,7 @@ def state_text(n_words, seed):
 
 
 PROMPT_OVERHEAD = 130  # tokens of the template, instruction, question and option lines
+LONG_STATE_TOKENS = 15000  # the long bucket's state
 
 
 def build_requests(binary, model, tokens, n_images, images, seed=0):
@@ -220,6 +226,8 @@ def main():
     ap.add_argument("--peer-repeats", type=int, default=3)
     ap.add_argument("--fidelity", type=int, default=70, help="requests of 3 questions each")
     ap.add_argument("--phase", default="all", choices=["all", "ours", "peer"])
+    ap.add_argument("--long", default="", help="image counts of the long bucket (~15K-token state, 4096² photos), e.g. 1,2")
+    ap.add_argument("--long-peer-repeats", type=int, default=1)
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -230,6 +238,12 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")]
     counts = [int(s) for s in args.images.split(",")]
     images = [work / f"img{i}.png" for i in range(2)]
+    # As JPEG: a 4096² photo-like PNG is ~40 MB, over the server's 20 MiB image limit.
+    big_images = [work / f"big{i}.jpg" for i in range(2)]
+    long_counts = [int(s) for s in args.long.split(",") if s]
+    # (target state tokens, image count, photo side); the long bucket's photos are 4096².
+    grid = [(n, k, 640) for n in sizes for k in counts] + [(LONG_STATE_TOKENS, k, 4096) for k in long_counts]
+    photos = {640: images, 4096: big_images}
     reqs_path, fid_path = work / "bench.jsonl", work / "fidelity.jsonl"
 
     if args.phase in ("all", "ours"):
@@ -240,10 +254,12 @@ def main():
             results["synth_s"] = time.perf_counter() - t
         for i, p in enumerate(images):
             make_image(p, i)
-        grid = [(n, k) for n in sizes for k in counts]
+        if long_counts:
+            for i, p in enumerate(big_images):
+                make_image(p, 10 + i, size=4096)
         with open(reqs_path, "w") as f:
-            for n, k in grid:
-                f.write(json.dumps(build_requests(args.bin, model, n, k, images)) + "\n")
+            for n, k, side in grid:
+                f.write(json.dumps(build_requests(args.bin, model, n, k, photos[side])) + "\n")
         with open(fid_path, "w") as f:
             for r in fidelity_requests(args.fidelity):
                 f.write(json.dumps(r) + "\n")
@@ -258,10 +274,11 @@ def main():
         run(common + ["--request", fid_path, "--out", work / "fid_ours.jsonl", "--emit-passes", work / "fid_passes.jsonl"])
         timings = [json.loads(l) for l in open(work / "ours_timings.jsonl")]
         rows = []
-        for i, (n, k) in enumerate(grid):
+        for i, (n, k, side) in enumerate(grid):
             runs = [t for t in timings if t["request"] == i][1:]  # the first run warms up
             ms = [t["total_ms"] for t in runs]
-            rows.append({"tokens": runs[0]["input_tokens"], "target_tokens": n, "images": k, "questions": 3, "rotations": 4,
+            rows.append({"tokens": runs[0]["input_tokens"], "target_tokens": n, "images": k, "image_side": side,
+                         "questions": 3, "rotations": 4,
                          "passes": runs[0]["passes"], "processed_tokens": runs[0]["processed_tokens"],
                          "ours_p50_ms": pct(ms, 0.5), "ours_p95_ms": pct(ms, 0.95),
                          "ours_prefill_p50_ms": pct([t["prefill_ms"] for t in runs], 0.5),
@@ -275,11 +292,12 @@ def main():
         peer = Peer(model, adapter, args.device)
         results["peer"] = {"load_s": peer.load_s, "flash_linear_attention": peer.fla, "dtype": "bfloat16"}
         passes = [json.loads(l) for l in open(work / "ours_passes.jsonl")]
-        grid = [(n, k) for n in sizes for k in counts]
         for i, row in enumerate(results["requests"]):
             mine = [p for p in passes if p["request"] == i]
-            k = row["images"]
-            times = [peer.timed_request(mine, images[:k]) for _ in range(args.peer_repeats + 1)][1:]
+            k, side = row["images"], row.get("image_side", 640)
+            # Long requests take seconds per forward: no warm-up run (it would not change them).
+            repeats, warm = (args.peer_repeats, 1) if side == 640 else (args.long_peer_repeats, 0)
+            times = [peer.timed_request(mine, photos[side][:k]) for _ in range(repeats + warm)][warm:]
             row["peer_p50_ms"] = pct(times, 0.5)
             row["speedup"] = row["peer_p50_ms"] / row["ours_p50_ms"]
             print(f"tokens {row['tokens']} images {k}: ours {row['ours_p50_ms']:.1f} ms, peer {row['peer_p50_ms']:.1f} ms",

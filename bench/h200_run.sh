@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call on an NVIDIA H200: kernel/engine checks (tests/gpu.rs), the side-by-side
+# One device call on an NVIDIA H200: kernel/engine checks (tests/gpu/), the side-by-side
 # benchmark + fidelity run (bench/gpu_bench.py), then the GPU service test and a per-kernel profile
 # of the 256-token request. Needs, in the working tree:
 #   .gpu/imajev-serve  (strip -o .gpu/imajev-serve target/release/imajev-serve)
 #   .gpu/gpu-test      (cargo test --release --test gpu --no-run; strip the binary it prints)
 #   .gpu/gpu-service   (cargo test --release --test gpu_service --no-run; likewise; optional)
+#   .gpu/gpu-ops       (cargo build --release --example bench_gpu_ops; strip; for h200_quick.sh)
 #   .whl/              (flash-linear-attention 0.6.0 + fla-core 0.6.0 wheels, pure Python)
 # Writes everything under $OUT (8 files: the most a device call returns). If the DeltaNet kernel
 # checks fail with the tensor-core scan, the benchmark runs with the CUDA-core scan

@@ -8,7 +8,8 @@ use imajev_serve::tokenizer::QwenTokenizer;
 use serde_json::json;
 use std::time::Instant;
 
-const WORDS: &str = "printer network outage invoice refund account password badge floor office laptop screen \
+const WORDS: &str =
+    "printer network outage invoice refund account password badge floor office laptop screen \
 error update firmware vendor contract team manager urgent tomorrow meeting report customer server database \
 backup restore ticket queue escalation policy budget approval";
 

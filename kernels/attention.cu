@@ -1,6 +1,7 @@
 // Softmax attention for the Qwen3.5 gated full-attention layers and the vision tower.
-// CPU twins: CpuBackend::{gated_attention, vision_attention} and kernels::{rms_norm,
-// rotate_half_inplace, attention} (src/backend/cpu).
+// Rust binding: src/backend/cuda/attention.rs. CPU twins: cpu::attention::{gated_attention,
+// vision_attention, rotate_half_inplace, attention_parts} and cpu::norm::rms_norm
+// (src/backend/cpu/).
 //
 // Segment table, SEG = 8 x i64 per sequence of the packed batch:
 //   [q_start, nq, k_shared, v_shared, shared_len, k_own, v_own, own_len]
@@ -257,3 +258,601 @@ ATTN_ENTRY(32)
 ATTN_ENTRY(64)
 ATTN_ENTRY(128)
 ATTN_ENTRY(256)
+
+// ---------------------------------------------------------------------------------------------
+// attn_fwd_q128_<HDP>: the same attention (same segment table, masks, gate and output) for long
+// sequences. A block is 8 warps = 128 query rows of one head (twice attn_fwd's 64, so every key/
+// value tile read from L2 serves twice the rows); key/value tiles of BK rows are double-buffered
+// in shared memory with cp.async (tile j+1 loads while tile j is multiplied); all mma operands come
+// from shared memory through ldmatrix (x4; .trans for V), four times fewer shared-memory
+// instructions than attn_fwd's scalar loads. BK = 32 for HDP 256 (Q 66 KB + 2 x (K + V) 66 KB: one
+// block per SM), 64 otherwise. Blocks run heads fastest (blockIdx.x), so the heads of a kv group
+// read a key tile from L2 at about the same time, and the last query tiles of a causal sequence
+// (the longest) first. Only the tiles a causal diagonal or the sequence end cuts are masked.
+// A row's arithmetic depends only on its own query, keys and BK, never on the other rows of the
+// batch. CPU twin: as attn_fwd.
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const bf16* p) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all_groups() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Issues (does not wait for) the copies of `rows` rows x HDP columns into dst (leading dimension
+// LD), zero-filling rows past `valid` and columns past hd; row r is row j0 + r of a sequence stored
+// as `alen` rows at `a` followed by rows at `b` (both with row stride `stride`). hd % 8 == 0.
+template <int HDP, int LD>
+__device__ __forceinline__ void issue_tile(bf16* dst, const bf16* a, int alen, const bf16* b, i64 stride, int j0,
+                                           int valid, int hd, int rows) {
+  constexpr int V = HDP / 8;
+  for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
+    int r = i / V, c = (i % V) * 8, j = j0 + r;
+    bool ok = r < valid && c < hd;
+    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + c : b + (i64)(j - alen) * stride + c;
+    cp_async16(dst + r * LD + c, src, ok);
+  }
+}
+
+// out[row, h, col..col+1] = bf16(v · sigmoid(gate)) (no gate: bf16(v)).
+__device__ __forceinline__ void store_gated(bf16* out, const bf16* gate, i64 gate_row, int gate_head, i64 row,
+                                            int heads, int h, int hd, int col, float v0, float v1) {
+  if (gate) {
+    const bf16* gp = gate + row * gate_row + (i64)h * gate_head + col;
+    v0 *= sigmoid_f(bf(gp[0]));
+    v1 *= sigmoid_f(bf(gp[1]));
+  }
+  bf16* dst = out + (row * heads + h) * hd + col;
+  dst[0] = to_bf(v0);
+  dst[1] = to_bf(v1);
+}
+
+// MT m-tiles of 16 rows per warp: each K/V fragment read from shared memory then serves 16·MT rows
+// (half the shared-memory traffic per FLOP at MT = 2). Measured at head dim 64 (4 warps of 32 rows,
+// 2 blocks per SM): 203 TFLOP/s vs 213 with MT = 1 (8 warps of 16 rows), so every instance uses
+// MT = 1; the parameter stays for the record and for head dims where more warps do not fit.
+template <int HDP, int BK, int MT>
+__device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
+                              float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out,
+                              int kv_split, int nsplit, float* part) {
+  constexpr int BQ = 128, LD = HDP + 8, NT = HDP / 8, ST = BK / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Qs = (bf16*)smem_raw;
+  bf16* Ks = Qs + BQ * LD;           // [2][BK][LD]
+  bf16* Vs = Ks + 2 * BK * LD;       // [2][BK][LD]
+  const int h = blockIdx.x;
+  const i64* sg = segs + SEG * blockIdx.z;
+  const i64 q_start = sg[0];
+  const int nq = (int)sg[1];
+  const int tiles = (nq + BQ - 1) / BQ;
+  // Split mode (kv_split > 0, sequences of at most BQ rows): blockIdx.y is the key range.
+  const int tile = kv_split ? 0 : tiles - 1 - (int)blockIdx.y;  // longest (last) tiles first
+  if (tile < 0) return;
+  const int shared_len = (int)sg[4];
+  const int kvlen = shared_len + (int)sg[7] + nq;
+  const int g = h / (heads / kvh);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  const int qbase = tile * BQ;
+  const int offset = kvlen - nq;
+  const int qlast = min(nq, qbase + BQ) - 1;
+  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
+  // Keys below `clean` are visible to every row of the block: tiles entirely below need no mask.
+  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
+  // Key tiles [kt0, ntiles): all of them, or in split mode those of key range blockIdx.y
+  // (kv_split is a multiple of BK).
+  const int kbeg = kv_split ? (int)blockIdx.y * kv_split : 0;
+  const int kend = kv_split ? min(klimit, kbeg + kv_split) : klimit;
+  const int kt0 = kbeg / BK;
+  const int ntiles = kend > kbeg ? (kend + BK - 1) / BK : kt0;
+
+  const i64 kstride = (i64)kvh * hd;
+  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
+  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
+  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
+  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
+  issue_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
+  if (ntiles > kt0) {
+    const int j0 = kt0 * BK, nb = kt0 & 1;
+    issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+    issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+  }
+  cp_async_commit();
+
+  float o[MT][NT][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+    m[mt][0] = m[mt][1] = NEG_INF;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+  // Row of the tile held by (m-tile mt, half hr) of this thread: warp·16·MT + 16·mt + gr + 8·hr.
+  const int wrow = warp * 16 * MT + gr;
+  // ldmatrix row addresses of this lane: A (Q) rows 0..15 of an m-tile at column +0 / +8; B (K)
+  // keys of two 8-key groups at column +0 / +8; V (trans) keys +0..7 / +8..15 at dims +0 / +8.
+  const bf16* qa_base = Qs + (warp * 16 * MT + (lane & 15)) * LD + (lane >> 4) * 8;
+  const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_col = ((lane >> 3) & 1) * 8;
+  const int vb_row = (lane & 7) + (((lane >> 3) & 1) << 3), vb_col = (lane >> 4) * 8;
+
+  for (int kt = kt0; kt < ntiles; kt++) {
+    cp_async_wait_all_groups();
+    __syncthreads();  // tile kt (and Q) landed for all threads; everyone is done with tile kt - 1
+    const int buf = kt & 1;
+    if (kt + 1 < ntiles) {
+      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+      issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+      issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+    }
+    cp_async_commit();
+    const bf16* Kt = Ks + buf * BK * LD;
+    const bf16* Vt = Vs + buf * BK * LD;
+
+    // S = Q K^T: 16·MT rows x BK keys per warp.
+    float sacc[MT][ST][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ks++) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) ldsm_x4(a[mt], qa_base + mt * 16 * LD + ks * 16);
+#pragma unroll
+      for (int nt = 0; nt < ST; nt += 2) {
+        unsigned b[4];
+        ldsm_x4(b, Kt + (nt * 8 + kb_row) * LD + ks * 16 + kb_col);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16_16816(sacc[mt][nt], a[mt], b);
+          mma_bf16_16816(sacc[mt][nt + 1], a[mt], b + 2);
+        }
+      }
+    }
+    const bool masked = (kt + 1) * BK > clean;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      const int qi0 = qbase + wrow + 16 * mt, qi1 = qi0 + 8;
+      float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          float v = sacc[mt][nt][e] * scale_log2;
+          if (masked) {
+            int col = kt * BK + nt * 8 + tg * 2 + (e & 1);
+            int qi = e < 2 ? qi0 : qi1;
+            if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+          }
+          sacc[mt][nt][e] = v;
+          if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+        }
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+      const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+      const float c0 = exp2f(m[mt][0] - base0), c1 = exp2f(m[mt][1] - base1);
+      float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) {
+        sacc[mt][nt][0] = exp2f(sacc[mt][nt][0] - base0);
+        sacc[mt][nt][1] = exp2f(sacc[mt][nt][1] - base0);
+        sacc[mt][nt][2] = exp2f(sacc[mt][nt][2] - base1);
+        sacc[mt][nt][3] = exp2f(sacc[mt][nt][3] - base1);
+        ps0 += sacc[mt][nt][0] + sacc[mt][nt][1];
+        ps1 += sacc[mt][nt][2] + sacc[mt][nt][3];
+      }
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+      l[mt][0] = l[mt][0] * c0 + ps0;
+      l[mt][1] = l[mt][1] * c1 + ps1;
+      m[mt][0] = mn0;
+      m[mt][1] = mn1;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        o[mt][nt][0] *= c0;
+        o[mt][nt][1] *= c0;
+        o[mt][nt][2] *= c1;
+        o[mt][nt][3] *= c1;
+      }
+    }
+    // O += P V: the score accumulators are already laid out as the A operand.
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        a[mt][0] = pack_f32(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
+        a[mt][1] = pack_f32(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
+        a[mt][2] = pack_f32(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
+        a[mt][3] = pack_f32(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
+        unsigned b[4];
+        ldsm_x4_trans(b, Vt + (kk * 16 + vb_row) * LD + nt * 8 + vb_col);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16_16816(o[mt][nt], a[mt], b);
+          mma_bf16_16816(o[mt][nt + 1], a[mt], b + 2);
+        }
+      }
+    }
+  }
+  cp_async_wait_all_groups();  // nothing may be in flight into shared memory when the block exits
+
+  if (kv_split) {
+    // The range's unnormalised output and its (max, sum) per row, f32, for attn_split_combine:
+    // slot (sequence blockIdx.z, head, range) holds [BQ][HDP] then m [BQ] and l [BQ].
+    float* slot = part + (((i64)blockIdx.z * heads + h) * nsplit + blockIdx.y) * (BQ * HDP + 2 * BQ);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+      for (int hr = 0; hr < 2; hr++) {
+        const int r = wrow + 16 * mt + 8 * hr;
+        if (qbase + r >= nq) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const int col = nt * 8 + tg * 2;
+          *(float2*)(slot + r * HDP + col) = make_float2(o[mt][nt][2 * hr], o[mt][nt][2 * hr + 1]);
+        }
+        if (tg == 0) {
+          slot[BQ * HDP + r] = m[mt][hr];
+          slot[BQ * HDP + BQ + r] = l[mt][hr];
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+      const int qi = qbase + wrow + 16 * mt + 8 * hr;
+      const float inv = l[mt][hr] > 0.f ? 1.f / l[mt][hr] : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        const int col = nt * 8 + tg * 2;
+        if (qi >= nq || col >= hd) continue;
+        float v0 = o[mt][nt][2 * hr] * inv, v1 = o[mt][nt][2 * hr + 1] * inv;
+        store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, v0, v1);
+      }
+    }
+  }
+}
+
+// Split over keys: a sequence of at most 128 query rows over a long cache (a pass over a long
+// prefix) has one query tile per head, so one block would walk all its keys alone. Instead, blocks
+// (head, key range of kv_split keys, sequence) write partial results, and attn_split_combine merges
+// the ranges of each row in range order. The ranges are fixed multiples of kv_split from key 0 and
+// a sequence is split by its own length and rows only, so its arithmetic never depends on the batch.
+#define ATTN_Q128_ENTRY(HDP, BK, MT, MINB)                                                                 \
+  extern "C" __global__ void __launch_bounds__(128 / MT * 2, MINB) attn_fwd_q128_##HDP(                     \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out, int kv_split, int nsplit, float* part) {  \
+    attn_fwd_q128<HDP, BK, MT>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out, \
+                               kv_split, nsplit, part);                                                     \
+  }
+ATTN_Q128_ENTRY(64, 64, 1, 2)
+ATTN_Q128_ENTRY(128, 64, 1, 1)
+ATTN_Q128_ENTRY(256, 32, 1, 1)
+
+// Merges the key ranges of split attention: one block of 64 threads per (row, head, sequence);
+// for a row, M = max of the ranges' maxima, L = sum l_j 2^(m_j - M), out = (sum o_j 2^(m_j - M)) / L
+// in range order j = 0, 1, ..., then the gate, as attn_fwd's epilogue. Ranges a row cannot see
+// (m = -inf, l = 0) add nothing.
+template <int HDP>
+__device__ void attn_split_combine(const float* part, const i64* segs, int heads, int hd, int nsplit,
+                                   const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  constexpr int BQ = 128;
+  const int r = blockIdx.x, h = blockIdx.y;
+  const i64* sg = segs + SEG * blockIdx.z;
+  if (r >= (int)sg[1]) return;
+  const float* slots = part + ((i64)blockIdx.z * heads + h) * nsplit * (BQ * HDP + 2 * BQ);
+  float M = NEG_INF;
+  for (int j = 0; j < nsplit; j++) M = fmaxf(M, slots[(i64)j * (BQ * HDP + 2 * BQ) + BQ * HDP + r]);
+  const float base = M == NEG_INF ? 0.f : M;
+  float L = 0.f;
+  for (int j = 0; j < nsplit; j++) {
+    const float* sl = slots + (i64)j * (BQ * HDP + 2 * BQ);
+    L += sl[BQ * HDP + BQ + r] * exp2f(sl[BQ * HDP + r] - base);
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  for (int col = 2 * threadIdx.x; col < hd; col += 2 * blockDim.x) {
+    float v0 = 0.f, v1 = 0.f;
+    for (int j = 0; j < nsplit; j++) {
+      const float* sl = slots + (i64)j * (BQ * HDP + 2 * BQ);
+      const float f = sl[BQ * HDP + BQ + r] > 0.f ? exp2f(sl[BQ * HDP + r] - base) : 0.f;
+      v0 += f * sl[r * HDP + col];
+      v1 += f * sl[r * HDP + col + 1];
+    }
+    store_gated(out, gate, gate_row, gate_head, sg[0] + r, heads, h, hd, col, v0 * inv, v1 * inv);
+  }
+}
+
+#define ATTN_COMBINE_ENTRY(HDP)                                                                            \
+  extern "C" __global__ void __launch_bounds__(64) attn_split_combine_##HDP(                               \
+      const float* part, const i64* segs, int heads, int hd, int nsplit, const bf16* gate, i64 gate_row,   \
+      int gate_head, bf16* out) {                                                                          \
+    attn_split_combine<HDP>(part, segs, heads, hd, nsplit, gate, gate_row, gate_head, out);                \
+  }
+ATTN_COMBINE_ENTRY(64)
+ATTN_COMBINE_ENTRY(128)
+ATTN_COMBINE_ENTRY(256)
+
+// ---------------------------------------------------------------------------------------------
+// attn_fwd_wgmma_<HDP> (Hopper, sm_90a): the same attention with warpgroup MMAs. A block is two
+// warpgroups (256 threads) of 64 query rows each; S = Q K^T and O += P V are wgmma.mma_async: Q, K
+// and V are read by the tensor cores straight from shared memory, once per warpgroup of 64 rows
+// (mma.sync reads every K/V fragment once per warp of 16 rows, and attn_fwd_q128 is bound by
+// those shared-memory reads at ~210 TFLOP/s). P stays in registers (the S accumulators are the A
+// fragments). K/V tiles of 64 keys are double-buffered with cp.async as in attn_fwd_q128.
+//
+// Shared memory holds every operand in the 128-byte-swizzled layout the descriptors name: a tile
+// of R rows x HDP columns is HDP/64 column blocks, each R rows of 128 bytes in which the 16-byte
+// chunk c of row r sits at chunk c ^ (r % 8); the region starts 1024-byte aligned. Descriptors:
+// Q and K (K-major: rows are the M/N dimension, head dims contiguous): SBO = 1024 (8 rows),
+// k16 step = +32 bytes within a column block, next column block = + R·128; V (the B of P V is
+// N-major: head dims contiguous per key): SBO = 1024 (8 keys), LBO = 64 keys·128 bytes (the next
+// 64 head dims), k16 step = +2048 (16 keys).
+// Arithmetic: f32 accumulation, the softmax exactly as attn_fwd_q128 (per row: scale, mask, max,
+// exp2, sums over 64-key tiles in order), so a row never depends on the other rows of the batch.
+// CPU twin: as attn_fwd.
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define IMAJEV_WGMMA 1
+#endif
+
+#ifdef IMAJEV_WGMMA
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (K-major descriptors);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], unsigned long long da, unsigned long long db,
+                                               int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (the mma.sync m16n8k16 A fragment of
+// each warp's 16 rows), B from shared memory, N-major (transposed).
+__device__ __forceinline__ void wgmma_rs_m64n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// D[64 x 256] += A[64 x 16] B[16 x 256], A from registers (the mma.sync m16n8k16 A fragment of
+// each warp's 16 rows), B from shared memory, N-major (transposed).
+__device__ __forceinline__ void wgmma_rs_m64n256(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to the
+// async proxy the tensor cores read through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned lbo, unsigned sbo) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Issues the copies of `rows` rows x HDP columns into a swizzled tile at dst (see above), zero-
+// filling rows past `valid` and columns past hd; rows as issue_tile's.
+template <int HDP>
+__device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b, i64 stride,
+                                              int j0, int valid, int hd, int rows) {
+  constexpr int V = HDP / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
+    const int r = i / V, c = i % V, col = c * 8, j = j0 + r;
+    const bool ok = r < valid && col < hd;
+    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + col : b + (i64)(j - alen) * stride + col;
+    unsigned char* d = dst + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    cp_async16(d, src, ok);
+  }
+}
+
+template <int HDP>
+__device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
+                               float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  constexpr int BQ = 128, BK = 64, NO = HDP / 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // 1024-byte aligned region (the host adds 1024 bytes of slack).
+  unsigned char* base = smem_raw + ((1024 - ((unsigned)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  unsigned char* Qs = base;                     // BQ x HDP
+  unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
+  unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
+  const int h = blockIdx.x;
+  const i64* sg = segs + SEG * blockIdx.z;
+  const i64 q_start = sg[0];
+  const int nq = (int)sg[1];
+  const int tiles = (nq + BQ - 1) / BQ;
+  const int tile = tiles - 1 - (int)blockIdx.y;
+  if (tile < 0) return;
+  const int shared_len = (int)sg[4];
+  const int kvlen = shared_len + (int)sg[7] + nq;
+  const int g = h / (heads / kvh);
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+  const int qbase = tile * BQ;
+  const int offset = kvlen - nq;
+  const int qlast = min(nq, qbase + BQ) - 1;
+  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
+  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
+  const int ntiles = (klimit + BK - 1) / BK;
+  const i64 kstride = (i64)kvh * hd;
+  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
+  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
+  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
+  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
+  issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
+  if (ntiles > 0) {
+    issue_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
+    issue_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd, BK);
+  }
+  cp_async_commit();
+
+  float o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; i++) o[i] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  // This thread's rows of the tile: the warpgroup's 64, the warp's 16, then gr and gr + 8.
+  const int r0 = wg * 64 + warp * 16 + gr;
+  const int qi0 = qbase + r0, qi1 = qi0 + 8;
+  // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
+  const unsigned char* Qw = Qs + wg * 64 * 128;
+
+  for (int kt = 0; kt < ntiles; kt++) {
+    cp_async_wait_all_groups();
+    fence_proxy_async();
+    __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
+    const int buf = kt & 1;
+    if (kt + 1 < ntiles) {
+      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+      issue_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+      issue_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+    }
+    cp_async_commit();
+    const unsigned char* Kt = Ks + buf * BK * HDP * 2;
+    const unsigned char* Vt = Vs + buf * BK * HDP * 2;
+
+    // S = Q K^T (64 rows x 64 keys per warpgroup).
+    float s[32];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ks++) {
+      const int cb = ks >> 2, off = (ks & 3) * 32;
+      const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
+      const unsigned long long db = smem_desc(Kt + cb * BK * 128 + off, 16, 1024);
+      wgmma_ss_m64n64(s, da, db, ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+
+    // Scale, mask, online softmax: s[4j + e] is row (e < 2 ? r0 : r0 + 8), key 8j + 2tg + (e & 1).
+    const bool masked = (kt + 1) * BK > clean;
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float v = s[4 * j + e] * scale_log2;
+        if (masked) {
+          const int col = kt * BK + 8 * j + 2 * tg + (e & 1);
+          const int qi = e < 2 ? qi0 : qi1;
+          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+        }
+        s[4 * j + e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+    const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      s[4 * j + 0] = exp2f(s[4 * j + 0] - base0);
+      s[4 * j + 1] = exp2f(s[4 * j + 1] - base0);
+      s[4 * j + 2] = exp2f(s[4 * j + 2] - base1);
+      s[4 * j + 3] = exp2f(s[4 * j + 3] - base1);
+      ps0 += s[4 * j + 0] + s[4 * j + 1];
+      ps1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+    l0 = l0 * c0 + ps0;
+    l1 = l1 * c1 + ps1;
+    m0 = mn0;
+    m1 = mn1;
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      o[4 * j + 0] *= c0;
+      o[4 * j + 1] *= c0;
+      o[4 * j + 2] *= c1;
+      o[4 * j + 3] *= c1;
+    }
+    // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
+    // fence, so no register the MMAs read changes between them).
+    unsigned pa[BK / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      const unsigned long long db = smem_desc(Vt + kk * 16 * 128, BK * 128, 1024);
+      if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
+      else wgmma_rs_m64n256(o, pa[kk], db);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+  }
+  cp_async_wait_all_groups();
+
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int qi = hr == 0 ? qi0 : qi1;
+    const float inv = (hr == 0 ? l0 : l1) > 0.f ? 1.f / (hr == 0 ? l0 : l1) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      const int col = 8 * j + 2 * tg;
+      if (qi >= nq || col >= hd) continue;
+      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * j + 2 * hr] * inv,
+                  o[4 * j + 2 * hr + 1] * inv);
+    }
+  }
+}
+#endif  // IMAJEV_WGMMA
+
+// Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
+// nothing, and the host only launches them on sm_90.
+#ifdef IMAJEV_WGMMA
+#define ATTN_WGMMA_BODY(HDP) attn_fwd_wgmma<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#else
+#define ATTN_WGMMA_BODY(HDP)
+#endif
+#define ATTN_WGMMA_ENTRY(HDP)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_##HDP(                               \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    ATTN_WGMMA_BODY(HDP)                                                                                   \
+  }
+ATTN_WGMMA_ENTRY(64)
+ATTN_WGMMA_ENTRY(256)

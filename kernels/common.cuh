@@ -50,3 +50,16 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // block with scale sc. One definition, so the fused kernels give quant_act_1x128's bits.
 __device__ __forceinline__ float act_scale_1x128(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
 __device__ __forceinline__ unsigned char act_code_e4m3(float v, float sc) { return __nv_fp8_e4m3(v / sc).__x; }
+
+// One 128-block quantised by one warp, 4 values per lane: the block's amax over the warp, its
+// scale, the codes and (lane 0) the scale. `q` is where this lane's first code goes and `step`
+// the distance between its codes: 1 when lane l holds columns 4l..4l+3 (quant_act_1x128,
+// swiglu_quant_1x128, the *_quant row norms), 32 when it holds l, l+32, l+64, l+96
+// (rms_norm_gated_quant). Every quantising kernel ends here, so all give quant_act_1x128's bits.
+__device__ __forceinline__ void quant_block_1x128(const float v[4], unsigned char* q, int step, float* scale) {
+  float amax = 0.f;
+  for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(v[j]));
+  float sc = act_scale_1x128(warp_max(amax));
+  for (int j = 0; j < 4; j++) q[j * step] = act_code_e4m3(v[j], sc);
+  if ((threadIdx.x & 31) == 0) *scale = sc;
+}

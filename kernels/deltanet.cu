@@ -1,6 +1,7 @@
 // Gated DeltaNet (the Qwen3.5 linear-attention mixer), everything after the input projection.
-// CPU twin: CpuBackend::gated_delta_net with kernels::{causal_conv_silu, l2_normalize_rows,
-// delta_rule_chunked, rms_norm_gated} (src/backend/cpu).
+// Rust binding: src/backend/cuda/deltanet.rs. CPU twin: cpu::deltanet::{gated_delta_net,
+// causal_conv_silu, l2_normalize_rows, delta_rule_chunked} and cpu::norm::rms_norm_gated
+// (src/backend/cpu/).
 //
 // Conv segment table, 4 x i64 per sequence: [row_start, len, hist_in, hist_out]; a history is the
 // sequence's conv history [kernel-1, C] f32 (oldest first), read from hist_in and the updated one
@@ -18,7 +19,9 @@ __device__ __forceinline__ int find_seg4(const i64* segs, int nseg, i64 t) {
 }
 
 // Asynchronous global -> shared copies (sm_80+), zero-filled when !valid (gmem must still be a
-// mapped address). cp_async_wait_all() waits for all of this thread's copies.
+// mapped address). cp_async_wait_all() waits for all of this thread's copies; with groups,
+// cp_async_commit() closes the thread's current group and cp_async_wait_group<N>() waits until at
+// most N of its groups (the N most recently committed) are still in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
@@ -28,6 +31,11 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // gdn_conv: rows of the packed batch per block (each thread runs them in order), and conv taps
 // kept in registers (taps past it are read from global memory).
@@ -752,3 +760,313 @@ SCAN_TC_ENTRY(16)
 SCAN_TC_ENTRY(32)
 SCAN_TC_ENTRY(64)
 SCAN_TC_ENTRY(128)
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_scan_tc_pipelined_<DK>: gdn_chunk_scan_tc_<DK> with the next chunk's inputs in flight
+// while the current chunk computes, for long sequences. Same grid, tables and outputs, and the
+// same BITS: every product is the same 3xTF32 mma3 sequence over the same k order on the same
+// operand values, every elementwise step the same f32 expression on the same values (the gates'
+// exponentials are computed once per chunk, by one warp, instead of where they are used: expf of a
+// value is one value). Only where operands live, which warp computes which tile, and when inputs
+// arrive differ, so the host may pick either kernel per launch (by sequence length) and a
+// sequence's result still never depends on what else is in the batch.
+//
+// Why: a long sequence is few blocks (16K tokens: 128), so the scan is latency-bound, and the tc
+// scan waited on global memory for each chunk twice (q/k/v/gates, then T/P) behind 6 barriers.
+// Here:
+//   * q and k are copied row-major by cp.async (no register staging, no transposed stores;
+//     stride DK+4 makes the row-major A fragments of k S and q S conflict-free, the state
+//     update's column-wise ones 2-way, as the tc scan's k S ones were); T and P keep the prep's
+//     transposed layout at stride 72 (conflict-free A fragments);
+//   * K, Q and V (R is computed in place over V) have two buffers: chunk c+1's are copied while
+//     chunk c computes. T and P have one buffer each, refilled as soon as chunk c is done with
+//     them: T[c+1] after T R of chunk c, P[c] at the top of chunk c (it is read at its end);
+//   * the gates of chunk c+1 (gamma = cumsum g with the tc scan's shuffle sequence, e^gamma,
+//     the decay factors e^{gamma_63 - gamma}, beta) are computed by warp 4 while warps 0-3 compute
+//     Vn = T R of chunk c, from g and beta it loaded at the top of chunk c;
+//   * 3 barriers per chunk; warps 0-3 update the state (two 16-row tiles each at dk 128, sharing
+//     the Vn fragments) while warps 4-7 compute O, instead of warps 4-7 doing both in turn.
+// One chunk c, buffer b = (c - first) & 1, cp.async groups committed by every thread in the
+// same order (empty when there is nothing to copy) so that the waits count alike:
+//   wait<1> (K,Q,V[c] in; T[c] may fly) | bar | copy P[c]; commit | copy K,Q,V[c+1] -> b^1; commit
+//   | k S (warps 0-3), q S (4-7) | R = beta (v - e^gamma k S), e^gamma q S
+//   | wait<2> (T[c] in) | bar | Vn = T R (warps 0-3); gates of c+1 -> b^1 (warp 4)
+//   | wait<1> (P[c] in) | bar | copy T[c+1]; commit | O = e^gamma q S + P Vn (4-7), S update (0-3)
+// A buffer is refilled only after the barrier that follows its last read (K,Q,V[c-1] and P[c-1]:
+// read before the top barrier of chunk c; T[c]: read before the third barrier of chunk c).
+// Shared memory (layout::delta_tc_pipelined_smem_bytes): 224,768 bytes at dk 128, so one block
+// per SM; the short-request path keeps gdn_chunk_scan_tc_<DK> (two per SM).
+
+// A (16 x 8 at rows m0, cols k0) of A[m][k] = X[m*ld + k] (X stored row-major): the values of
+// frag_at on the transposed copy of X.
+__device__ __forceinline__ TfA frag_a(const float* X, int ld, int m0, int k0, int gr, int tg) {
+  return split_a(X[(m0 + gr) * ld + k0 + tg], X[(m0 + gr + 8) * ld + k0 + tg], X[(m0 + gr) * ld + k0 + tg + 4],
+                 X[(m0 + gr + 8) * ld + k0 + tg + 4]);
+}
+
+// mma_rows with A stored row-major (X[m*LDX + k]): the same mma3 sequence on the same values.
+template <int LDX, int LDY>
+__device__ __forceinline__ void mma_rows_rm(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend,
+                                            int gr, int tg) {
+#pragma unroll 2
+  for (int k0 = 0; k0 < kend; k0 += 8) {
+    const TfA a = frag_a(X, LDX, m0, k0, gr, tg);
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
+  }
+}
+
+// cp.async of a chunk's k and q rows of key head hk, row-major [64][DK+4], and of its v columns
+// c0.. [64][40] (zeros past len and past ncols, as the tc scan stages them). 256 threads, each
+// with fixed columns and every (256 / (DK/4))-th row, so the trip counts are compile-time and
+// the per-thread offsets do not change from chunk to chunk. A zero-filled copy reads nothing but
+// is still given a mapped address (the chunk's first row, or v itself).
+template <int DK>
+__device__ __forceinline__ void chunk_kqv_async(float* Ks, float* Qs, float* Vs, const float* qn, const float* kn,
+                                                const float* v, i64 row0, int len, int kh, int hk, int vh, int hv,
+                                                int dv, int c0, int ncols) {
+  constexpr int LQ = DK + 4, PER_ROW = DK / 4, ROWS = 256 / PER_ROW;  // 16-byte pieces per row, rows per pass
+  const int i0 = threadIdx.x / PER_ROW, d = 4 * (threadIdx.x % PER_ROW);
+  const i64 first = (row0 * kh + hk) * DK + d, rstride = (i64)kh * DK;
+#pragma unroll
+  for (int u = 0; u < CHUNK / ROWS; u++) {
+    const int i = i0 + ROWS * u;
+    const bool ok = i < len;
+    const i64 src = first + (ok ? i * rstride : 0);
+    cp_async16(Ks + i * LQ + d, kn + src, ok);
+    cp_async16(Qs + i * LQ + d, qn + src, ok);
+  }
+  const int vi0 = threadIdx.x / 8, c = (threadIdx.x % 8) * 4;
+#pragma unroll
+  for (int u = 0; u < CHUNK / 32; u++) {
+    const int i = vi0 + 32 * u;
+    const bool ok = i < len && c < ncols;
+    cp_async16(Vs + i * 40 + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
+  }
+}
+
+// cp.async of one 64 x 64 chunk matrix (T or P, stored transposed by the prep) into [64][72]:
+// thread t copies 16 bytes of rows t/16 + 16u. 256 threads.
+__device__ __forceinline__ void chunk_mat_async(float* dst, const float* src) {
+  const int r0 = threadIdx.x / 16, q4 = (threadIdx.x % 16) * 4;
+#pragma unroll
+  for (int u = 0; u < CHUNK / 16; u++) {
+    const int row = r0 + 16 * u;
+    cp_async16(dst + row * (CHUNK + 8) + q4, src + row * CHUNK + q4, true);
+  }
+}
+
+// The gates of one chunk by one warp, lane l holding g and beta of rows l and l + 32 (zeros past
+// the chunk's length): gamma by the same shuffle scans as chunk_gates (two 32-row scans, the upper
+// one plus gamma_31), then G[0..64) = e^gamma, G[64..128) = e^{gamma_63 - gamma}, G[128..192) = beta
+// (the values the tc scan computes where it uses them).
+__device__ __forceinline__ void chunk_gates_warp(float* G, float g0, float g1, float b0, float b1, int lane) {
+  float x0 = g0, x1 = g1;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float u0 = __shfl_up_sync(0xffffffffu, x0, o);
+    const float u1 = __shfl_up_sync(0xffffffffu, x1, o);
+    if (lane >= o) {
+      x0 += u0;
+      x1 += u1;
+    }
+  }
+  x1 += __shfl_sync(0xffffffffu, x0, 31);
+  const float last = __shfl_sync(0xffffffffu, x1, 31);
+  G[lane] = expf(x0);
+  G[lane + 32] = expf(x1);
+  G[CHUNK + lane] = expf(last - x0);
+  G[CHUNK + lane + 32] = expf(last - x1);
+  G[2 * CHUNK + lane] = b0;
+  G[2 * CHUNK + lane + 32] = b1;
+}
+
+template <int DK>
+__device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const float* v, const float* beta,
+                                        const float* g, const float* tp, const int* chunks, const i64* segs, int kh,
+                                        int vh, int dv, float* out) {
+  extern __shared__ __align__(16) float smem_tcp[];
+  constexpr int LQ = DK + 4;                  // K, Q row stride
+  constexpr int LT = CHUNK + 8;               // T, P row stride (72: conflict-free A fragments)
+  constexpr int LS = 40;                      // S, V/R, Vn row stride (as the tc scan)
+  constexpr int QK = CHUNK * LQ, VB = CHUNK * LS, GB = 3 * CHUNK;
+  float* Kb = smem_tcp;                       // [2][64][LQ]
+  float* Qb = Kb + 2 * QK;                    // [2][64][LQ]
+  float* Vb = Qb + 2 * QK;                    // [2][64][40]: v, then R in place
+  float* Tt = Vb + 2 * VB;                    // [64][72]
+  float* Pt = Tt + CHUNK * LT;                // [64][72]
+  float* S = Pt + CHUNK * LT;                 // [DK][40]
+  float* Vn = S + DK * LS;                    // [64][40]
+  float* gates = Vn + VB;                     // [2][3][64]: e^gamma, decay factors, beta
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh), tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
+  const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
+  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  const int ncols = min(32, dv - c0);
+  const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
+  const bool kwarp = warp < 4;
+  const float* tph = tp + (i64)hv * 2 * CHUNK * CHUNK;  // T of chunk ck at tph + ck * vh * 2 * 64 * 64
+  const i64 tstride = (i64)vh * 2 * CHUNK * CHUNK;
+  // Prologue: the state with chunk `first`'s K, Q, V (one group), its T (the next group), its
+  // gates (warp 4; seen by all after the loop's first barrier).
+  i64 row0 = 0, nrow0 = 0;
+  int len = 0, nlen = 0;
+  load_state_async<DK>(S, LS, state_in, dv, c0, ncols);
+  if (nch > 0) {
+    row0 = chunks[2 * first];
+    len = chunks[2 * first + 1];
+    chunk_kqv_async<DK>(Kb, Qb, Vb, qn, kn, v, row0, len, kh, hk, vh, hv, dv, c0, ncols);
+  }
+  cp_async_commit();
+  if (nch > 0) chunk_mat_async(Tt, tph + first * tstride);
+  cp_async_commit();
+  if (nch > 0 && warp == 4) {
+    const float g0 = lane < len ? g[(row0 + lane) * vh + hv] : 0.f;
+    const float g1 = lane + 32 < len ? g[(row0 + lane + 32) * vh + hv] : 0.f;
+    const float b0 = lane < len ? beta[(row0 + lane) * vh + hv] : 0.f;
+    const float b1 = lane + 32 < len ? beta[(row0 + lane + 32) * vh + hv] : 0.f;
+    chunk_gates_warp(gates, g0, g1, b0, b1, lane);
+  }
+  if (nch > 1) {
+    nrow0 = chunks[2 * first + 2];
+    nlen = chunks[2 * first + 3];
+  }
+  for (int ck = first; ck < end; ck++) {
+    const int b = (ck - first) & 1;
+    const float* K = Kb + b * QK;
+    const float* Q = Qb + b * QK;
+    float* R = Vb + b * VB;
+    const float* G = gates + b * GB;
+    const bool has_next = ck + 1 < end;
+    cp_async_wait_group<1>();  // this chunk's K, Q, V (and the state); its T may still be in flight
+    __syncthreads();           // ... visible to all; chunk ck-1 is done with S, Vn, P and buffer b^1
+    chunk_mat_async(Pt, tph + ck * tstride + CHUNK * CHUNK);
+    cp_async_commit();
+    if (has_next)
+      chunk_kqv_async<DK>(Kb + (b ^ 1) * QK, Qb + (b ^ 1) * QK, Vb + (b ^ 1) * VB, qn, kn, v, nrow0, nlen, kh, hk,
+                          vh, hv, dv, c0, ncols);
+    cp_async_commit();
+    // Warp 4: the next chunk's g and beta, into registers (used after k S / q S).
+    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
+    if (has_next && warp == 4) {
+      g0 = lane < nlen ? g[(nrow0 + lane) * vh + hv] : 0.f;
+      g1 = lane + 32 < nlen ? g[(nrow0 + lane + 32) * vh + hv] : 0.f;
+      b0 = lane < nlen ? beta[(nrow0 + lane) * vh + hv] : 0.f;
+      b1 = lane + 32 < nlen ? beta[(nrow0 + lane + 32) * vh + hv] : 0.f;
+    }
+    // The chunk after next, for the next iteration's copies.
+    i64 n2row0 = 0;
+    int n2len = 0;
+    if (ck + 2 < end) {
+      n2row0 = chunks[2 * ck + 4];
+      n2len = chunks[2 * ck + 5];
+    }
+    // k S (warps 0-3) or q S (warps 4-7): rows m0..m0+15, 4 column tiles of 8.
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    if (m0 < len) mma_rows_rm<LQ, LS>(acc, kwarp ? K : Q, S, m0, DK, gr, tg);
+    if (kwarp) {
+      // R_i = beta_i (v_i - e^{gamma_i} (k S)_i) on this thread's fragment elements.
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int i = m0 + gr + 8 * (e >> 1), c = 8 * nt + 2 * tg + (e & 1);
+          R[i * LS + c] = G[2 * CHUNK + i] * (R[i * LS + c] - G[i] * acc[nt][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] *= G[m0 + gr + 8 * (e >> 1)];
+    }
+    cp_async_wait_group<2>();  // T of this chunk
+    __syncthreads();
+    // Vn = T R (warps 0-3), as the tc scan: columns j < m0 + 16, rows past len written (as 0).
+    if (kwarp) {
+      float vacc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
+      if (m0 < len) mma_rows<LT, LS>(vacc, Tt, R, m0, m0 + 16, gr, tg);
+      store_rows<LS>(Vn, vacc, m0, gr, tg);
+    } else if (warp == 4 && has_next) {
+      chunk_gates_warp(gates + (b ^ 1) * GB, g0, g1, b0, b1, lane);
+    }
+    cp_async_wait_group<1>();  // P of this chunk
+    __syncthreads();           // Vn and P visible; T is free
+    if (has_next) chunk_mat_async(Tt, tph + (ck + 1) * tstride);
+    cp_async_commit();
+    if (!kwarp) {
+      // O = e^gamma q S + P Vn (warps 4-7), rows below len written out.
+      if (m0 < len) {
+        mma_rows<LT, LS>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int i = m0 + gr + 8 * (e >> 1), c = 8 * nt + 2 * tg + (e & 1);
+            if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c0 + c] = acc[nt][e];
+          }
+      }
+    } else {
+      // S <- e^{gamma_last} S + (fac k)^T Vn over the chunk's real rows: warp w (0-3) updates the
+      // state row tiles 16w.. and, at dk 128, 16(w+4).. (each element as in the tc scan).
+      constexpr int NT = DK > 64 ? 2 : 1;
+      const float el = G[CHUNK - 1];
+      const int kmax = (len + 7) & ~7;
+      float sacc[NT][4][4];
+#pragma unroll
+      for (int t = 0; t < NT; t++) {
+        const int d0 = 16 * (warp + 4 * t);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+          const int c = 8 * nt + 2 * tg;
+          const bool in = d0 < DK;
+          sacc[t][nt][0] = in ? el * S[(d0 + gr) * LS + c] : 0.f;
+          sacc[t][nt][1] = in ? el * S[(d0 + gr) * LS + c + 1] : 0.f;
+          sacc[t][nt][2] = in ? el * S[(d0 + gr + 8) * LS + c] : 0.f;
+          sacc[t][nt][3] = in ? el * S[(d0 + gr + 8) * LS + c + 1] : 0.f;
+        }
+      }
+      if (16 * warp < DK) {
+        for (int k0 = 0; k0 < kmax; k0 += 8) {
+          const float f0 = G[CHUNK + k0 + tg], f1 = G[CHUNK + k0 + tg + 4];
+          TfB bv[4];
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++) bv[nt] = frag_b(Vn, LS, k0, 8 * nt, gr, tg);
+#pragma unroll
+          for (int t = 0; t < NT; t++) {
+            const int d0 = 16 * (warp + 4 * t);
+            const TfA a = split_a(f0 * K[(k0 + tg) * LQ + d0 + gr], f0 * K[(k0 + tg) * LQ + d0 + gr + 8],
+                                  f1 * K[(k0 + tg + 4) * LQ + d0 + gr], f1 * K[(k0 + tg + 4) * LQ + d0 + gr + 8]);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) mma3(sacc[t][nt], a, bv[nt]);
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+          const int d0 = 16 * (warp + 4 * t);
+          if (d0 < DK) store_rows<LS>(S, sacc[t], d0, gr, tg);
+        }
+      }
+    }
+    row0 = nrow0;
+    len = nlen;
+    nrow0 = n2row0;
+    nlen = n2len;
+  }
+  store_state<DK>(state, dv, c0, ncols, S, LS);
+}
+
+#define SCAN_TCP_ENTRY(DK)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan_tc_pipelined_##DK(                   \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan_tc_pipelined<DK>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                    \
+  }
+SCAN_TCP_ENTRY(16)
+SCAN_TCP_ENTRY(32)
+SCAN_TCP_ENTRY(64)
+SCAN_TCP_ENTRY(128)

@@ -1,6 +1,7 @@
 // Data movement and elementwise kernels.
-// CPU twins: CpuBackend::{embed, embed_bag, scatter_rows, gather_rows, split_cols, add_assign,
-// swiglu, gelu, readout} in src/backend/cpu/mod.rs and kernels::{silu, gelu} in kernels.rs.
+// Rust bindings: src/backend/cuda/elementwise.rs (add_bias and readout_f32: linear.rs; the casts:
+// tensor.rs). CPU twins: cpu::elementwise::{embed, embed_bag, scatter_rows, gather_rows,
+// split_cols, add_assign, swiglu, silu, gelu} and cpu::linear::readout (src/backend/cpu/).
 
 extern "C" __global__ void cast_f32_bf16(const float* x, bf16* y, i64 n) {
   FOR_EACH(i, n) y[i] = to_bf(x[i]);

@@ -1,5 +1,6 @@
 // Row norms, f32 inside, one bf16 rounding at the output.
-// CPU twins: kernels::{rms_norm, layer_norm, rms_norm_gated} in src/backend/cpu/kernels.rs.
+// Rust binding: src/backend/cuda/norm.rs. CPU twins: cpu::norm::{rms_norm, layer_norm,
+// rms_norm_gated} (src/backend/cpu/norm.rs).
 //
 // The *_quant variants also write the per-token 1×128 FP8 quantisation of the bf16 rows they
 // store, for an FP8 projection that reads them: q [Mpad, d·heads] and scales [K/128][Mpad] exactly
@@ -9,7 +10,7 @@
 // outputs are bit-identical to the plain kernels': the same helpers below compute the sum of
 // squares (same thread/stride order, same block_sum) and each output value; only which thread
 // stores which column changes. CPU twin of a *_quant kernel: its plain op's twin, then
-// host::quantize_act_1x128 of the result.
+// weights::fp8::quantize_act_1x128 of the result.
 
 // 1 / rms of a row of length d, one block per row: thread t sums the squares of columns t,
 // t + blockDim.x, ... in order, then block_sum. rms_norm and rms_norm_quant share it (and
@@ -45,17 +46,13 @@ __device__ __forceinline__ void rms_out_quant(const bf16* xr, const float* w, fl
   int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   for (int kb = threadIdx.x >> 5; kb < d / 128; kb += nw) {
     int c0 = kb * 128 + lane * 4;
-    float v[4], amax = 0.f;
+    float v[4];
     for (int j = 0; j < 4; j++) {
       bf16 h = rms_out(xr[c0 + j], r, offset, w[c0 + j]);
       yr[c0 + j] = h;
       v[j] = bf(h);
-      amax = fmaxf(amax, fabsf(v[j]));
     }
-    amax = warp_max(amax);
-    float sc = act_scale_1x128(amax);
-    for (int j = 0; j < 4; j++) qr[c0 + j] = act_code_e4m3(v[j], sc);
-    if (lane == 0) s[(i64)kb * Mpad + m] = sc;
+    quant_block_1x128(v, qr + c0, 1, s + (i64)kb * Mpad + m);
   }
 }
 
@@ -77,7 +74,7 @@ extern "C" __global__ void rms_norm(const bf16* x, const float* w, bf16* y, int 
 
 // rms_norm fused with quant_act_1x128 of its output (d % 128 == 0). Grid Mpad blocks: blocks
 // m < M are rms_norm's rows (same block size, same bits), blocks m >= M write the padding rows.
-// CPU twin: kernels::rms_norm then host::quantize_act_1x128.
+// CPU twin: cpu::norm::rms_norm then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y, unsigned char* q, float* s, int M,
                                           int Mpad, int d, float eps, float offset) {
   __shared__ float sh[32];
@@ -94,7 +91,7 @@ extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y
 // Residual add fused with the next RMSNorm, one block per row of length d (launch it with the
 // block size rms_norm uses, so the sum of squares reduces in the same order):
 // x = bf16(x + y) exactly as add_bf16, then out = rms_norm(x) exactly as rms_norm on that rounded
-// x. CPU twin: add_assign then kernels::rms_norm. Each thread re-reads only the elements it wrote.
+// x. CPU twin: add_assign then cpu::norm::rms_norm. Each thread re-reads only the elements it wrote.
 extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, bf16* out, int d, float eps,
                                         float offset) {
   __shared__ float sh[32];
@@ -107,7 +104,7 @@ extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, 
 // add_rms_norm fused with quant_act_1x128 of out (d % 128 == 0); grid Mpad blocks as
 // rms_norm_quant. The output pass reads x columns other threads of the block stored: block_sum's
 // __syncthreads orders those global writes before the reads. CPU twin: add_assign, then
-// kernels::rms_norm, then host::quantize_act_1x128.
+// cpu::norm::rms_norm, then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void add_rms_norm_quant(bf16* x, const bf16* y, const float* w, bf16* out, unsigned char* q,
                                               float* s, int M, int Mpad, int d, float eps, float offset) {
   __shared__ float sh[32];
@@ -167,7 +164,7 @@ extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_l
 // one warp: amax is a warp reduction, q[t, head·128 + c] = q[row·128 + c], scale at
 // s[head·Mpad + t]. Warps cover Mpad·heads rows; those of tokens t >= M write the padding (zero
 // codes, scale 1). The bf16 output is rms_norm_gated's (same lanes, same helpers).
-// CPU twin: kernels::rms_norm_gated then host::quantize_act_1x128.
+// CPU twin: cpu::norm::rms_norm_gated then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
                                                 bf16* y, unsigned char* q, float* s, int M, int Mpad, int d,
                                                 float eps) {
@@ -183,16 +180,12 @@ extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i
   const float* xr = x + row * d;
   const bf16* zr = z + (i64)t * z_ld + (i64)head * d;
   float r = gated_rsqrt(xr, d, eps, lane);
-  float v[4], amax = 0.f;
+  float v[4];
   for (int j = 0; j < 4; j++) {
     int c = lane + 32 * j;
     bf16 h = to_bf(gated_out(xr, zr, w, c, r));
     y[row * 128 + c] = h;
     v[j] = bf(h);
-    amax = fmaxf(amax, fabsf(v[j]));
   }
-  amax = warp_max(amax);
-  float sc = act_scale_1x128(amax);
-  for (int j = 0; j < 4; j++) q[row * 128 + lane + 32 * j] = act_code_e4m3(v[j], sc);
-  if (lane == 0) s[(i64)head * Mpad + t] = sc;
+  quant_block_1x128(v, q + row * 128 + lane, 32, s + (i64)head * Mpad + t);
 }

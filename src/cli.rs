@@ -1,22 +1,28 @@
-//! The command-line interface: `tokenize`, `forward`, `synth` (and later `serve`, `decide`).
+//! The command-line interface: `serve`, `decide`, `tokenize`, `forward`, `synth`. Flags are
+//! defined and mapped to options here; the serving process itself is put together in
+//! [`crate::app`].
 //! Output contracts here are relied upon by other tools; change them only with care.
 
+use crate::app::{self, Device, Quantize, ServeOptions};
 use crate::backend::cpu::CpuBackend;
-use crate::engine::synth::{self, SynthDtype};
 use crate::backend::Backend;
+use crate::decision::ContractMode;
 use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};
+use crate::synth::{self, SynthDtype};
 use crate::tokenizer::QwenTokenizer;
-use anyhow::{bail, Context, Result};
-use crate::decision::ContractMode;
-use crate::serve::{Device, Quantize, ServeOptions};
 use crate::worker::BatchLimits;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug)]
-#[command(name = "imajev-serve", version, about = "Typed decisions from one prefill of Qwen3.5 + the imajev LoRA and readout")]
+#[command(
+    name = "imajev-serve",
+    version,
+    about = "Typed decisions from one prefill of Qwen3.5 + the imajev LoRA and readout"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -77,14 +83,19 @@ impl ModelArgs {
             model_name: self.model_name.clone(),
             contract: self.contract,
             queue_depth,
-            batch: BatchLimits { max_tokens: self.batch_tokens, max_sequences: self.batch_sequences, ..Default::default() },
+            batch: BatchLimits {
+                max_tokens: self.batch_tokens,
+                max_sequences: self.batch_sequences,
+                ..Default::default()
+            },
         }
     }
 }
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics and /openapi.json.
+    /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics, /openapi.json and the
+    /// playground page at /.
     Serve {
         #[command(flatten)]
         model: ModelArgs,
@@ -110,6 +121,9 @@ pub enum Command {
         /// HTTP worker threads.
         #[arg(long, env = "IMAJEV_HTTP_WORKERS")]
         http_workers: Option<usize>,
+        /// Do not serve the playground page at `/` (then `/` is a 404 like any unknown path).
+        #[arg(long, env = "IMAJEV_NO_PLAYGROUND")]
+        no_playground: bool,
     },
     /// Answer requests offline: one JSON request (or JSONL, one per line) → the response(s).
     Decide {
@@ -187,14 +201,36 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Serve { model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers } => {
-            serve_cmd(&model, host, port, api_key_file, queue_depth, request_timeout, max_questions, max_body_mb, http_workers)
-        }
+        Command::Serve {
+            model,
+            host,
+            port,
+            api_key_file,
+            queue_depth,
+            request_timeout,
+            max_questions,
+            max_body_mb,
+            http_workers,
+            no_playground,
+        } => serve_cmd(
+            &model,
+            host,
+            port,
+            api_key_file,
+            queue_depth,
+            request_timeout,
+            max_questions,
+            max_body_mb,
+            http_workers,
+            !no_playground,
+        ),
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }
         Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(&model, jsonl),
-        Command::Forward { model, adapter, input, out, device } => forward(&model, adapter.as_deref(), &input, out.as_deref(), device),
+        Command::Forward { model, adapter, input, out, device } => {
+            forward(&model, adapter.as_deref(), &input, out.as_deref(), device)
+        }
         Command::Synth { config, out, dtype, seed, adapter_out, lora_rank, lora_alpha, readout_rows } => {
             let cfg = synth::preset(&config)?;
             let r = synth::write_model(&cfg, dtype, seed, &out)?;
@@ -210,7 +246,9 @@ pub fn run(cli: Cli) -> Result<()> {
                 let r = synth::write_adapter(&cfg, lora_rank, lora_alpha, readout_rows, seed, &a)?;
                 let tokenizer = QwenTokenizer::builtin()?;
                 crate::decision::codebook::Codebook::derive(&tokenizer, readout_rows)
-                    .context("deriving the readout codebook (use --readout-rows ≤ 256 for the Qwen3.5 tokenizer)")?
+                    .context(
+                        "deriving the readout codebook (use --readout-rows ≤ 256 for the Qwen3.5 tokenizer)",
+                    )?
                     .write(&a.join("decision_readout.json"))?;
                 eprintln!(
                     "wrote adapter {} (LoRA r={lora_rank}, alpha={lora_alpha}, readout {readout_rows} rows; {:.1} M parameters) in {:.1} s",
@@ -250,6 +288,7 @@ fn resolve_image(path: &Path, input_file: &Path) -> PathBuf {
     }
 }
 
+/// `serve`: the HTTP settings from the flags, then [`crate::app::serve_http`].
 #[allow(clippy::too_many_arguments)]
 fn serve_cmd(
     model: &ModelArgs,
@@ -261,48 +300,23 @@ fn serve_cmd(
     max_questions: usize,
     max_body_mb: usize,
     http_workers: Option<usize>,
+    playground: bool,
 ) -> Result<()> {
-    let api_keys = match &api_key_file {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading --api-key-file {}", p.display()))?;
-            let keys: Vec<String> =
-                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
-            if keys.is_empty() {
-                bail!("--api-key-file {} holds no keys (one per line)", p.display());
-            }
-            keys
-        }
-        None => Vec::new(),
-    };
-    let service = crate::serve::start(&model.options(queue_depth))?;
-    let mut cfg = crate::api::ServerConfig {
+    let api_keys = api_key_file.as_deref().map(app::read_api_keys).transpose()?.unwrap_or_default();
+    let mut http = crate::api::ServerConfig {
         host,
         port,
         max_body_bytes: max_body_mb << 20,
         max_questions,
         api_keys,
         request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
-        adapter_label: service.info.adapter.clone(),
+        playground,
         ..Default::default()
     };
     if let Some(w) = http_workers {
-        cfg.workers = w.max(1);
+        http.workers = w.max(1);
     }
-    if service.info.demo {
-        cfg.model_description = "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
-    }
-    tracing::info!(
-        model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
-        contract = ?service.info.contract, readout_codes = service.info.readout_codes,
-        "serving on http://{}:{} (the model loads in the background)", cfg.host, cfg.port
-    );
-    let crate::serve::Service { decider, worker, engine_thread, image_config, registry, .. } = service;
-    let app = crate::api::build_app_state(&cfg, worker, registry, image_config)?;
-    app.set_decider(decider);
-    let result = crate::api::run_blocking(cfg, app);
-    // Every worker handle is gone once the server returns: the engine thread drains and stops.
-    let _ = engine_thread.join();
-    result
+    app::serve_http(&model.options(queue_depth), http)
 }
 
 fn decide_cmd(
@@ -313,12 +327,16 @@ fn decide_cmd(
     emit: Option<&Path>,
     timings_out: Option<&Path>,
 ) -> Result<()> {
-    use crate::api::parse::{parse_request_json, ParseContext};
-    use crate::decision::Timings;
-    let prepared = crate::serve::prepare(&model.options(1))?;
-    let engine = crate::serve::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
+    use crate::api::{decide_direct, run_engine, ParseContext, RequestBody};
+    let prepared = app::prepare(&model.options(1))?;
+    let engine = app::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
+    let limits = BatchLimits {
+        max_tokens: model.batch_tokens,
+        max_sequences: model.batch_sequences,
+        ..Default::default()
+    };
     let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
     let bodies: Vec<&str> = if request.extension().is_some_and(|e| e == "jsonl") {
         text.lines().filter(|l| !l.trim().is_empty()).collect()
@@ -331,35 +349,34 @@ fn decide_cmd(
     for (i, body) in bodies.iter().enumerate() {
         let mut last = None;
         for run_index in 0..repeat.max(1) {
-            let started = std::time::Instant::now();
-            let req = parse_request_json(body.as_bytes(), &ctx)
-                .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
-            let plan = decider.plan(&req).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
-            let images: Vec<&crate::image::PatchedImage> = req.images.iter().map(|im| &im.patched).collect();
-            let limits = BatchLimits { max_tokens: model.batch_tokens, max_sequences: model.batch_sequences, ..Default::default() };
-            let run = engine.run(&plan, &images, limits, &|| Ok(())).map_err(|e| anyhow::anyhow!("request {}: {e}", i + 1))?;
-            let t = Timings {
-                vision_ms: run.vision_ms,
-                prefill_ms: run.prefill_ms,
-                questions_ms: run.questions_ms,
-                total_ms: started.elapsed().as_secs_f64() * 1e3,
-            };
+            let body = RequestBody::json(body.as_bytes().to_vec());
+            let decided = decide_direct(body, ctx.clone(), decider.clone(), |call| {
+                run_engine(engine.as_ref(), call, limits)
+            })
+            .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
+            let (plan, t) = (&decided.plan, decided.timings);
             if emit.is_some() && last.is_none() {
-                for (f, fp) in plan.fields.iter().enumerate() {
-                    for (p, pass) in fp.passes.iter().enumerate() {
+                // "field" (the scored question's index) is the key the bench scripts read.
+                for (q, sp) in plan.scored.iter().enumerate() {
+                    for (p, pass) in sp.passes.iter().enumerate() {
                         let mut ids = plan.prefix.clone();
-                        ids.extend(&fp.common);
+                        ids.extend(&sp.common);
                         ids.extend(&pass.suffix);
-                        passes_out.push(serde_json::json!({"request": i, "field": f, "pass": p, "offset": pass.offset,
-                            "input_ids": ids, "logits": run.logits[f][p]}));
+                        passes_out.push(
+                            serde_json::json!({"request": i, "field": q, "pass": p, "offset": pass.offset,
+                            "input_ids": ids, "logits": decided.output.logits[q][p]}),
+                        );
                     }
                 }
             }
-            timing_lines.push(serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
+            timing_lines.push(
+                serde_json::json!({"request": i, "run": run_index, "total_ms": t.total_ms,
                 "vision_ms": t.vision_ms, "prefill_ms": t.prefill_ms, "questions_ms": t.questions_ms,
                 "input_tokens": plan.max_pass_tokens, "processed_tokens": plan.processed_tokens,
-                "passes": plan.pass_count(), "images": req.images.len()}).to_string());
-            last = Some(decider.respond(&req, &plan, &run.logits, t));
+                "passes": plan.pass_count(), "images": decided.request.images.len()})
+                .to_string(),
+            );
+            last = Some(decided.response);
         }
         responses.push(last.expect("at least one run"));
     }
@@ -369,7 +386,8 @@ fn decide_cmd(
         None => print!("{text}"),
     }
     if let Some(p) = timings_out {
-        std::fs::write(p, timing_lines.join("\n") + "\n").with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, timing_lines.join("\n") + "\n")
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = emit {
         let lines: Vec<String> = passes_out.iter().map(|v| v.to_string()).collect();
@@ -378,17 +396,29 @@ fn decide_cmd(
     Ok(())
 }
 
-fn run_forward<B: Backend>(model: Qwen35<B>, ids: &[u32], images: &[&crate::image::PatchedImage]) -> Result<ForwardOutput> {
+fn run_forward<B: Backend>(
+    model: Qwen35<B>,
+    ids: &[u32],
+    images: &[&crate::image::PatchedImage],
+) -> Result<ForwardOutput> {
     let (_state, hidden, layout) = model.prefill(ids, images)?;
     let hidden_last = model.backend.download(&hidden)?;
-    let readout_logits = if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
+    let readout_logits =
+        if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
     Ok(ForwardOutput { input_ids: layout.ids, hidden_last, readout_logits })
 }
 
-fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&Path>, device: Device) -> Result<()> {
+fn forward(
+    model_dir: &Path,
+    adapter: Option<&Path>,
+    input: &Path,
+    out: Option<&Path>,
+    device: Device,
+) -> Result<()> {
     let text = std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
-    let req: ForwardInput = serde_json::from_str(&text)
-        .with_context(|| format!("{} must be {{\"prompt\": STRING, \"images\": [PATH, ...]}}", input.display()))?;
+    let req: ForwardInput = serde_json::from_str(&text).with_context(|| {
+        format!("{} must be {{\"prompt\": STRING, \"images\": [PATH, ...]}}", input.display())
+    })?;
     let tokenizer = QwenTokenizer::from_model_dir(model_dir)?;
     let ids = tokenizer.encode(&req.prompt)?;
     let proc_cfg = ImageProcessorConfig::from_model_dir(model_dir)?;
@@ -403,7 +433,9 @@ fn forward(model_dir: &Path, adapter: Option<&Path>, input: &Path, out: Option<&
     }
     let refs: Vec<&_> = patched.iter().collect();
     let result = match device {
-        Device::Cuda => run_forward(Qwen35::load(crate::serve::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?,
+        Device::Cuda => {
+            run_forward(Qwen35::load(app::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?
+        }
         _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs)?,
     };
     let json = serde_json::to_string(&result)?;

@@ -4,14 +4,18 @@
 mod common;
 
 use common::TinyModel;
-use imajev_serve::api::{build_app_state, serve, ServerConfig};
+use imajev_serve::api::{
+    build_app_state, decide_direct, run_engine, run_http_server, RequestBody, ServerConfig,
+};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings, Plan};
-use imajev_serve::engine::synth::{self, SynthDtype};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageProcessorConfig, PatchedImage};
+use imajev_serve::synth::{self, SynthDtype};
 use imajev_serve::tokenizer::QwenTokenizer;
-use imajev_serve::worker::{self, BatchLimits, DecisionEngine, EngineMetrics, EngineOutput, RunError};
+use imajev_serve::worker::{
+    self, BatchLimits, DecisionEngine, EngineMetrics, EngineOutput, RunError, StopReason,
+};
 use serde_json::{json, Value};
 use sha2::Digest;
 use std::io::{Read, Write};
@@ -58,7 +62,7 @@ impl DecisionEngine for Slow {
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
-        keep_going: &dyn Fn() -> Result<(), &'static str>,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError> {
         std::thread::sleep(self.delay);
         self.inner.run(plan, images, limits, keep_going)
@@ -135,7 +139,8 @@ fn start(s: Setup) -> Server {
                     std::thread::sleep(Duration::from_millis(20));
                 }
             }
-            let e: Box<dyn DecisionEngine> = Box::new(Qwen35::load(CpuBackend::default(), &model_dir, Some(&adapter))?);
+            let e: Box<dyn DecisionEngine> =
+                Box::new(Qwen35::load(CpuBackend::default(), &model_dir, Some(&adapter))?);
             Ok(match slow {
                 Some(delay) => Box::new(Slow { inner: e, delay }),
                 None => e,
@@ -155,17 +160,28 @@ fn start(s: Setup) -> Server {
         adapter_label: Some("tiny-adapter".into()),
         ..ServerConfig::default()
     };
-    let state = build_app_state(&cfg, handle, registry, ImageProcessorConfig::default() /* from_model_dir fails: src/image Triple + arbitrary_precision */).unwrap();
+    let state = build_app_state(
+        &cfg,
+        handle,
+        registry,
+        ImageProcessorConfig::default(), /* from_model_dir fails: src/image Triple + arbitrary_precision */
+    )
+    .unwrap();
     state.set_decider(decider);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let http = std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(serve(listener, cfg, state, async move {
+        actix_web::rt::System::new().block_on(run_http_server(listener, cfg, state, async move {
             let _ = rx.await;
         }))
     });
-    let server = Server { addr, stop: Mutex::new(Some(tx)), http: Mutex::new(Some(http)), engine: Mutex::new(Some(engine)) };
+    let server = Server {
+        addr,
+        stop: Mutex::new(Some(tx)),
+        http: Mutex::new(Some(http)),
+        engine: Mutex::new(Some(engine)),
+    };
     if s.hold_load.is_none() {
         server.wait_ready();
     }
@@ -191,7 +207,12 @@ impl Server {
     }
 
     fn post_json(&self, body: &Value) -> Resp {
-        self.req("POST", "/v1/systemone", &[("Content-Type", "application/json")], &serde_json::to_vec(body).unwrap())
+        self.req(
+            "POST",
+            "/v1/systemone",
+            &[("Content-Type", "application/json")],
+            &serde_json::to_vec(body).unwrap(),
+        )
     }
 
     fn metric(&self, name_and_labels: &str) -> f64 {
@@ -255,7 +276,8 @@ impl Resp {
         self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
     fn code(&self) -> String {
         self.json()["error"].as_str().unwrap_or("").to_string()
@@ -269,7 +291,13 @@ fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)],
     try_request(addr, method, path, headers, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
-fn try_request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> std::io::Result<Resp> {
+fn try_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Resp> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
@@ -298,16 +326,23 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Resp> {
     let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no header end"))?;
     let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("head not UTF-8"))?;
     let mut lines = head.split("\r\n");
-    let status: u16 = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).ok_or_else(|| bad("status"))?;
-    let headers: Vec<(String, String)> =
-        lines.filter_map(|l| l.split_once(':')).map(|(k, v)| (k.trim().to_string(), v.trim().to_string())).collect();
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("status"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
     let mut body = raw[end + 4..].to_vec();
     if headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked")) {
         let mut out = Vec::new();
         let mut rest = &body[..];
         loop {
             let nl = rest.windows(2).position(|w| w == b"\r\n").ok_or_else(|| bad("chunk"))?;
-            let n = usize::from_str_radix(std::str::from_utf8(&rest[..nl]).unwrap().trim(), 16).map_err(|_| bad("chunk size"))?;
+            let n = usize::from_str_radix(std::str::from_utf8(&rest[..nl]).unwrap().trim(), 16)
+                .map_err(|_| bad("chunk size"))?;
             if n == 0 {
                 break;
             }
@@ -323,7 +358,9 @@ fn multipart(parts: &[(&str, Option<&str>, &str, &[u8])]) -> (String, Vec<u8>) {
     let boundary = "imajevTestBoundary7MA4YWxkTrZu0gW";
     let mut body = Vec::new();
     for (name, filename, ctype, data) in parts {
-        body.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes());
+        body.extend_from_slice(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes(),
+        );
         if let Some(f) = filename {
             body.extend_from_slice(format!("; filename=\"{f}\"").as_bytes());
         }
@@ -338,7 +375,9 @@ fn multipart(parts: &[(&str, Option<&str>, &str, &[u8])]) -> (String, Vec<u8>) {
 // ------------------------------------------------------------------------------------ data
 
 fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
-    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 7) as u8 ^ seed, (y * 5) as u8, seed.wrapping_mul(3)]));
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        image::Rgb([(x * 7) as u8 ^ seed, (y * 5) as u8, seed.wrapping_mul(3)])
+    });
     let mut out = std::io::Cursor::new(Vec::new());
     img.write_to(&mut out, image::ImageFormat::Png).unwrap();
     out.into_inner()
@@ -422,13 +461,26 @@ fn answers_a_valid_request_with_request_ids() {
     assert_eq!(r.header("x-typesafe-request-id"), Some(id.as_str()));
     let body = r.json();
     assert_answers_shape(&body, false);
-    assert_eq!(body["answers"].as_object().unwrap().keys().collect::<Vec<_>>(), ["hw", "team", "urgency", "tags"]);
+    assert_eq!(
+        body["answers"].as_object().unwrap().keys().collect::<Vec<_>>(),
+        ["hw", "team", "urgency", "tags"]
+    );
     // A sane incoming id is echoed; an insane one is replaced.
     let body = serde_json::to_vec(&valid()).unwrap();
-    let r = s.req("POST", "/v1/systemone", &[("Content-Type", "application/json"), ("X-Request-Id", "abc-123.x:y_z")], &body);
+    let r = s.req(
+        "POST",
+        "/v1/systemone",
+        &[("Content-Type", "application/json"), ("X-Request-Id", "abc-123.x:y_z")],
+        &body,
+    );
     assert_eq!(r.header("x-request-id"), Some("abc-123.x:y_z"));
     assert_eq!(r.header("x-typesafe-request-id"), Some("abc-123.x:y_z"));
-    let r = s.req("POST", "/v1/systemone", &[("Content-Type", "application/json"), ("X-Request-Id", "bad id {}")], &body);
+    let r = s.req(
+        "POST",
+        "/v1/systemone",
+        &[("Content-Type", "application/json"), ("X-Request-Id", "bad id {}")],
+        &body,
+    );
     assert_ne!(r.header("x-request-id"), Some("bad id {}"));
     // Error responses carry them too.
     let r = s.req("GET", "/nope", &[], b"");
@@ -459,13 +511,23 @@ fn compressed_bodies_give_the_same_answers() {
     let raw = serde_json::to_vec(&valid()).unwrap();
     let plain = s.post_json(&valid()).json();
     let z = zstd::encode_all(&raw[..], 3).unwrap();
-    let r = s.req("POST", "/v1/systemone", &[("Content-Type", "application/json"), ("Content-Encoding", "zstd")], &z);
+    let r = s.req(
+        "POST",
+        "/v1/systemone",
+        &[("Content-Type", "application/json"), ("Content-Encoding", "zstd")],
+        &z,
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["answers"], plain["answers"]);
     let mut g = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     g.write_all(&raw).unwrap();
     let gz = g.finish().unwrap();
-    let r = s.req("POST", "/v1/systemone", &[("Content-Type", "application/json"), ("Content-Encoding", "gzip")], &gz);
+    let r = s.req(
+        "POST",
+        "/v1/systemone",
+        &[("Content-Type", "application/json"), ("Content-Encoding", "gzip")],
+        &gz,
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["answers"], plain["answers"]);
 }
@@ -476,7 +538,9 @@ fn two_images_in_every_encoding_give_the_same_answers() {
     let (a, b) = (png(40, 30, 1), jpeg(48, 64));
     let q = json!({"same": noul("Do [image 1] and [image 2] show the same thing?"), "kind": {"type": "choice", "instructions": "What is it?", "criteria": {"photo": null, "drawing": null}}});
     // JSON data URLs.
-    let r = s.post_json(&json!({"state": {"note": "two photos"}, "images": [data_url(&a), data_url(&b)], "questions": q}));
+    let r = s.post_json(
+        &json!({"state": {"note": "two photos"}, "images": [data_url(&a), data_url(&b)], "questions": q}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     let base = r.json();
     assert_eq!(
@@ -538,8 +602,10 @@ fn assets_with_placeholders_are_images_in_the_text() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["answers"], with_assets["answers"]);
     // And the same as writing "[image K]" by hand with explicit images: the placeholders were replaced.
-    let r = s.post_json(&json!({"state": state("[image 1]", "[image 2]"), "questions": questions("[image 1]", "[image 2]"),
-                                "images": [data_url(&a), data_url(&b)]}));
+    let r = s.post_json(
+        &json!({"state": state("[image 1]", "[image 2]"), "questions": questions("[image 1]", "[image 2]"),
+                                "images": [data_url(&a), data_url(&b)]}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["answers"], with_assets["answers"]);
 }
@@ -560,7 +626,8 @@ fn malformed_requests_get_exact_statuses_and_codes() {
     };
     assert!(bomb_zstd.len() < 64 << 10 && bomb_gzip.len() < 256 << 10);
     let big_url = format!("data:image/png;base64,{}", "A".repeat(4 * (20usize << 20).div_ceil(3) + 4));
-    let opts = |n: usize| json!((0..n).map(|i| (format!("o{i}"), Value::Null)).collect::<serde_json::Map<_, _>>());
+    let opts =
+        |n: usize| json!((0..n).map(|i| (format!("o{i}"), Value::Null)).collect::<serde_json::Map<_, _>>());
     let (mp_ct, mp_no_request) = multipart(&[("image", Some("a.png"), "image/png", &png_ok)]);
     let req_asset = j(json!({"questions": q, "assets": {"<image:1>": {"type": "image", "part": "asset-0"}}}));
     let (mp_ct2, mp_unclaimed) = multipart(&[
@@ -577,63 +644,353 @@ fn malformed_requests_get_exact_statuses_and_codes() {
     let long_state = "word ".repeat(12_000);
 
     type Case = (&'static str, Vec<(String, String)>, Vec<u8>, u16, &'static str);
-    let h = |pairs: &[(&str, &str)]| pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>();
+    let h = |pairs: &[(&str, &str)]| {
+        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>()
+    };
     let cases: Vec<Case> = vec![
         ("not json", h(json_ct), b"{\"questions\": {".to_vec(), 422, "bad_json"),
         ("empty body", h(json_ct), vec![], 422, "bad_json"),
         ("not an object", h(json_ct), b"[1, 2]".to_vec(), 422, "bad_request"),
         ("missing questions", h(json_ct), with(json!({"state": {}})), 422, "invalid_request"),
         ("empty questions", h(json_ct), with(json!({"questions": {}})), 422, "invalid_request"),
-        ("65 questions", h(json_ct), with(json!({"questions": (0..65).map(|i| (format!("q{i}"), noul("?"))).collect::<serde_json::Map<_, _>>()})), 422, "invalid_request"),
-        ("empty question id", h(json_ct), with(json!({"questions": {"": noul("?")}})), 422, "invalid_request"),
-        ("question not an object", h(json_ct), with(json!({"questions": {"q": "Is it?"}})), 422, "invalid_request"),
-        ("missing type", h(json_ct), with(json!({"questions": {"q": {"instructions": "?"}}})), 422, "invalid_request"),
-        ("type boolean", h(json_ct), with(json!({"questions": {"q": {"type": "boolean", "instructions": "?"}}})), 422, "invalid_request"),
-        ("missing instructions", h(json_ct), with(json!({"questions": {"q": {"type": "noul", "criteria": {"true": "x"}}}})), 422, "invalid_request"),
-        ("empty instructions", h(json_ct), with(json!({"questions": {"q": noul("")}})), 422, "invalid_request"),
-        ("2001-char instructions", h(json_ct), with(json!({"questions": {"q": noul(&"i".repeat(2001))}})), 422, "invalid_request"),
-        ("noul criteria string", h(json_ct), with(json!({"questions": {"q": {"type": "noul", "instructions": "?", "criteria": "yes"}}})), 422, "invalid_request"),
-        ("choice no options", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {}}}})), 422, "invalid_request"),
-        ("choice 1 option", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": opts(1)}}})), 422, "invalid_request"),
-        ("choice 12 options on 12 codes", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": opts(12)}}})), 422, "invalid_request"),
-        ("choice 256 options", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": opts(256)}}})), 422, "invalid_request"),
-        ("choice __unknown__", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {"a": null, "__unknown__": null}}}})), 422, "invalid_request"),
-        ("choice 129-char value", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {"a": null, "y".repeat(129): null}}}})), 422, "invalid_request"),
-        ("choice numeric description", h(json_ct), with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {"a": 5, "b": null}}}})), 422, "invalid_request"),
-        ("score map", h(json_ct), with(json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": {"0": "a", "1": "b"}}}})), 422, "invalid_request"),
-        ("score 11 levels", h(json_ct), with(json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": (0..11).map(|i| i.to_string()).collect::<Vec<_>>()}}})), 422, "invalid_request"),
-        ("score 1 level", h(json_ct), with(json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": ["a"]}}})), 422, "invalid_request"),
-        ("score null level", h(json_ct), with(json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": ["a", null]}}})), 422, "invalid_request"),
-        ("multi 33 labels", h(json_ct), with(json!({"questions": {"q": {"type": "multi", "instructions": "?", "criteria": opts(33)}}})), 422, "invalid_request"),
-        ("multi threshold 1.5", h(json_ct), with(json!({"questions": {"q": {"type": "multi", "instructions": "?", "criteria": {"a": null}, "threshold": 1.5}}})), 422, "invalid_request"),
-        ("multi threshold bool", h(json_ct), with(json!({"questions": {"q": {"type": "multi", "instructions": "?", "criteria": {"a": null}, "threshold": true}}})), 422, "invalid_request"),
-        ("state depth 9", h(json_ct), with(json!({"state": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": 1}}}}}}}}}, "questions": q})), 422, "invalid_request"),
-        ("state over 128 KiB", h(json_ct), with(json!({"state": {"s": "z".repeat(131_072)}, "questions": q})), 422, "invalid_request"),
-        ("state non-finite", h(json_ct), br#"{"state": {"x": 1e400}, "questions": {"q": {"type": "noul", "instructions": "?"}}}"#.to_vec(), 422, "invalid_request"),
-        ("images not a list", h(json_ct), with(json!({"images": data_url(&png_ok), "questions": q})), 422, "bad_image"),
-        ("three images", h(json_ct), with(json!({"images": [data_url(&png_ok), data_url(&png_ok)], "state": data_url(&png_ok), "questions": q})), 422, "bad_image"),
-        ("image not a data URL", h(json_ct), with(json!({"images": ["https://example.com/a.png"], "questions": q})), 422, "bad_image"),
-        ("image not base64", h(json_ct), with(json!({"images": ["data:image/png;base64,iVBORw0KGgo*AAAA"], "questions": q})), 422, "bad_image"),
-        ("image corrupt", h(json_ct), with(json!({"images": [data_url(b"\x89PNG\r\n\x1a\nnot really a png")], "questions": q})), 422, "bad_image"),
-        ("image gif", h(json_ct), with(json!({"images": [data_url(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;")], "questions": q})), 422, "bad_image"),
-        ("image oversized", h(json_ct), with(json!({"images": [big_url], "questions": q})), 413, "image_too_large"),
+        (
+            "65 questions",
+            h(json_ct),
+            with(
+                json!({"questions": (0..65).map(|i| (format!("q{i}"), noul("?"))).collect::<serde_json::Map<_, _>>()}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "empty question id",
+            h(json_ct),
+            with(json!({"questions": {"": noul("?")}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "question not an object",
+            h(json_ct),
+            with(json!({"questions": {"q": "Is it?"}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "missing type",
+            h(json_ct),
+            with(json!({"questions": {"q": {"instructions": "?"}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "type boolean",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "boolean", "instructions": "?"}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "missing instructions",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "noul", "criteria": {"true": "x"}}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "empty instructions",
+            h(json_ct),
+            with(json!({"questions": {"q": noul("")}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "2001-char instructions",
+            h(json_ct),
+            with(json!({"questions": {"q": noul(&"i".repeat(2001))}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "noul criteria string",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "noul", "instructions": "?", "criteria": "yes"}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice no options",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {}}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice 1 option",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": opts(1)}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice 12 options on 12 codes",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": opts(12)}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice 256 options",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": opts(256)}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice __unknown__",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {"a": null, "__unknown__": null}}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice 129-char value",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {"a": null, "y".repeat(129): null}}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "choice numeric description",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "choice", "instructions": "?", "criteria": {"a": 5, "b": null}}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "score map",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": {"0": "a", "1": "b"}}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "score 11 levels",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": (0..11).map(|i| i.to_string()).collect::<Vec<_>>()}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "score 1 level",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": ["a"]}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "score null level",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "score", "instructions": "?", "criteria": ["a", null]}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "multi 33 labels",
+            h(json_ct),
+            with(json!({"questions": {"q": {"type": "multi", "instructions": "?", "criteria": opts(33)}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "multi threshold 1.5",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "multi", "instructions": "?", "criteria": {"a": null}, "threshold": 1.5}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "multi threshold bool",
+            h(json_ct),
+            with(
+                json!({"questions": {"q": {"type": "multi", "instructions": "?", "criteria": {"a": null}, "threshold": true}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "state depth 9",
+            h(json_ct),
+            with(
+                json!({"state": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": 1}}}}}}}}}, "questions": q}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "state over 128 KiB",
+            h(json_ct),
+            with(json!({"state": {"s": "z".repeat(131_072)}, "questions": q})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "state non-finite",
+            h(json_ct),
+            br#"{"state": {"x": 1e400}, "questions": {"q": {"type": "noul", "instructions": "?"}}}"#.to_vec(),
+            422,
+            "invalid_request",
+        ),
+        (
+            "images not a list",
+            h(json_ct),
+            with(json!({"images": data_url(&png_ok), "questions": q})),
+            422,
+            "bad_image",
+        ),
+        (
+            "three images",
+            h(json_ct),
+            with(
+                json!({"images": [data_url(&png_ok), data_url(&png_ok)], "state": data_url(&png_ok), "questions": q}),
+            ),
+            422,
+            "bad_image",
+        ),
+        (
+            "image not a data URL",
+            h(json_ct),
+            with(json!({"images": ["https://example.com/a.png"], "questions": q})),
+            422,
+            "bad_image",
+        ),
+        (
+            "image not base64",
+            h(json_ct),
+            with(json!({"images": ["data:image/png;base64,iVBORw0KGgo*AAAA"], "questions": q})),
+            422,
+            "bad_image",
+        ),
+        (
+            "image corrupt",
+            h(json_ct),
+            with(json!({"images": [data_url(b"\x89PNG\r\n\x1a\nnot really a png")], "questions": q})),
+            422,
+            "bad_image",
+        ),
+        (
+            "image gif",
+            h(json_ct),
+            with(json!({"images": [data_url(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;")], "questions": q})),
+            422,
+            "bad_image",
+        ),
+        (
+            "image oversized",
+            h(json_ct),
+            with(json!({"images": [big_url], "questions": q})),
+            413,
+            "image_too_large",
+        ),
         ("assets empty", h(json_ct), with(json!({"questions": q, "assets": {}})), 422, "invalid_request"),
-        ("asset part in JSON", h(json_ct), with(json!({"questions": q, "assets": {"<image:1>": {"type": "image", "part": "asset-0"}}})), 422, "invalid_request"),
-        ("asset bad format", h(json_ct), with(json!({"questions": q, "assets": {"<image:1>": {"type": "image", "format": "gif", "data_base64": b64(&png_ok)}}})), 422, "invalid_request"),
-        ("over the token limit", h(json_ct), with(json!({"state": long_state, "questions": q})), 413, "request_too_large"),
-        ("zstd bomb", h(&[("Content-Type", "application/json"), ("Content-Encoding", "zstd")]), bomb_zstd, 413, "request_too_large"),
-        ("gzip bomb", h(&[("Content-Type", "application/json"), ("Content-Encoding", "gzip")]), bomb_gzip, 413, "request_too_large"),
-        ("corrupt zstd", h(&[("Content-Type", "application/json"), ("Content-Encoding", "zstd")]), b"definitely not zstd".to_vec(), 422, "bad_request"),
-        ("unknown encoding", h(&[("Content-Type", "application/json"), ("Content-Encoding", "br")]), j(valid()), 415, "unsupported_media_type"),
+        (
+            "asset part in JSON",
+            h(json_ct),
+            with(json!({"questions": q, "assets": {"<image:1>": {"type": "image", "part": "asset-0"}}})),
+            422,
+            "invalid_request",
+        ),
+        (
+            "asset bad format",
+            h(json_ct),
+            with(
+                json!({"questions": q, "assets": {"<image:1>": {"type": "image", "format": "gif", "data_base64": b64(&png_ok)}}}),
+            ),
+            422,
+            "invalid_request",
+        ),
+        (
+            "over the token limit",
+            h(json_ct),
+            with(json!({"state": long_state, "questions": q})),
+            413,
+            "request_too_large",
+        ),
+        (
+            "zstd bomb",
+            h(&[("Content-Type", "application/json"), ("Content-Encoding", "zstd")]),
+            bomb_zstd,
+            413,
+            "request_too_large",
+        ),
+        (
+            "gzip bomb",
+            h(&[("Content-Type", "application/json"), ("Content-Encoding", "gzip")]),
+            bomb_gzip,
+            413,
+            "request_too_large",
+        ),
+        (
+            "corrupt zstd",
+            h(&[("Content-Type", "application/json"), ("Content-Encoding", "zstd")]),
+            b"definitely not zstd".to_vec(),
+            422,
+            "bad_request",
+        ),
+        (
+            "unknown encoding",
+            h(&[("Content-Type", "application/json"), ("Content-Encoding", "br")]),
+            j(valid()),
+            415,
+            "unsupported_media_type",
+        ),
         ("text/plain", h(&[("Content-Type", "text/plain")]), j(valid()), 415, "unsupported_media_type"),
-        ("form-urlencoded", h(&[("Content-Type", "application/x-www-form-urlencoded")]), j(valid()), 415, "unsupported_media_type"),
+        (
+            "form-urlencoded",
+            h(&[("Content-Type", "application/x-www-form-urlencoded")]),
+            j(valid()),
+            415,
+            "unsupported_media_type",
+        ),
         ("no content type", vec![], j(valid()), 415, "unsupported_media_type"),
-        ("body over the cap", h(&[("Content-Type", "application/json"), ("Content-Length", &(MAX_BODY + 1).to_string())]), vec![], 413, "request_too_large"),
+        (
+            "body over the cap",
+            h(&[("Content-Type", "application/json"), ("Content-Length", &(MAX_BODY + 1).to_string())]),
+            vec![],
+            413,
+            "request_too_large",
+        ),
         ("multipart without request", h(&[("Content-Type", &mp_ct)]), mp_no_request, 422, "bad_request"),
         ("multipart unclaimed part", h(&[("Content-Type", &mp_ct2)]), mp_unclaimed, 422, "invalid_request"),
-        ("multipart upload over 20 MiB", h(&[("Content-Type", &mp_ct3)]), mp_big_upload, 413, "image_too_large"),
+        (
+            "multipart upload over 20 MiB",
+            h(&[("Content-Type", &mp_ct3)]),
+            mp_big_upload,
+            413,
+            "image_too_large",
+        ),
         ("multipart bad request JSON", h(&[("Content-Type", &mp_ct4)]), mp_bad_json, 422, "bad_json"),
-        ("multipart garbage", h(&[("Content-Type", "multipart/form-data; boundary=xyz")]), b"garbage".to_vec(), 422, "bad_request"),
+        (
+            "multipart garbage",
+            h(&[("Content-Type", "multipart/form-data; boundary=xyz")]),
+            b"garbage".to_vec(),
+            422,
+            "bad_request",
+        ),
     ];
     assert!(cases.len() >= 30);
     let mut failures = Vec::new();
@@ -642,13 +999,20 @@ fn malformed_requests_get_exact_statuses_and_codes() {
         let r = s.req("POST", "/v1/systemone", &hs, body);
         let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
         if r.status != *status || v["error"] != *code {
-            failures.push(format!("{name}: got {} {}, want {status} {code}", r.status, r.text().chars().take(300).collect::<String>()));
+            failures.push(format!(
+                "{name}: got {} {}, want {status} {code}",
+                r.status,
+                r.text().chars().take(300).collect::<String>()
+            ));
             continue;
         }
         // Shapes: 422 = detail list with loc starting at "body"; others = {error_type, message}.
         if r.status == 422 {
             let d = v["detail"].as_array().expect("detail list");
-            assert!(d.iter().all(|x| x["loc"][0] == "body" && x["msg"].is_string() && x["type"].is_string()), "{name}: {v}");
+            assert!(
+                d.iter().all(|x| x["loc"][0] == "body" && x["msg"].is_string() && x["type"].is_string()),
+                "{name}: {v}"
+            );
         } else {
             assert_eq!(v["detail"]["error_type"], *code, "{name}");
             assert!(v["detail"]["message"].is_string(), "{name}");
@@ -658,7 +1022,13 @@ fn malformed_requests_get_exact_statuses_and_codes() {
         let ok = s.post_json(&json!({"questions": q}));
         assert_eq!(ok.status, 200, "after {name}: {}", ok.text());
     }
-    assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
     // Routing errors have the same shapes.
     let r = s.req("GET", "/v1/systemone", &[], b"");
     assert_eq!((r.status, r.code()), (405, "method_not_allowed".into()));
@@ -714,19 +1084,34 @@ fn typesafe_contract_mode() {
     assert_eq!(body.as_object().unwrap().keys().collect::<Vec<_>>(), ["model", "answers", "usage"]);
     for (_, a) in body["answers"].as_object().unwrap() {
         for k in a.as_object().unwrap().keys() {
-            assert!(["type", "noul", "choice", "probabilities", "confidence", "score", "legend"].contains(&k.as_str()) || k.starts_with("x_"), "{k}");
+            assert!(
+                ["type", "noul", "choice", "probabilities", "confidence", "score", "legend"]
+                    .contains(&k.as_str())
+                    || k.starts_with("x_"),
+                "{k}"
+            );
         }
     }
     // TypeSafe confidence for choice: (max − 1/n)/(1 − 1/n).
-    let p: Vec<f64> = body["answers"]["team"]["probabilities"].as_object().unwrap().values().map(|x| x.as_f64().unwrap()).collect();
+    let p: Vec<f64> = body["answers"]["team"]["probabilities"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     let max = p.iter().cloned().fold(0.0, f64::max);
-    assert!((body["answers"]["team"]["confidence"].as_f64().unwrap() - (max - 1.0 / 3.0) / (2.0 / 3.0)).abs() < 1e-12);
+    assert!(
+        (body["answers"]["team"]["confidence"].as_f64().unwrap() - (max - 1.0 / 3.0) / (2.0 / 3.0)).abs()
+            < 1e-12
+    );
     // state is required and not null; a noul without instructions takes its criteria's text.
     assert_eq!(s.post_json(&json!({"questions": {"q": noul("?")}})).status, 422);
     assert_eq!(s.post_json(&json!({"state": null, "questions": {"q": noul("?")}})).status, 422);
     let r = s.post_json(&json!({"state": ["a", "b"], "questions": {"q": {"type": "noul", "criteria": {"true": "The customer threatens a chargeback"}}}}));
     assert_eq!(r.status, 200, "{}", r.text());
-    let r = s.post_json(&json!({"model": "no-such-model", "state": "x", "x_trace": 1, "questions": {"q": noul("?")}}));
+    let r = s.post_json(
+        &json!({"model": "no-such-model", "state": "x", "x_trace": 1, "questions": {"q": noul("?")}}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     s.shutdown();
 }
@@ -734,7 +1119,9 @@ fn typesafe_contract_mode() {
 #[test]
 fn readout_with_256_rows_takes_255_options() {
     let s = start(Setup { rows256: true, rotations: 1, ..Setup::default() });
-    let opts = |n: usize| json!((0..n).map(|i| (format!("Queue {i:03}"), Value::Null)).collect::<serde_json::Map<_, _>>());
+    let opts = |n: usize| {
+        json!((0..n).map(|i| (format!("Queue {i:03}"), Value::Null)).collect::<serde_json::Map<_, _>>())
+    };
     let r = s.post_json(&json!({"state": "route me", "questions": {"q": {"type": "choice", "instructions": "Which queue?", "criteria": opts(255)}}}));
     assert_eq!(r.status, 200, "{}", r.text());
     let a = &r.json()["answers"]["q"];
@@ -760,7 +1147,10 @@ fn models_healthz_metrics_openapi() {
     assert_eq!(m["adapter"], "tiny-adapter");
     assert_eq!(m["loaded"], true);
     assert!(m["backend"].as_str().unwrap().to_lowercase().contains("cpu"), "{m}");
-    assert_eq!((m["readout_codes"].as_u64(), m["max_options"].as_u64(), m["prompt_layout"].as_str()), (Some(12), Some(11), Some("standard")));
+    assert_eq!(
+        (m["readout_codes"].as_u64(), m["max_options"].as_u64(), m["prompt_layout"].as_str()),
+        (Some(12), Some(11), Some("standard"))
+    );
     let typed: imajev_serve::api::schema::ModelsResponse = serde_json::from_value(m.clone()).unwrap();
     assert_eq!(serde_json::to_value(typed).unwrap(), m);
     let h = s.req("GET", "/healthz", &[], b"");
@@ -806,7 +1196,11 @@ fn loading_answers_503_until_the_model_is_ready() {
 
 #[test]
 fn a_full_queue_answers_529_with_retry_after() {
-    let s = Arc::new(start(Setup { queue_depth: 1, slow: Some(Duration::from_millis(1200)), ..Setup::default() }));
+    let s = Arc::new(start(Setup {
+        queue_depth: 1,
+        slow: Some(Duration::from_millis(1200)),
+        ..Setup::default()
+    }));
     let body = json!({"questions": {"q": noul("Is it?")}});
     let spawn = |s: &Arc<Server>| {
         let (s, b) = (s.clone(), body.clone());
@@ -829,15 +1223,21 @@ fn a_full_queue_answers_529_with_retry_after() {
 
 #[test]
 fn a_caller_that_leaves_while_queued_is_skipped() {
-    let s = Arc::new(start(Setup { queue_depth: 4, slow: Some(Duration::from_millis(1000)), ..Setup::default() }));
+    let s = Arc::new(start(Setup {
+        queue_depth: 4,
+        slow: Some(Duration::from_millis(1000)),
+        ..Setup::default()
+    }));
     let body = serde_json::to_vec(&json!({"questions": {"q": noul("Is it?")}})).unwrap();
     let before = s.metric("imajev_jobs_dropped_total{reason=\"disconnected\"}");
     let first = {
         let (s, b) = (s.clone(), body.clone());
-        std::thread::spawn(move || s.req("POST", "/v1/systemone", &[("Content-Type", "application/json")], &b))
+        std::thread::spawn(move || {
+            s.req("POST", "/v1/systemone", &[("Content-Type", "application/json")], &b)
+        })
     };
     s.wait_metric("imajev_queue_wait_seconds_count ", 1.0); // the engine runs the first job
-    // A second caller sends its request, waits until it is queued, and hangs up.
+                                                            // A second caller sends its request, waits until it is queued, and hangs up.
     let mut c = TcpStream::connect(s.addr).unwrap();
     let head = format!("POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
     c.write_all(head.as_bytes()).unwrap();
@@ -852,7 +1252,10 @@ fn a_caller_that_leaves_while_queued_is_skipped() {
     assert_eq!(first.join().unwrap().status, 200);
     let t = Instant::now();
     while s.metric("imajev_jobs_dropped_total{reason=\"disconnected\"}") < before + 1.0 {
-        assert!(t.elapsed() < Duration::from_secs(10), "the queued job of the departed caller was not skipped");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the queued job of the departed caller was not skipped"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     // The skipped job cost no compute: one job's passes ran (plus nothing for the second).
@@ -905,7 +1308,10 @@ fn the_engine_thread_ends_after_shutdown() {
     let s = start(Setup::default());
     assert_eq!(s.post_json(&json!({"questions": {"q": noul("?")}})).status, 200);
     s.shutdown();
-    assert!(s.engine_stops(Duration::from_secs(10)), "the engine thread still runs after the server stopped and every handle was dropped");
+    assert!(
+        s.engine_stops(Duration::from_secs(10)),
+        "the engine thread still runs after the server stopped and every handle was dropped"
+    );
 }
 
 /// A server to point external tools at (jevcompat, the TypeSafe SDK, curl):
@@ -916,9 +1322,14 @@ fn the_engine_thread_ends_after_shutdown() {
 #[ignore = "manual: serves until a stop file appears"]
 fn serve_for_manual_testing() {
     let port: u16 = std::env::var("IMAJEV_TEST_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(8799);
-    let mode = if std::env::var("IMAJEV_TEST_CONTRACT").as_deref() == Ok("typesafe") { ContractMode::Typesafe } else { ContractMode::Imajev };
+    let mode = if std::env::var("IMAJEV_TEST_CONTRACT").as_deref() == Ok("typesafe") {
+        ContractMode::Typesafe
+    } else {
+        ContractMode::Imajev
+    };
     let keys: Vec<String> = std::env::var("IMAJEV_TEST_KEY").ok().into_iter().collect();
-    let stop = PathBuf::from(std::env::var("IMAJEV_TEST_STOP").unwrap_or_else(|_| "/tmp/imajev-test-stop".into()));
+    let stop =
+        PathBuf::from(std::env::var("IMAJEV_TEST_STOP").unwrap_or_else(|_| "/tmp/imajev-test-stop".into()));
     let _ = std::fs::remove_file(&stop);
     let s = start(Setup { mode, api_keys: keys, rows256: true, rotations: 1, ..Setup::default() });
     // Forward the ephemeral port to the requested one with a plain TCP relay.
@@ -959,16 +1370,23 @@ fn offline_decide_json_matches_the_http_answers() {
         max_input_tokens: 8192,
         model_name: "imajev-test".into(),
     };
-    let decider = Decider::new(tok, codebook, settings);
+    let decider = Arc::new(Decider::new(tok, codebook, settings));
     let engine = Qwen35::load(CpuBackend::default(), &m.tiny.model, Some(&m.tiny.adapter)).unwrap();
     let ctx = imajev_serve::api::ParseContext::for_decider(&decider, 64, ImageProcessorConfig::default());
+    let decide_json = |raw: &[u8]| {
+        let body = RequestBody::json(raw.to_vec());
+        decide_direct(body, ctx.clone(), decider.clone(), |call| {
+            run_engine(&engine, call, BatchLimits::default())
+        })
+        .map(|d| d.response)
+    };
     let mut body = valid();
     body["images"] = json!([data_url(&png(30, 20, 5))]);
     let raw = serde_json::to_vec(&body).unwrap();
-    let offline = imajev_serve::api::decide_json(&raw, &decider, &engine, &ctx, BatchLimits::default()).unwrap();
+    let offline = decide_json(&raw).unwrap();
     let online = main_server().post_json(&body).json();
     assert_eq!(offline["answers"], online["answers"]);
     assert_eq!(offline["usage"]["images"], online["usage"]["images"]);
-    let e = imajev_serve::api::decide_json(b"{\"questions\": {}}", &decider, &engine, &ctx, BatchLimits::default()).unwrap_err();
+    let e = decide_json(b"{\"questions\": {}}").unwrap_err();
     assert_eq!((e.status, e.code), (422, "invalid_request"));
 }

@@ -89,7 +89,8 @@ fn example_requests_fit_the_request_types() {
                "assets": {"<image:0123456789abcdef0123456789abcdef>": {"type": "image", "part": "asset-0"}}}),
     ];
     for e in examples {
-        let typed: schema::SystemOneRequest = serde_json::from_value(e.clone()).unwrap_or_else(|err| panic!("{err}: {e}"));
+        let typed: schema::SystemOneRequest =
+            serde_json::from_value(e.clone()).unwrap_or_else(|err| panic!("{err}: {e}"));
         let back = serde_json::to_value(typed).unwrap();
         assert_eq!(back, e);
     }

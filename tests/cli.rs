@@ -4,8 +4,8 @@ mod common;
 
 use common::{fixtures, rel_err};
 use serde_json::Value;
-use std::process::{Command, Stdio};
 use std::io::Write;
+use std::process::{Command, Stdio};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_imajev-serve"))
@@ -41,7 +41,8 @@ fn synth_is_deterministic_and_forward_prints_the_contract() {
     assert_eq!(sha_dir(&dir.path().join("a")), sha_dir(&dir.path().join("b")), "same seed, same bytes");
     assert_eq!(sha_dir(&dir.path().join("a-adapter")), sha_dir(&dir.path().join("b-adapter")));
     assert_ne!(sha_dir(&dir.path().join("a")), sha_dir(&dir.path().join("c")));
-    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/config.json")).unwrap()).unwrap();
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/config.json")).unwrap()).unwrap();
     assert_eq!(cfg["quantization_config"]["weight_block_size"], serde_json::json!([128, 128]));
 
     // forward: one image, adapter → input_ids (expanded), hidden_last, readout_logits.
@@ -78,17 +79,34 @@ fn synth_is_deterministic_and_forward_prints_the_contract() {
     assert_eq!(out["readout_logits"].as_array().unwrap().len(), 5);
 
     // Without --out it prints the same JSON on stdout; without --adapter there are no logits.
-    let o = bin().arg("forward").arg("--model").arg(dir.path().join("a")).arg("--input").arg(&input).output().unwrap();
+    let o = bin()
+        .arg("forward")
+        .arg("--model")
+        .arg(dir.path().join("a"))
+        .arg("--input")
+        .arg(&input)
+        .output()
+        .unwrap();
     assert!(o.status.success());
     let printed: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(printed.get("readout_logits").is_none());
-    let h1: Vec<f32> = out["hidden_last"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
-    let h2: Vec<f32> = printed["hidden_last"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let h1: Vec<f32> =
+        out["hidden_last"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let h2: Vec<f32> =
+        printed["hidden_last"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
     assert!(rel_err(&h1, &h2) > 1e-4, "the adapter must change the hidden state");
 
     // Errors are reported, not panics: an image count that does not match the prompt.
-    std::fs::write(&input, serde_json::json!({"prompt": "no image here", "images": [img]}).to_string()).unwrap();
-    let o = bin().arg("forward").arg("--model").arg(dir.path().join("a")).arg("--input").arg(&input).output().unwrap();
+    std::fs::write(&input, serde_json::json!({"prompt": "no image here", "images": [img]}).to_string())
+        .unwrap();
+    let o = bin()
+        .arg("forward")
+        .arg("--model")
+        .arg(dir.path().join("a"))
+        .arg("--input")
+        .arg(&input)
+        .output()
+        .unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("<|image_pad|>"), "{err}");

@@ -12,13 +12,15 @@
 
 mod common;
 
-use imajev_serve::api::parse::{parse_request_json, ParseContext};
+use imajev_serve::api::{
+    decide_direct, run_engine, ApiError, Decided, EngineCall, ParseContext, RequestBody,
+};
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings, PlanError, Timings};
+use imajev_serve::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;
-use imajev_serve::worker::{BatchLimits, DecisionEngine};
+use imajev_serve::worker::{BatchLimits, DecisionEngine, EngineOutput};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -44,7 +46,7 @@ fn synthesize(spec: &Value) -> Model {
     Model { bundle: m, tokenizer, codebook }
 }
 
-fn decider(m: &Model, server: &Value) -> Decider {
+fn decider(m: &Model, server: &Value) -> Arc<Decider> {
     let (tok, codebook) = (m.tokenizer.clone(), m.codebook.clone());
     let calibration = server["calibration"].as_str().map(|f| Calibration::load(&fixtures().join(f)).unwrap());
     let mode = match server["contract"].as_str().unwrap() {
@@ -52,7 +54,7 @@ fn decider(m: &Model, server: &Value) -> Decider {
         "typesafe" => ContractMode::Typesafe,
         c => panic!("contract {c}"),
     };
-    Decider::new(
+    Arc::new(Decider::new(
         tok,
         codebook,
         DecisionSettings {
@@ -62,7 +64,18 @@ fn decider(m: &Model, server: &Value) -> Decider {
             max_input_tokens: server["max_input_tokens"].as_u64().unwrap() as usize,
             model_name: server["model_name"].as_str().unwrap().to_string(),
         },
-    )
+    ))
+}
+
+/// The case's request through the server's request pipeline, the engine called with `run`.
+fn decide_case(
+    case: &Value,
+    d: &Arc<Decider>,
+    ctx: &ParseContext,
+    run: impl FnOnce(EngineCall) -> Result<EngineOutput, ApiError>,
+) -> Result<Decided, ApiError> {
+    let body = RequestBody::json(serde_json::to_vec(&case["request"]).unwrap());
+    decide_direct(body, ctx.clone(), d.clone(), run)
 }
 
 /// Compares `want` (reference) and `got`; object key order matters (answers and probabilities
@@ -128,14 +141,12 @@ fn answers_match_the_python_reference() {
             image_limits: ImageLimits::default(),
             image_config: ImageProcessorConfig::from_model_dir(&m.bundle.model).unwrap(),
         };
-        let body = serde_json::to_vec(&case["request"]).unwrap();
         let expected = &case["expected"];
-        let outcome = parse_request_json(&body, &ctx).map_err(|e| e.status).and_then(|req| match d.plan(&req) {
-            Ok(plan) => Ok((req, plan)),
-            Err(PlanError::TooManyTokens { .. }) => Err(413),
-            Err(PlanError::Invalid(_)) => Err(422),
-            Err(PlanError::Internal(e)) => panic!("{name}: internal planning error {e:#}"),
-        });
+        let outcome = decide_case(case, &d, &ctx, |call| run_engine(engine, call, BatchLimits::default()))
+            .map_err(|e| {
+                assert!(e.status < 500, "{name}: {} {}", e.status, e.summary());
+                e.status
+            });
         if let Some(status) = expected.get("rejected") {
             rejected += 1;
             match outcome {
@@ -146,16 +157,13 @@ fn answers_match_the_python_reference() {
             continue;
         }
         answered += 1;
-        let (req, plan) = match outcome {
-            Ok(x) => x,
+        let got = match outcome {
+            Ok(decided) => decided.response,
             Err(s) => {
                 failures.push(format!("{name}: rejected with {s}, reference answers"));
                 continue;
             }
         };
-        let images: Vec<&PatchedImage> = req.images.iter().map(|i| &i.patched).collect();
-        let out = engine.run(&plan, &images, BatchLimits::default(), &|| Ok(())).unwrap();
-        let got = d.respond(&req, &plan, &out.logits, Timings::default());
         let mut errors = Vec::new();
         compare("model", &expected["model"], &got["model"], &mut errors);
         compare("answers", &expected["answers"], &got["answers"], &mut errors);
@@ -167,7 +175,12 @@ fn answers_match_the_python_reference() {
         }
     }
     eprintln!("{answered} answered and {rejected} rejected reference cases checked");
-    assert!(failures.is_empty(), "{} case(s) differ from the reference:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} case(s) differ from the reference:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Every pass from scratch (one full forward per pass, the way imajev's torch server runs) gives
@@ -195,32 +208,50 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
             image_limits: ImageLimits::default(),
             image_config: ImageProcessorConfig::default(),
         };
-        let req = parse_request_json(&serde_json::to_vec(&case["request"]).unwrap(), &ctx).unwrap();
-        let plan = d.plan(&req).unwrap();
-        let images: Vec<&PatchedImage> = req.images.iter().map(|i| &i.patched).collect();
-        // Tiny batches, too, so batching itself is exercised differently from the default.
-        let shared = engine.run(&plan, &images, BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 }, &|| Ok(())).unwrap();
-        assert!(shared.prefill_ms > 0.0, "tiny batches take the separate prefill");
-        // And the whole request as one forward (prefix + every pass continuing it).
-        let one = BatchLimits { min_shared_tokens: usize::MAX, ..Default::default() };
-        let fused = engine.run(&plan, &images, one, &|| Ok(())).unwrap();
-        assert_eq!(fused.prefill_ms, 0.0, "{}: the prefix and passes were not one forward", case["name"]);
-        for (f, fp) in plan.fields.iter().enumerate() {
-            for (p, pass) in fp.passes.iter().enumerate() {
-                let mut ids = plan.prefix.clone();
-                ids.extend(&fp.common);
-                ids.extend(&pass.suffix);
-                let (_, h, _) = engine.prefill(&ids, &images).unwrap();
-                let scratch = engine.readout(&h).unwrap().remove(0);
-                let e = common::rel_err(&shared.logits[f][p], &scratch);
-                worst = worst.max(e);
-                assert!(e < 1e-5, "{}: field {f} pass {p}: shared vs scratch {e:.2e}", case["name"]);
-                let e = common::rel_err(&fused.logits[f][p], &scratch);
-                worst = worst.max(e);
-                assert!(e < 1e-5, "{}: field {f} pass {p}: one forward vs scratch {e:.2e}", case["name"]);
-                checked += 1;
+        // The engine call of the request pipeline, run three ways on the same plan and pixels.
+        decide_case(case, &d, &ctx, |call| {
+            let (plan, images) = (&call.plan, call.images.iter().collect::<Vec<&PatchedImage>>());
+            // Tiny batches, too, so batching itself is exercised differently from the default.
+            let shared = engine
+                .run(
+                    plan,
+                    &images,
+                    BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 },
+                    &|| Ok(()),
+                )
+                .unwrap();
+            assert!(shared.prefill_ms > 0.0, "tiny batches take the separate prefill");
+            // And the whole request as one forward (prefix + every pass continuing it).
+            let one = BatchLimits { min_shared_tokens: usize::MAX, ..Default::default() };
+            let fused = engine.run(plan, &images, one, &|| Ok(())).unwrap();
+            assert_eq!(fused.prefill_ms, 0.0, "{}: the prefix and passes were not one forward", case["name"]);
+            for (q, sp) in plan.scored.iter().enumerate() {
+                for (p, pass) in sp.passes.iter().enumerate() {
+                    let mut ids = plan.prefix.clone();
+                    ids.extend(&sp.common);
+                    ids.extend(&pass.suffix);
+                    let (_, h, _) = engine.prefill(&ids, &images).unwrap();
+                    let scratch = engine.readout(&h).unwrap().remove(0);
+                    let e = common::rel_err(&shared.logits[q][p], &scratch);
+                    worst = worst.max(e);
+                    assert!(
+                        e < 1e-5,
+                        "{}: scored question {q} pass {p}: shared vs scratch {e:.2e}",
+                        case["name"]
+                    );
+                    let e = common::rel_err(&fused.logits[q][p], &scratch);
+                    worst = worst.max(e);
+                    assert!(
+                        e < 1e-5,
+                        "{}: scored question {q} pass {p}: one forward vs scratch {e:.2e}",
+                        case["name"]
+                    );
+                    checked += 1;
+                }
             }
-        }
+            Ok(shared)
+        })
+        .unwrap();
     }
     eprintln!("{checked} passes: shared-prefix vs from-scratch worst relative difference {worst:.2e}");
     assert!(checked >= 20);

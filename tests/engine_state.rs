@@ -4,25 +4,19 @@
 mod common;
 
 use common::{fixtures, rel_err, tiny};
-use imajev_serve::backend::cpu::kernels::{delta_rule_chunked, delta_rule_recurrent, DeltaRuleInputs};
+use imajev_serve::backend::cpu::deltanet::{delta_rule_chunked, delta_rule_recurrent, DeltaRuleInputs};
 use imajev_serve::backend::cpu::{CpuBackend, DeltaRuleMode};
 use imajev_serve::backend::Backend;
-use imajev_serve::engine::synth::SynthDtype;
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig, PatchedImage};
+use imajev_serve::synth::rng::SplitMix;
+use imajev_serve::synth::SynthDtype;
 use imajev_serve::tokenizer::QwenTokenizer;
 
-/// A small deterministic pseudo-random stream for test inputs.
+/// `n` test inputs uniform in (−1, 1), from the project's generator.
 fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    let mut rng = SplitMix::new(seed);
+    (0..n).map(|_| rng.uniform() * 2.0 - 1.0).collect()
 }
 
 fn normalize_rows(x: &mut [f32], d: usize, scale: f32) {
@@ -158,7 +152,8 @@ fn prefix_and_forks_in_one_forward_equal_prefill_then_extend() {
     let refs: Vec<&PatchedImage> = images.iter().collect();
     let prefix = prompt_ids(&tok, 1, &TEXT.repeat(2));
     assert!(prefix.len() > 64, "the prefix spans more than one chunk");
-    let suffixes: Vec<Vec<u32>> = ["A: infra", "x", &TEXT.repeat(2)].iter().map(|s| tok.encode(s).unwrap()).collect();
+    let suffixes: Vec<Vec<u32>> =
+        ["A: infra", "x", &TEXT.repeat(2)].iter().map(|s| tok.encode(s).unwrap()).collect();
     let suffix_refs: Vec<&[u32]> = suffixes.iter().map(|s| s.as_slice()).collect();
     let d = model.hidden_size();
 
@@ -203,8 +198,14 @@ fn a_tree_forward_rejects_bad_parents() {
         model.forward(&segs, &mut refs).map(|_| ()).unwrap_err().to_string()
     };
     use imajev_serve::engine::Segment;
-    let e = run(vec![Segment { layout: &l1, images: &[], parent: Some(1) }, Segment { layout: &l0, images: &[], parent: None }]);
+    let e = run(vec![
+        Segment { layout: &l1, images: &[], parent: Some(1) },
+        Segment { layout: &l0, images: &[], parent: None },
+    ]);
     assert!(e.contains("does not come before"), "{e}");
-    let e = run(vec![Segment { layout: &l0, images: &[], parent: None }, Segment { layout: &off, images: &[], parent: Some(0) }]);
+    let e = run(vec![
+        Segment { layout: &l0, images: &[], parent: None },
+        Segment { layout: &off, images: &[], parent: Some(0) },
+    ]);
     assert!(e.contains("does not start where its parent"), "{e}");
 }

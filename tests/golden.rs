@@ -36,7 +36,8 @@ fn floats(v: &Value) -> Vec<f64> {
 
 #[test]
 fn engine_matches_transformers_fp32() {
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap()).unwrap();
+    let doc: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap()).unwrap();
     let models: HashMap<String, common::TinyModel> = doc["models"]
         .as_array()
         .unwrap()
@@ -53,7 +54,8 @@ fn engine_matches_transformers_fp32() {
         let with_adapter = case["adapter"].as_bool().unwrap();
         let s = &models[&name];
         let model = loaded.entry((name.clone(), with_adapter)).or_insert_with(|| {
-            Qwen35::load(CpuBackend::default(), &s.model, with_adapter.then_some(s.adapter.as_path())).unwrap()
+            Qwen35::load(CpuBackend::default(), &s.model, with_adapter.then_some(s.adapter.as_path()))
+                .unwrap()
         });
         let tok = QwenTokenizer::from_model_dir(&s.model).unwrap();
         let ids = tok.encode(case["prompt"].as_str().unwrap()).unwrap();
@@ -69,11 +71,16 @@ fn engine_matches_transformers_fp32() {
             .collect();
         let refs: Vec<&_> = patched.iter().collect();
         let (_, hidden, layout) = model.prefill(&ids, &refs).unwrap();
-        let want_ids: Vec<u32> = case["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want_ids: Vec<u32> =
+            case["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(layout.ids, want_ids, "case {i} ({name}): expanded input ids differ");
         let h = model.backend.download(&hidden).unwrap();
         let e = rel_err(&h, &floats(&case["hidden_last"]));
-        let mut line = format!("case {i:2} {name:9} adapter={with_adapter:5} images={:?} tokens={}: hidden {e:.2e}", case["images"], want_ids.len());
+        let mut line = format!(
+            "case {i:2} {name:9} adapter={with_adapter:5} images={:?} tokens={}: hidden {e:.2e}",
+            case["images"],
+            want_ids.len()
+        );
         worst = worst.max(e);
         if e > TOLERANCE {
             failures.push(format!("case {i}: hidden_last rel err {e:.3e}"));

@@ -8,12 +8,12 @@
 
 mod common;
 
-use imajev_serve::api::parse::{parse_request_json, ParseContext};
+use imajev_serve::api::{decide_direct, parse_request, run_engine, ParseContext, RequestBody};
+use imajev_serve::app::{cuda_backend, Quantize};
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings, Timings};
+use imajev_serve::decision::{Codebook, ContractMode, Decider, DecisionSettings};
 use imajev_serve::engine::Qwen35;
-use imajev_serve::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
-use imajev_serve::serve::{cuda_backend, Quantize};
+use imajev_serve::image::{ImageLimits, ImageProcessorConfig};
 use imajev_serve::tokenizer::QwenTokenizer;
 use imajev_serve::worker::{BatchLimits, DecisionEngine};
 use serde_json::Value;
@@ -26,7 +26,9 @@ const TOL: f64 = 0.03;
 fn numbers(v: &Value, out: &mut Vec<f64>) {
     match v {
         Value::Number(n) => out.push(n.as_f64().unwrap()),
-        Value::Object(m) => m.iter().filter(|(k, _)| *k != "score" && *k != "threshold").for_each(|(_, x)| numbers(x, out)),
+        Value::Object(m) => {
+            m.iter().filter(|(k, _)| *k != "score" && *k != "threshold").for_each(|(_, x)| numbers(x, out))
+        }
         Value::Array(a) => a.iter().for_each(|x| numbers(x, out)),
         _ => {}
     }
@@ -58,7 +60,7 @@ fn gpu_answers_agree_with_the_cpu() {
     let (mut worst, mut checked, mut choice_mismatch) = (0f64, 0, Vec::new());
     for case in &cases {
         let s = &case["server"];
-        let d = Decider::new(
+        let d = Arc::new(Decider::new(
             tok.clone(),
             codebook.clone(),
             DecisionSettings {
@@ -68,7 +70,7 @@ fn gpu_answers_agree_with_the_cpu() {
                 max_input_tokens: s["max_input_tokens"].as_u64().unwrap() as usize,
                 model_name: "x".into(),
             },
-        );
+        ));
         let ctx = ParseContext {
             mode: ContractMode::Imajev,
             max_questions: 64,
@@ -76,13 +78,17 @@ fn gpu_answers_agree_with_the_cpu() {
             image_limits: ImageLimits::default(),
             image_config: ImageProcessorConfig::default(),
         };
-        let Ok(req) = parse_request_json(&serde_json::to_vec(&case["request"]).unwrap(), &ctx) else { continue };
-        let plan = d.plan(&req).unwrap();
-        let images: Vec<&PatchedImage> = req.images.iter().map(|i| &i.patched).collect();
-        let a = cpu.run(&plan, &images, BatchLimits::default(), &|| Ok(())).unwrap();
-        let b = gpu.run(&plan, &images, BatchLimits::default(), &|| Ok(())).unwrap();
-        let ra = d.respond(&req, &plan, &a.logits, Timings::default());
-        let rb = d.respond(&req, &plan, &b.logits, Timings::default());
+        let body = RequestBody::json(serde_json::to_vec(&case["request"]).unwrap());
+        if parse_request(body.clone(), &ctx).is_err() {
+            continue;
+        }
+        // The same request through the request pipeline on each engine.
+        let answer = |engine: &dyn DecisionEngine| {
+            let run = |call| run_engine(engine, call, BatchLimits::default());
+            decide_direct(body.clone(), ctx.clone(), d.clone(), run).unwrap().response
+        };
+        let ra = answer(&cpu);
+        let rb = answer(&gpu);
         let (mut xa, mut xb) = (Vec::new(), Vec::new());
         numbers(&ra["answers"], &mut xa);
         numbers(&rb["answers"], &mut xb);

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use imajev_serve::image::{
-    decode_image, preprocess, resize_bicubic_aa_u8, resized_rgb, smart_resize, ImageError,
-    ImageFormat, ImageLimits, ImageProcessorConfig,
+    decode_image, preprocess, resize_bicubic_aa_u8, resized_rgb, smart_resize, ImageError, ImageFormat,
+    ImageLimits, ImageProcessorConfig,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -84,9 +84,7 @@ fn sha_hex(b: &[u8]) -> String {
 fn full_dir() -> Option<PathBuf> {
     let d = std::env::var_os("IMAGE_GOLDEN_FULL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/image-golden-full")
-        });
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/image-golden-full"));
     d.is_dir().then_some(d)
 }
 
@@ -140,10 +138,7 @@ fn fixtures_match_transformers() {
                 continue;
             }
         };
-        let want_wh = [
-            e["decoded_wh"][0].as_u64().unwrap(),
-            e["decoded_wh"][1].as_u64().unwrap(),
-        ];
+        let want_wh = [e["decoded_wh"][0].as_u64().unwrap(), e["decoded_wh"][1].as_u64().unwrap()];
         if [img.width as u64, img.height as u64] != want_wh {
             failures.push(format!(
                 "{file}: decoded {}x{}, Pillow {}x{}",
@@ -162,9 +157,7 @@ fn fixtures_match_transformers() {
                         100.0 * n as f64 / r.len() as f64
                     )
                 }
-                None => {
-                    "no full reference (run the generator with --full for diff statistics)".into()
-                }
+                None => "no full reference (run the generator with --full for diff statistics)".into(),
             };
             let line = format!("{file}: decoded RGB differs from Pillow: {detail}");
             if decode_must_be_exact(file) {
@@ -182,12 +175,8 @@ fn fixtures_match_transformers() {
                     continue;
                 }
             };
-            let grid: Vec<usize> = res["grid_thw"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as usize)
-                .collect();
+            let grid: Vec<usize> =
+                res["grid_thw"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
             let hw = (
                 res["resized_hw"][0].as_u64().unwrap() as usize,
                 res["resized_hw"][1].as_u64().unwrap() as usize,
@@ -199,10 +188,7 @@ fn fixtures_match_transformers() {
                 ));
                 continue;
             }
-            assert_eq!(
-                p.pixel_values.len(),
-                res["n_values"].as_u64().unwrap() as usize
-            );
+            assert_eq!(p.pixel_values.len(), res["n_values"].as_u64().unwrap() as usize);
             let pv_exact =
                 sha_hex(&p.pixel_values_le_bytes()) == res["pixel_values_sha256"].as_str().unwrap();
             if pv_exact {
@@ -253,11 +239,7 @@ fn fixtures_match_transformers() {
     for f in &failures {
         eprintln!("FAIL {f}");
     }
-    assert!(
-        failures.is_empty(),
-        "{} failures (see stderr)",
-        failures.len()
-    );
+    assert!(failures.is_empty(), "{} failures (see stderr)", failures.len());
 }
 
 /// Twin of `hash_bytes` in tools/image_golden.py.
@@ -285,11 +267,8 @@ fn synthetic_image(w: usize, h: usize, seed: u64, kind: &str) -> Vec<u8> {
     let mut out = raw.clone();
     for y in 0..h {
         for x in 0..w {
-            let base = [
-                x * 255 / (w - 1).max(1),
-                y * 255 / (h - 1).max(1),
-                (x + y) * 127 / (w + h - 2).max(1),
-            ];
+            let base =
+                [x * 255 / (w - 1).max(1), y * 255 / (h - 1).max(1), (x + y) * 127 / (w + h - 2).max(1)];
             for (c, b) in base.into_iter().enumerate() {
                 let i = (y * w + x) * 3 + c;
                 out[i] = ((b * 3 + raw[i] as usize / 4) / 4 + 24).min(255) as u8;
@@ -305,23 +284,10 @@ fn resize_matches_torch_uint8_antialias_bicubic() {
     for c in exp["resize_cases"].as_array().unwrap() {
         let g = |k: &str| c[k].as_u64().unwrap() as usize;
         let (w, h, nw, nh) = (g("w"), g("h"), g("new_w"), g("new_h"));
-        let src = synthetic_image(
-            w,
-            h,
-            c["seed"].as_u64().unwrap(),
-            c["kind"].as_str().unwrap(),
-        );
-        assert_eq!(
-            sha_hex(&src),
-            c["input_sha256"].as_str().unwrap(),
-            "synthetic input generator drifted"
-        );
+        let src = synthetic_image(w, h, c["seed"].as_u64().unwrap(), c["kind"].as_str().unwrap());
+        assert_eq!(sha_hex(&src), c["input_sha256"].as_str().unwrap(), "synthetic input generator drifted");
         let out = resize_bicubic_aa_u8(&src, w, h, nw, nh);
-        assert_eq!(
-            sha_hex(&out),
-            c["sha256"].as_str().unwrap(),
-            "{w}x{h} -> {nw}x{nh} differs from torch"
-        );
+        assert_eq!(sha_hex(&out), c["sha256"].as_str().unwrap(), "{w}x{h} -> {nw}x{nh} differs from torch");
     }
 }
 
@@ -331,13 +297,7 @@ fn smart_resize_matches_transformers() {
     for c in exp["smart_resize"].as_array().unwrap() {
         let g = |v: &Value| v.as_u64().unwrap() as usize;
         let (h, w) = (g(&c["hw"][0]), g(&c["hw"][1]));
-        let got = smart_resize(
-            h,
-            w,
-            g(&c["factor"]),
-            g(&c["min_pixels"]),
-            g(&c["max_pixels"]),
-        );
+        let got = smart_resize(h, w, g(&c["factor"]), g(&c["min_pixels"]), g(&c["max_pixels"]));
         match (&c["out"], got) {
             (Value::Array(o), Ok(r)) => assert_eq!(r, (g(&o[0]), g(&o[1])), "{c}"),
             (Value::Null, Err(ImageError::AspectRatio { .. })) => {}
@@ -352,8 +312,7 @@ fn smart_resize_spec_examples() {
     let sr = |h, w| smart_resize(h, w, cfg.factor(), cfg.min_pixels, cfg.max_pixels);
     // 640x480 (WxH) stays, grid 30x40, 300 merged tokens
     assert_eq!(sr(480, 640).unwrap(), (480, 640));
-    let p =
-        imajev_serve::image::preprocess_rgb(&vec![128u8; 640 * 480 * 3], 640, 480, &cfg).unwrap();
+    let p = imajev_serve::image::preprocess_rgb(&vec![128u8; 640 * 480 * 3], 640, 480, &cfg).unwrap();
     assert_eq!(p.grid_thw, [1, 30, 40]);
     assert_eq!(p.merged_tokens(), 300);
     assert_eq!(p.pixel_values.len(), 1200 * 1536);
@@ -381,8 +340,7 @@ fn bad_images_are_refused_like_the_server() {
         let file = b["file"].as_str().unwrap();
         let want = b["expect"].as_str().unwrap();
         let bytes = read_fixture(file);
-        let (got, dt, largest) =
-            probed(|| decode_image(&bytes, &limits).and_then(|i| preprocess(&i, &cfg)));
+        let (got, dt, largest) = probed(|| decode_image(&bytes, &limits).and_then(|i| preprocess(&i, &cfg)));
         let variant = match &got {
             Ok(_) => "Ok",
             Err(ImageError::TooLarge { .. }) => "TooLarge",
@@ -398,10 +356,7 @@ fn bad_images_are_refused_like_the_server() {
         eprintln!("{file}: {msg}  [{dt:?}, largest allocation {largest} B]");
         if want == "TooManyPixels" {
             assert!(dt < Duration::from_millis(50), "{file}: bomb took {dt:?}");
-            assert!(
-                largest < 1 << 20,
-                "{file}: allocated {largest} bytes before refusing"
-            );
+            assert!(largest < 1 << 20, "{file}: allocated {largest} bytes before refusing");
         }
     }
 }
@@ -421,10 +376,7 @@ fn decompression_bomb_png_header_is_refused_without_allocating() {
     ihdr.extend([8, 2, 0, 0, 0]);
     let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
     png.extend(chunk(b"IHDR", &ihdr));
-    png.extend(chunk(
-        b"IDAT",
-        &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01],
-    ));
+    png.extend(chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01]));
     png.extend(chunk(b"IEND", &[]));
     let (r, dt, largest) = probed(|| decode_image(&png, &ImageLimits::default()));
     match r {
@@ -433,16 +385,7 @@ fn decompression_bomb_png_header_is_refused_without_allocating() {
     }
     assert!(dt < Duration::from_millis(20), "{dt:?}");
     assert!(largest < 64 << 10, "largest allocation {largest}");
-    assert_eq!(
-        ImageError::TooManyPixels {
-            width: 1,
-            height: 1,
-            pixels: 1,
-            limit: 1
-        }
-        .http_status(),
-        413
-    );
+    assert_eq!(ImageError::TooManyPixels { width: 1, height: 1, pixels: 1, limit: 1 }.http_status(), 413);
 }
 
 #[test]
@@ -450,10 +393,7 @@ fn format_and_size_errors() {
     let limits = ImageLimits::default();
     let mut big = b"\x89PNG\r\n\x1a\n".to_vec();
     big.resize(limits.max_bytes + 1, 0);
-    assert!(matches!(
-        decode_image(&big, &limits),
-        Err(ImageError::TooLarge { .. })
-    ));
+    assert!(matches!(decode_image(&big, &limits), Err(ImageError::TooLarge { .. })));
     for (bytes, what) in [
         (&b"GIF89a\x01\x00\x01\x00"[..], "GIF"),
         (b"BM\x00\x00\x00\x00", "BMP"),
@@ -471,10 +411,7 @@ fn format_and_size_errors() {
     assert!(matches!(r, Err(ImageError::Corrupt(_))), "{r:?}");
     // the format comes from the bytes, not from anything else
     let png = read_fixture("png_rgb_50x37.png");
-    assert_eq!(
-        decode_image(&png, &limits).unwrap().format,
-        ImageFormat::Png
-    );
+    assert_eq!(decode_image(&png, &limits).unwrap().format, ImageFormat::Png);
     let jpg = read_fixture("jpeg_420_96x72.jpg");
     let d = decode_image(&jpg, &limits).unwrap();
     assert_eq!((d.format, d.width, d.height), (ImageFormat::Jpeg, 96, 72));
@@ -488,16 +425,10 @@ fn preprocessor_config_json_matches_the_checkpoint_file() {
     let cfg = ImageProcessorConfig::from_json_str(&want.to_string()).unwrap();
     assert_eq!(cfg, ImageProcessorConfig::default());
     let written: Value = serde_json::from_str(&cfg.to_json()).unwrap();
-    assert_eq!(
-        &written, want,
-        "to_json() differs from what transformers was fed"
-    );
+    assert_eq!(&written, want, "to_json() differs from what transformers was fed");
     assert_eq!(exp["auto_image_processor"], "Qwen2VLImageProcessor");
     let dir = tempfile::tempdir().unwrap();
-    assert_eq!(
-        ImageProcessorConfig::from_model_dir(dir.path()).unwrap(),
-        cfg
-    );
+    assert_eq!(ImageProcessorConfig::from_model_dir(dir.path()).unwrap(), cfg);
     std::fs::write(
         dir.path().join("preprocessor_config.json"),
         r#"{"min_pixels": 1024, "max_pixels": 12288}"#,

@@ -11,10 +11,7 @@
 use imajev_serve::tokenizer::QwenTokenizer;
 use serde::Deserialize;
 
-const FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/tests/fixtures/tokenizer/parity.jsonl.zst"
-);
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer/parity.jsonl.zst");
 
 #[derive(Deserialize)]
 struct Case {
@@ -39,9 +36,7 @@ fn cases() -> Vec<Case> {
     jsonl
         .lines()
         .enumerate()
-        .map(|(i, l)| {
-            serde_json::from_str(l).unwrap_or_else(|e| panic!("fixture line {}: {e}", i + 1))
-        })
+        .map(|(i, l)| serde_json::from_str(l).unwrap_or_else(|e| panic!("fixture line {}: {e}", i + 1)))
         .collect()
 }
 
@@ -66,74 +61,36 @@ fn ids_list(ids: &[u32]) -> String {
 #[test]
 fn corpus_still_covers_what_it_should() {
     let cases = cases();
-    assert!(
-        cases.len() >= 2000,
-        "corpus shrank to {} strings",
-        cases.len()
-    );
+    assert!(cases.len() >= 2000, "corpus shrank to {} strings", cases.len());
     let any = |f: &dyn Fn(&str) -> bool| cases.iter().filter(|c| f(&c.text)).count();
     let checks: [(&str, usize, usize); 9] = [
-        (
-            "CJK ideographs",
-            any(&|t| t.chars().any(|c| ('\u{4E00}'..='\u{9FFF}').contains(&c))),
-            100,
-        ),
-        (
-            "kana",
-            any(&|t| t.chars().any(|c| ('\u{3041}'..='\u{30FF}').contains(&c))),
-            20,
-        ),
+        ("CJK ideographs", any(&|t| t.chars().any(|c| ('\u{4E00}'..='\u{9FFF}').contains(&c))), 100),
+        ("kana", any(&|t| t.chars().any(|c| ('\u{3041}'..='\u{30FF}').contains(&c))), 20),
         (
             "Hangul",
             any(&|t| {
-                t.chars().any(|c| {
-                    ('\u{AC00}'..='\u{D7A3}').contains(&c) || ('\u{1100}'..='\u{11FF}').contains(&c)
-                })
+                t.chars()
+                    .any(|c| ('\u{AC00}'..='\u{D7A3}').contains(&c) || ('\u{1100}'..='\u{11FF}').contains(&c))
             }),
             20,
         ),
-        (
-            "emoji",
-            any(&|t| t.chars().any(|c| ('\u{1F300}'..='\u{1FAFF}').contains(&c))),
-            100,
-        ),
+        ("emoji", any(&|t| t.chars().any(|c| ('\u{1F300}'..='\u{1FAFF}').contains(&c))), 100),
         ("ZWJ sequences", any(&|t| t.contains('\u{200D}')), 20),
-        (
-            "combining marks",
-            any(&|t| t.chars().any(|c| ('\u{0300}'..='\u{036F}').contains(&c))),
-            50,
-        ),
+        ("combining marks", any(&|t| t.chars().any(|c| ('\u{0300}'..='\u{036F}').contains(&c))), 50),
         (
             "code",
-            any(&|t| {
-                ["fn ", "def ", "#include", "function", "SELECT "]
-                    .iter()
-                    .any(|k| t.contains(k))
-            }),
+            any(&|t| ["fn ", "def ", "#include", "function", "SELECT "].iter().any(|k| t.contains(k))),
             50,
         ),
         ("\\r\\n", any(&|t| t.contains("\r\n")), 50),
-        (
-            "special tokens",
-            any(&|t| t.contains("<|im_start|>") || t.contains("<think>")),
-            50,
-        ),
+        ("special tokens", any(&|t| t.contains("<|im_start|>") || t.contains("<think>")), 50),
     ];
     for (what, n, min) in checks {
-        assert!(
-            n >= min,
-            "corpus has {n} strings with {what}, want at least {min}"
-        );
+        assert!(n >= min, "corpus has {n} strings with {what}, want at least {min}");
     }
     let needs_nfc = cases.iter().filter(|c| c.nfc.is_some()).count();
-    assert!(
-        needs_nfc >= 100,
-        "only {needs_nfc} strings change under NFC"
-    );
-    assert!(
-        cases.iter().any(|c| c.text.chars().count() >= 10_000),
-        "no long strings"
-    );
+    assert!(needs_nfc >= 100, "only {needs_nfc} strings change under NFC");
+    assert!(cases.iter().any(|c| c.text.chars().count() >= 10_000), "no long strings");
 }
 
 #[test]
@@ -148,11 +105,7 @@ fn builtin_matches_reference_ids() {
         }
     }
     if !bad.is_empty() {
-        let mut msg = format!(
-            "{} of {} strings tokenize differently:\n",
-            bad.len(),
-            cases.len()
-        );
+        let mut msg = format!("{} of {} strings tokenize differently:\n", bad.len(), cases.len());
         for (c, got) in bad.iter().take(5) {
             msg += &format!(
                 "[{}] {}\n  want {}{}\n  got  {}\n",
@@ -172,32 +125,17 @@ fn divergences_are_only_the_documented_ones() {
     const SPECIALS_THAT_END_IN_GT: &str = ">";
     let cases = cases();
     let divergent: Vec<&Case> = cases.iter().filter(|c| c.hf_ids.is_some()).collect();
-    assert!(
-        divergent.len() * 100 <= cases.len(),
-        "{} divergent lines: too many",
-        divergent.len()
-    );
+    assert!(divergent.len() * 100 <= cases.len(), "{} divergent lines: too many", divergent.len());
     for c in divergent {
-        assert_ne!(
-            c.hf_ids.as_ref(),
-            Some(&c.ids),
-            "{}: hf_ids equal ids",
-            short(&c.text)
-        );
+        assert_ne!(c.hf_ids.as_ref(), Some(&c.ids), "{}: hf_ids equal ids", short(&c.text));
         match c.divergence.as_deref() {
             Some("special+U+0338") => assert!(
-                c.text
-                    .contains(&format!("{SPECIALS_THAT_END_IN_GT}\u{338}"))
-                    || c.text
-                        .contains(&format!("{SPECIALS_THAT_END_IN_GT}\u{301}\u{338}")),
+                c.text.contains(&format!("{SPECIALS_THAT_END_IN_GT}\u{338}"))
+                    || c.text.contains(&format!("{SPECIALS_THAT_END_IN_GT}\u{301}\u{338}")),
                 "{}: no '>' + U+0338",
                 short(&c.text)
             ),
-            Some("nfc-unicode-9") => assert!(
-                c.nfc.is_some(),
-                "{}: NFC does not change it",
-                short(&c.text)
-            ),
+            Some("nfc-unicode-9") => assert!(c.nfc.is_some(), "{}: NFC does not change it", short(&c.text)),
             other => panic!("{}: unknown divergence {other:?}", short(&c.text)),
         }
     }
@@ -244,7 +182,8 @@ fn long_texts_encode_in_pieces_exactly() {
         assert!(text.len() > 20_000, "round {round}: {} bytes", text.len());
         let (pieces, whole) = (tok.encode(&text).unwrap(), tok.encode_whole(&text).unwrap());
         if pieces != whole {
-            let at = pieces.iter().zip(&whole).position(|(a, b)| a != b).unwrap_or(pieces.len().min(whole.len()));
+            let at =
+                pieces.iter().zip(&whole).position(|(a, b)| a != b).unwrap_or(pieces.len().min(whole.len()));
             panic!("round {round} (separator {sep:?}): ids differ from position {at} of {}", whole.len());
         }
         checked += whole.len();

@@ -18,7 +18,8 @@ pub enum BodyKind {
 /// `Content-Type` → body kind. `application/json` (charset, if given, must be UTF-8) and
 /// `multipart/form-data`; anything else (or nothing) is 415.
 pub fn body_kind(content_type: Option<&str>) -> Result<BodyKind, ApiError> {
-    let usage = "send Content-Type: application/json, or multipart/form-data with a 'request' part (+ image files)";
+    let usage =
+        "send Content-Type: application/json, or multipart/form-data with a 'request' part (+ image files)";
     let Some(ct) = content_type else {
         return Err(ApiError::unsupported_media(format!("the request has no Content-Type: {usage}")));
     };
@@ -30,7 +31,9 @@ pub fn body_kind(content_type: Option<&str>) -> Result<BodyKind, ApiError> {
                 if let Some((k, v)) = p.split_once('=') {
                     let v = v.trim().trim_matches('"').to_ascii_lowercase();
                     if k.trim().eq_ignore_ascii_case("charset") && v != "utf-8" && v != "utf8" {
-                        return Err(ApiError::unsupported_media(format!("charset {v} is not supported: send UTF-8 JSON")));
+                        return Err(ApiError::unsupported_media(format!(
+                            "charset {v} is not supported: send UTF-8 JSON"
+                        )));
                     }
                 }
             }
@@ -68,7 +71,10 @@ pub fn codings(header: Option<&str>) -> Result<Vec<Coding>, ApiError> {
 }
 
 fn too_large(cap: usize, what: &str) -> ApiError {
-    ApiError::too_large(format!("the {what} exceeds {cap} bytes ({} MiB): send less (e.g. smaller images)", cap >> 20))
+    ApiError::too_large(format!(
+        "the {what} exceeds {cap} bytes ({} MiB): send less (e.g. smaller images)",
+        cap >> 20
+    ))
 }
 
 /// Undoes the codings (last applied first), never producing more than `cap` bytes.
@@ -78,7 +84,9 @@ pub fn decode(mut body: Vec<u8>, codings: &[Coding], cap: usize) -> Result<Vec<u
         let res = match c {
             Coding::Zstd => zstd::stream::read::Decoder::new(&body[..])
                 .and_then(|d| d.take(cap as u64 + 1).read_to_end(&mut out)),
-            Coding::Gzip => flate2::read::MultiGzDecoder::new(&body[..]).take(cap as u64 + 1).read_to_end(&mut out),
+            Coding::Gzip => {
+                flate2::read::MultiGzDecoder::new(&body[..]).take(cap as u64 + 1).read_to_end(&mut out)
+            }
         };
         let name = match c {
             Coding::Zstd => "zstd",
@@ -103,7 +111,9 @@ pub fn decode(mut body: Vec<u8>, codings: &[Coding], cap: usize) -> Result<Vec<u
 pub async fn read_payload(mut payload: Payload, cap: usize) -> Result<Vec<u8>, ApiError> {
     let mut buf = Vec::new();
     while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|e| ApiError::bad_request(Loc::body(), format!("reading the body failed: {e}"), "body_invalid"))?;
+        let chunk = chunk.map_err(|e| {
+            ApiError::bad_request(Loc::body(), format!("reading the body failed: {e}"), "body_invalid")
+        })?;
         if buf.len() + chunk.len() > cap {
             return Err(too_large(cap, "request body"));
         }
@@ -113,20 +123,27 @@ pub async fn read_payload(mut payload: Payload, cap: usize) -> Result<Vec<u8>, A
 }
 
 /// Splits a decoded `multipart/form-data` body into the `request` JSON bytes and the other parts.
-pub async fn read_multipart(headers: &HeaderMap, body: Vec<u8>) -> Result<(Vec<u8>, MultipartFiles), ApiError> {
+pub async fn read_multipart(
+    headers: &HeaderMap,
+    body: Vec<u8>,
+) -> Result<(Vec<u8>, MultipartFiles), ApiError> {
     let bad = |msg: String| ApiError::bad_request(Loc::body(), msg, "multipart_invalid");
-    let stream = futures_util::stream::once(async move { Ok::<_, actix_web::error::PayloadError>(Bytes::from(body)) });
+    let stream =
+        futures_util::stream::once(async move { Ok::<_, actix_web::error::PayloadError>(Bytes::from(body)) });
     let mut mp = actix_multipart::Multipart::new(headers, stream);
     let mut request: Option<Vec<u8>> = None;
     let mut images: Vec<Upload> = Vec::new();
     let mut parts: Vec<Upload> = Vec::new();
     while let Some(field) = mp.next().await {
         let mut field = field.map_err(|e| bad(format!("malformed multipart body: {e}")))?;
-        let name = field.name().map(str::to_string).ok_or_else(|| bad("a multipart part has no name".into()))?;
+        let name =
+            field.name().map(str::to_string).ok_or_else(|| bad("a multipart part has no name".into()))?;
         let is_file = field.content_disposition().and_then(|cd| cd.get_filename()).is_some();
         let mut bytes = Vec::new();
         while let Some(chunk) = field.next().await {
-            bytes.extend_from_slice(&chunk.map_err(|e| bad(format!("malformed multipart part {name:?}: {e}")))?);
+            bytes.extend_from_slice(
+                &chunk.map_err(|e| bad(format!("malformed multipart part {name:?}: {e}")))?,
+            );
         }
         if name == "request" {
             if request.is_some() {
@@ -161,7 +178,12 @@ mod tests {
         assert_eq!(body_kind(Some("application/json")).unwrap(), BodyKind::Json);
         assert_eq!(body_kind(Some("Application/JSON; charset=UTF-8")).unwrap(), BodyKind::Json);
         assert_eq!(body_kind(Some("multipart/form-data; boundary=x")).unwrap(), BodyKind::Multipart);
-        for bad in [None, Some("text/plain"), Some("application/x-www-form-urlencoded"), Some("application/json; charset=latin-1")] {
+        for bad in [
+            None,
+            Some("text/plain"),
+            Some("application/x-www-form-urlencoded"),
+            Some("application/json; charset=latin-1"),
+        ] {
             assert_eq!(body_kind(bad).unwrap_err().status, 415, "{bad:?}");
         }
     }
@@ -194,7 +216,9 @@ mod tests {
         let boundary = "XyZ123";
         let mut body = Vec::new();
         for (name, filename, data) in parts {
-            body.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes());
+            body.extend_from_slice(
+                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes(),
+            );
             if let Some(f) = filename {
                 body.extend_from_slice(format!("; filename=\"{f}\"").as_bytes());
             }

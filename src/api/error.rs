@@ -173,7 +173,9 @@ impl ApiError {
     pub fn summary(&self) -> String {
         match &self.detail {
             Detail::Message(m) => m.clone(),
-            Detail::Validation(v) => v.iter().map(|x| format!("{}: {}", x.loc, x.msg)).collect::<Vec<_>>().join("; "),
+            Detail::Validation(v) => {
+                v.iter().map(|x| format!("{}: {}", x.loc, x.msg)).collect::<Vec<_>>().join("; ")
+            }
         }
     }
 
@@ -233,6 +235,9 @@ mod tests {
         );
         assert_eq!(e.summary(), "body.questions.q[3]: fix it");
         let e = ApiError::message(529, "overloaded", "busy");
-        assert_eq!(e.body(), json!({"error": "overloaded", "detail": {"error_type": "overloaded", "message": "busy"}}));
+        assert_eq!(
+            e.body(),
+            json!({"error": "overloaded", "detail": {"error_type": "overloaded", "message": "busy"}})
+        );
     }
 }

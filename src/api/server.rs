@@ -1,18 +1,20 @@
 //! The HTTP server: routes, auth, request ids, metrics, readiness and graceful shutdown.
 //!
-//! `POST /v1/systemone` never blocks an async thread: body decoding, JSON parsing, image
-//! decoding and planning run on the blocking pool; the plan goes to the engine thread's bounded
-//! queue and the handler awaits the reply. A full queue is 529 at once; a caller that goes away
-//! drops its reply channel, and the engine skips its job.
+//! `POST /v1/systemone` runs the request pipeline ([`super::pipeline`]) and never blocks an
+//! async thread: body decoding, JSON parsing, image decoding and planning run on the blocking
+//! pool; the engine call puts the plan on the engine thread's bounded queue and awaits the reply.
+//! A full queue is 529 at once; a caller that goes away drops its reply channel, and the engine
+//! skips its job.
 
 use super::body::{self, BodyKind};
 use super::error::{ApiError, Loc};
 use super::metrics::{token_bucket, HttpMetrics};
-use super::parse::{check_request, decode_images, parse_json, ParseContext, DEFAULT_MAX_QUESTIONS};
+use super::parse::{ParseContext, RequestBody, DEFAULT_MAX_QUESTIONS};
+use super::pipeline::{self, on_blocking_pool, EngineCall, ParseOn};
 use super::schema;
-use crate::decision::{Decider, DecisionRequest, Plan, PlanError, Timings};
-use crate::image::{ImageProcessorConfig, PatchedImage};
-use crate::worker::{EngineStatus, Job, JobError, SubmitError, WorkerHandle};
+use crate::decision::Decider;
+use crate::image::ImageProcessorConfig;
+use crate::worker::{EngineOutput, EngineStatus, Job, JobError, SubmitError, WorkerHandle};
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderName, HeaderValue};
 use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
@@ -50,6 +52,8 @@ pub struct ServerConfig {
     pub release_date: String,
     /// `GET /v1/models` → `adapter` (e.g. the adapter folder).
     pub adapter_label: Option<String>,
+    /// Serve the playground page at `/` ([`super::playground`]); `--no-playground` turns it off.
+    pub playground: bool,
 }
 
 impl Default for ServerConfig {
@@ -65,11 +69,13 @@ impl Default for ServerConfig {
             model_description: "imajev-4b typed decisions (noul, choice, score, multi) on Qwen3.5-4B with the imajev LoRA and readout".into(),
             release_date: "2026-09-26".into(),
             adapter_label: None,
+            playground: true,
         }
     }
 }
 
-struct Inner {
+/// What every handler reads, behind the one `Arc` of [`AppState`].
+struct SharedState {
     cfg: ServerConfig,
     decider: RwLock<Option<Arc<Decider>>>,
     worker: WorkerHandle,
@@ -84,7 +90,7 @@ struct Inner {
 /// Everything the handlers share. Cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
-    inner: Arc<Inner>,
+    shared: Arc<SharedState>,
 }
 
 /// The shared state of the server: `worker` runs the engine (its metrics must be registered in
@@ -101,7 +107,7 @@ pub fn build_app_state(
     let keys = cfg.api_keys.iter().map(|k| Sha256::digest(k.as_bytes()).into()).collect();
     let openapi = serde_json::to_vec_pretty(&schema::openapi())?;
     Ok(AppState {
-        inner: Arc::new(Inner {
+        shared: Arc::new(SharedState {
             cfg: cfg.clone(),
             decider: RwLock::new(None),
             worker,
@@ -123,27 +129,27 @@ enum NotReady {
 impl AppState {
     /// Makes the decision layer available (answers start once the worker has loaded the model).
     pub fn set_decider(&self, decider: Arc<Decider>) {
-        *self.inner.decider.write().unwrap_or_else(|e| e.into_inner()) = Some(decider);
+        *self.shared.decider.write().unwrap_or_else(|e| e.into_inner()) = Some(decider);
     }
 
     pub fn decider(&self) -> Option<Arc<Decider>> {
-        self.inner.decider.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.shared.decider.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn registry(&self) -> &Registry {
-        &self.inner.registry
+        &self.shared.registry
     }
 
     pub fn worker(&self) -> &WorkerHandle {
-        &self.inner.worker
+        &self.shared.worker
     }
 
     pub fn config(&self) -> &ServerConfig {
-        &self.inner.cfg
+        &self.shared.cfg
     }
 
     fn ready(&self) -> Result<(Arc<Decider>, String, f64), NotReady> {
-        match self.inner.worker.status() {
+        match self.shared.worker.status() {
             EngineStatus::Failed(e) => Err(NotReady::Failed(e)),
             EngineStatus::Loading => Err(NotReady::Loading),
             EngineStatus::Ready { backend, load_seconds } => match self.decider() {
@@ -155,14 +161,18 @@ impl AppState {
 
     fn ready_or_503(&self) -> Result<(Arc<Decider>, String, f64), ApiError> {
         self.ready().map_err(|n| match n {
-            NotReady::Loading => ApiError::message(503, "loading", "the model is still loading; retry shortly")
-                .with_retry_after(Duration::from_secs(5)),
-            NotReady::Failed(e) => ApiError::message(503, "unavailable", format!("the model failed to load: {e}")),
+            NotReady::Loading => {
+                ApiError::message(503, "loading", "the model is still loading; retry shortly")
+                    .with_retry_after(Duration::from_secs(5))
+            }
+            NotReady::Failed(e) => {
+                ApiError::message(503, "unavailable", format!("the model failed to load: {e}"))
+            }
         })
     }
 
     fn authorize(&self, req: &HttpRequest) -> Result<(), ApiError> {
-        if self.inner.keys.is_empty() {
+        if self.shared.keys.is_empty() {
             return Ok(());
         }
         let fail = |m: &str| ApiError::message(401, "authentication_error", m);
@@ -178,7 +188,7 @@ impl AppState {
         };
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let mut ok = subtle::Choice::from(0u8);
-        for k in &self.inner.keys {
+        for k in &self.shared.keys {
             ok |= k.ct_eq(&digest);
         }
         if bool::from(ok) {
@@ -193,7 +203,7 @@ impl AppState {
 #[derive(Clone)]
 struct RequestId(String);
 
-/// The connection's socket, recorded when the connection opens (see [`serve`]), so a handler
+/// The connection's socket, recorded when the connection opens (see [`run_http_server`]), so a handler
 /// can notice that its caller went away: actix-web keeps running an HTTP/1 handler after the
 /// client disconnects, and a queued job must be skipped when nobody waits for it.
 #[derive(Clone, Copy)]
@@ -230,7 +240,9 @@ async fn peer_gone(peer: Option<PeerSocket>) {
 
 fn sane_request_id(v: &HeaderValue) -> Option<String> {
     let s = v.to_str().ok()?;
-    let ok = !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    let ok = !s.is_empty()
+        && s.len() <= 128
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
     ok.then(|| s.to_string())
 }
 
@@ -240,7 +252,8 @@ fn new_request_id() -> String {
     static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
     let seed = SEED.get_or_init(std::collections::hash_map::RandomState::new);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let mut a = seed.build_hasher();
     a.write_u64(n);
     a.write_u128(t);
@@ -250,113 +263,117 @@ fn new_request_id() -> String {
     format!("{:016x}{:016x}", a.finish(), b.finish())
 }
 
-/// Runs `f` on the blocking pool, inside the current tracing span.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    let span = tracing::Span::current();
-    web::block(move || {
-        let _g = span.enter();
-        f()
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))?
-}
-
-/// How a planning refusal is answered: over the processed-token limit → 413
-/// `request_too_large` (as `tools/reference_decide.py` does); too many options for the readout
-/// → 422 `invalid_request`; anything else is our bug → 500.
-pub fn plan_error(e: PlanError) -> ApiError {
-    match e {
-        // Following tools/reference_decide.py: well-formed but too large to process.
-        e @ PlanError::TooManyTokens { .. } => ApiError::too_large(e.to_string()),
-        PlanError::Invalid(m) => ApiError::invalid(Loc::body().at("questions"), m, "value_error"),
-        PlanError::Internal(e) => ApiError::internal(format!("planning failed: {e:#}")),
-    }
-}
-
 fn json_response(status: u16, v: &serde_json::Value) -> HttpResponse {
-    HttpResponse::build(actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::OK))
-        .content_type("application/json")
-        .body(serde_json::to_vec(v).unwrap_or_default())
+    HttpResponse::build(
+        actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::OK),
+    )
+    .content_type("application/json")
+    .body(serde_json::to_vec(v).unwrap_or_default())
 }
 
 fn header_str(req: &HttpRequest, name: HeaderName) -> Result<Option<String>, ApiError> {
     match req.headers().get(&name) {
         None => Ok(None),
-        Some(v) => v
-            .to_str()
-            .map(|s| Some(s.to_string()))
-            .map_err(|_| ApiError::bad_request(Loc::body(), format!("the {name} header is not valid ASCII"), "header_invalid")),
+        Some(v) => v.to_str().map(|s| Some(s.to_string())).map_err(|_| {
+            ApiError::bad_request(
+                Loc::body(),
+                format!("the {name} header is not valid ASCII"),
+                "header_invalid",
+            )
+        }),
     }
 }
 
-/// `POST /v1/systemone`.
-async fn systemone(req: HttpRequest, payload: web::Payload, st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// `POST /v1/systemone`: the request pipeline with the worker's queue as the engine call.
+async fn systemone(
+    req: HttpRequest,
+    payload: web::Payload,
+    st: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     let started = Instant::now();
     let id = req.extensions().get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(new_request_id);
     st.authorize(&req)?;
     let (decider, _, _) = st.ready_or_503()?;
-    let cfg = &st.inner.cfg;
-    let kind = body::body_kind(header_str(&req, header::CONTENT_TYPE)?.as_deref())?;
-    let codings = body::codings(header_str(&req, header::CONTENT_ENCODING)?.as_deref())?;
-    let cap = cfg.max_body_bytes;
-    if let Some(len) = header_str(&req, header::CONTENT_LENGTH)?.and_then(|s| s.trim().parse::<u64>().ok()) {
+    let cfg = &st.shared.cfg;
+    let body = read_body(&req, payload, cfg.max_body_bytes).await?;
+    let ctx = ParseContext::for_decider(&decider, cfg.max_questions, st.shared.image_config.clone());
+    let peer = req.conn_data::<PeerSocket>().copied();
+    let queued = |call| run_queued(&st, call, id, started, peer);
+    let decided = pipeline::decide(body, ctx, decider, started, ParseOn::BlockingPool, queued).await?;
+    st.shared
+        .http
+        .decision_seconds
+        .with_label_values(&[token_bucket(decided.plan.processed_tokens)])
+        .observe(started.elapsed().as_secs_f64());
+    Ok(json_response(200, &decided.response))
+}
+
+/// The body of a `POST /v1/systemone`, checked against its headers and decoded: at most `cap`
+/// bytes before and after `Content-Encoding`, JSON or multipart.
+async fn read_body(req: &HttpRequest, payload: web::Payload, cap: usize) -> Result<RequestBody, ApiError> {
+    let kind = body::body_kind(header_str(req, header::CONTENT_TYPE)?.as_deref())?;
+    let codings = body::codings(header_str(req, header::CONTENT_ENCODING)?.as_deref())?;
+    if let Some(len) = header_str(req, header::CONTENT_LENGTH)?.and_then(|s| s.trim().parse::<u64>().ok()) {
         if len > cap as u64 {
-            return Err(ApiError::too_large(format!("the request body is {len} bytes; the limit is {cap} bytes")));
+            return Err(ApiError::too_large(format!(
+                "the request body is {len} bytes; the limit is {cap} bytes"
+            )));
         }
     }
     let raw = body::read_payload(payload, cap).await?;
-    let decoded = if codings.is_empty() { raw } else { blocking(move || body::decode(raw, &codings, cap)).await? };
-    let (json_bytes, files) = match kind {
-        BodyKind::Json => (decoded, None),
-        BodyKind::Multipart => {
-            let (r, f) = body::read_multipart(req.headers(), decoded).await?;
-            (r, Some(f))
-        }
+    let decoded = if codings.is_empty() {
+        raw
+    } else {
+        on_blocking_pool(move || body::decode(raw, &codings, cap)).await?
     };
-    let json_loc = if files.is_some() { Loc::body().at("request") } else { Loc::body() };
-    let ctx = ParseContext::for_decider(&decider, cfg.max_questions, st.inner.image_config.clone());
-    let planner = decider.clone();
-    let (mut dreq, plan): (DecisionRequest, Plan) = blocking(move || {
-        let value = parse_json(&json_bytes, json_loc)?;
-        drop(json_bytes);
-        let checked = check_request(value, files, &ctx)?;
-        let images = decode_images(&checked.images, &ctx)?;
-        let dreq = DecisionRequest { state: checked.state, questions: checked.questions, images };
-        let plan = planner.plan(&dreq).map_err(plan_error)?;
-        Ok((dreq, plan))
+    Ok(match kind {
+        BodyKind::Json => RequestBody::json(decoded),
+        BodyKind::Multipart => {
+            let (json, files) = body::read_multipart(req.headers(), decoded).await?;
+            RequestBody { json, files: Some(files) }
+        }
     })
-    .await?;
-    tracing::debug!(questions = dreq.questions.len(), images = dreq.images.len(), passes = plan.pass_count(), tokens = plan.processed_tokens, "planned");
+}
 
-    // The engine takes the pixels; the request keeps what the response needs.
-    let images: Vec<PatchedImage> = dreq
-        .images
-        .iter_mut()
-        .map(|i| PatchedImage {
-            pixel_values: std::mem::take(&mut i.patched.pixel_values),
-            grid_thw: i.patched.grid_thw,
-            resized_hw: i.patched.resized_hw,
-            patch_dim: i.patched.patch_dim,
-            merge_size: i.patched.merge_size,
-        })
-        .collect();
+/// The HTTP engine call: a job on the worker's queue, awaited until the engine answers, the
+/// request's deadline (from `started`) passes or the caller goes away (which drops the reply
+/// channel: the engine then skips the job).
+async fn run_queued(
+    st: &AppState,
+    call: EngineCall,
+    id: String,
+    started: Instant,
+    peer: Option<PeerSocket>,
+) -> Result<EngineOutput, ApiError> {
+    let cfg = &st.shared.cfg;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let now = Instant::now();
     let timeout = cfg.request_timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
-    let job = Job { id: id.clone(), plan: plan.clone(), images, deadline: now + timeout, timeout: cfg.request_timeout, enqueued: now, reply: tx };
-    match st.inner.worker.submit(job) {
+    let job = Job {
+        id,
+        plan: call.plan,
+        images: call.images,
+        deadline: now + timeout,
+        timeout: cfg.request_timeout,
+        enqueued: now,
+        reply: tx,
+    };
+    match st.shared.worker.submit(job) {
         Ok(()) => {}
         Err(SubmitError::Full { capacity, retry_after_s }) => {
             return Err(ApiError::message(
                 529,
                 "overloaded",
-                format!("the server is busy ({capacity} requests are waiting); retry after {retry_after_s} s"),
+                format!(
+                    "the server is busy ({capacity} requests are waiting); retry after {retry_after_s} s"
+                ),
             )
             .with_retry_after(Duration::from_secs(retry_after_s)));
         }
-        Err(SubmitError::Stopped) => return Err(ApiError::message(503, "unavailable", "the engine has stopped")),
+        Err(SubmitError::Stopped) => {
+            return Err(ApiError::message(503, "unavailable", "the engine has stopped"))
+        }
     }
-    let peer = req.conn_data::<PeerSocket>().copied();
     let reply = tokio::select! {
         r = tokio::time::timeout(timeout + Duration::from_secs(2), rx) => r,
         _ = peer_gone(peer) => {
@@ -365,42 +382,33 @@ async fn systemone(req: HttpRequest, payload: web::Payload, st: web::Data<AppSta
             return Err(ApiError::message(499, "client_closed_request", "the client closed the connection"));
         }
     };
-    let out = match reply {
-        Err(_) => return Err(timeout_error(cfg.request_timeout)),
-        Ok(Err(_)) => return Err(ApiError::internal("the engine stopped without answering")),
-        Ok(Ok(Err(e))) => {
-            return Err(match e {
-                JobError::Deadline(_) => timeout_error(cfg.request_timeout),
-                JobError::NotLoaded(m) => ApiError::message(503, "unavailable", format!("the model is not loaded: {m}")),
-                JobError::Engine(e) => ApiError::internal(format!("the engine failed: {e:#}")),
-                JobError::Cancelled => ApiError::internal("the request was cancelled"),
-            })
-        }
-        Ok(Ok(Ok(out))) => out,
-    };
-    let timings = Timings {
-        vision_ms: out.vision_ms,
-        prefill_ms: out.prefill_ms,
-        questions_ms: out.questions_ms,
-        total_ms: started.elapsed().as_secs_f64() * 1e3,
-    };
-    let body = decider.respond(&dreq, &plan, &out.logits, timings);
-    st.inner
-        .http
-        .decision_seconds
-        .with_label_values(&[token_bucket(plan.processed_tokens)])
-        .observe(started.elapsed().as_secs_f64());
-    Ok(json_response(200, &body))
+    match reply {
+        Err(_) => Err(timeout_error(cfg.request_timeout)),
+        Ok(Err(_)) => Err(ApiError::internal("the engine stopped without answering")),
+        Ok(Ok(Err(e))) => Err(match e {
+            JobError::Deadline(_) => timeout_error(cfg.request_timeout),
+            JobError::NotLoaded(m) => {
+                ApiError::message(503, "unavailable", format!("the model is not loaded: {m}"))
+            }
+            JobError::Engine(e) => ApiError::internal(format!("the engine failed: {e:#}")),
+            JobError::Cancelled => ApiError::internal("the request was cancelled"),
+        }),
+        Ok(Ok(Ok(out))) => Ok(out),
+    }
 }
 
 fn timeout_error(t: Duration) -> ApiError {
-    ApiError::message(504, "timeout", format!("the request did not finish within {:.1} s; retry later or send less", t.as_secs_f64()))
+    ApiError::message(
+        504,
+        "timeout",
+        format!("the request did not finish within {:.1} s; retry later or send less", t.as_secs_f64()),
+    )
 }
 
 /// `GET /v1/models`.
 async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let (d, backend, load_seconds) = st.ready_or_503()?;
-    let cfg = &st.inner.cfg;
+    let cfg = &st.shared.cfg;
     let name = d.settings.model_name.clone();
     let body = json!({
         "models": [{"name": name, "description": cfg.model_description, "release_date": cfg.release_date}],
@@ -418,32 +426,37 @@ async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 
 /// `GET /healthz`.
 async fn healthz(st: web::Data<AppState>) -> HttpResponse {
-    let w = &st.inner.worker;
+    let w = &st.shared.worker;
     let (depth, capacity) = (w.queue_depth(), w.capacity());
     match st.ready() {
         Ok((d, backend, _)) => json_response(
             200,
             &json!({"status": "ok", "model": d.settings.model_name, "backend": backend, "queue_depth": depth, "queue_capacity": capacity}),
         ),
-        Err(NotReady::Loading) => json_response(503, &json!({"status": "loading", "queue_depth": depth, "queue_capacity": capacity})),
-        Err(NotReady::Failed(e)) => {
-            json_response(503, &json!({"status": "failed", "error": e, "queue_depth": depth, "queue_capacity": capacity}))
-        }
+        Err(NotReady::Loading) => json_response(
+            503,
+            &json!({"status": "loading", "queue_depth": depth, "queue_capacity": capacity}),
+        ),
+        Err(NotReady::Failed(e)) => json_response(
+            503,
+            &json!({"status": "failed", "error": e, "queue_depth": depth, "queue_capacity": capacity}),
+        ),
     }
 }
 
 /// `GET /metrics`.
 async fn metrics(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    st.inner.http.refresh();
+    st.shared.http.refresh();
     let mut out = Vec::new();
     let enc = TextEncoder::new();
-    enc.encode(&st.inner.registry.gather(), &mut out).map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
+    enc.encode(&st.shared.registry.gather(), &mut out)
+        .map_err(|e| ApiError::internal(format!("encoding metrics: {e}")))?;
     Ok(HttpResponse::Ok().content_type(enc.format_type()).body(out))
 }
 
 /// `GET /openapi.json`.
 async fn openapi(st: web::Data<AppState>) -> HttpResponse {
-    HttpResponse::Ok().content_type("application/json").body(st.inner.openapi.clone())
+    HttpResponse::Ok().content_type("application/json").body(st.shared.openapi.clone())
 }
 
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
@@ -456,7 +469,11 @@ async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
 
 async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
     let allow = if req.path() == "/v1/systemone" { "POST" } else { "GET" };
-    let e = ApiError::message(405, "method_not_allowed", format!("{} {} is not allowed; use {allow}", req.method(), req.path()));
+    let e = ApiError::message(
+        405,
+        "method_not_allowed",
+        format!("{} {} is not allowed; use {allow}", req.method(), req.path()),
+    );
     let mut r = actix_web::ResponseError::error_response(&e);
     r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
     r
@@ -486,8 +503,9 @@ impl Observed {
         let id = req.headers().get("x-request-id").and_then(sane_request_id).unwrap_or_else(new_request_id);
         req.extensions_mut().insert(RequestId(id.clone()));
         let route = req.match_pattern().unwrap_or_else(|| "unmatched".into());
-        let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
-        let http = &st.inner.http;
+        let span =
+            tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
+        let http = &st.shared.http;
         http.in_flight.inc();
         Observed {
             id,
@@ -517,15 +535,16 @@ impl Observed {
     }
 }
 
-/// Serves on `listener` until `shutdown` resolves, then stops accepting, lets accepted
+/// Serves HTTP on `listener` until `shutdown` resolves, then stops accepting, lets accepted
 /// requests finish (up to the request timeout plus a margin) and returns.
-pub async fn serve(
+pub async fn run_http_server(
     listener: std::net::TcpListener,
     cfg: ServerConfig,
     app: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let grace = cfg.request_timeout.as_secs() + 5;
+    let playground = cfg.playground;
     let state = app.clone();
     let addr = listener.local_addr()?;
     let server = HttpServer::new(move || {
@@ -537,11 +556,36 @@ pub async fn serve(
                 let fut = srv.call(req).instrument(obs.span.clone());
                 async move { Ok(obs.finish(fut.await?)) }
             })
-            .service(web::resource("/v1/systemone").route(web::post().to(systemone)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/v1/models").route(web::get().to(models)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/healthz").route(web::get().to(healthz)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/metrics").route(web::get().to(metrics)).default_service(web::to(method_not_allowed)))
-            .service(web::resource("/openapi.json").route(web::get().to(openapi)).default_service(web::to(method_not_allowed)))
+            .service(
+                web::resource("/v1/systemone")
+                    .route(web::post().to(systemone))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/v1/models")
+                    .route(web::get().to(models))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/healthz")
+                    .route(web::get().to(healthz))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/metrics")
+                    .route(web::get().to(metrics))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/openapi.json")
+                    .route(web::get().to(openapi))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .configure(|c| {
+                if playground {
+                    super::playground::register(c)
+                }
+            })
             .default_service(web::to(not_found))
     })
     .on_connect(|conn, ext| {

@@ -14,7 +14,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use crate::engine::weights::TensorRef;
+use crate::weights::TensorRef;
 use anyhow::Result;
 use std::ops::Range;
 
@@ -138,12 +138,29 @@ pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Tree>
     for (j, p) in parents.iter().enumerate() {
         if let Some(i) = *p {
             anyhow::ensure!(i < j, "segment {j}'s parent {i} does not come before it");
-            anyhow::ensure!(parents[i].is_none(), "segment {j}'s parent {i} has a parent itself (one level only)");
+            anyhow::ensure!(
+                parents[i].is_none(),
+                "segment {j}'s parent {i} has a parent itself (one level only)"
+            );
             tree.is_parent[i] = true;
         }
     }
     tree.parent.copy_from_slice(parents);
     Ok(tree)
+}
+
+/// Checks that `segments` tile the `n` rows of a packed batch in order.
+pub fn check_tiling(segments: &[Range<usize>], n: usize) -> Result<()> {
+    let mut at = 0;
+    for s in segments {
+        anyhow::ensure!(
+            s.start == at && s.end >= s.start,
+            "segments must tile the batch rows in order; got {segments:?} for {n} rows"
+        );
+        at = s.end;
+    }
+    anyhow::ensure!(at == n, "segments {segments:?} do not cover the {n} batch rows");
+    Ok(())
 }
 
 /// The operations of a Qwen3.5 prefill.
@@ -203,7 +220,13 @@ pub trait Backend: Send + Sync + 'static {
     fn matmul(&self, x: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor>;
     /// RMSNorm over rows of length `w.len()`: `x̂ · (offset + w)` (offset 1 = zero-centred).
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32, offset: f32) -> Result<Self::Tensor>;
-    fn layer_norm(&self, x: &Self::Tensor, w: &Self::Tensor, b: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// The residual add and the next RMSNorm: `x += y` (exactly `add_assign`), then returns
     /// `rms_norm(x, w, eps, offset)` of the updated `x`. Backends may fuse the two (CUDA: one
@@ -251,6 +274,23 @@ pub trait Backend: Send + Sync + 'static {
         parents: &[Option<usize>],
         caches: &mut [&mut Self::KvCache],
     ) -> Result<Self::Tensor>;
+
+    /// [`Backend::gated_attention`] when only the last row of each segment is read (the model's
+    /// last layer): every row's keys and values still enter the caches, but only the last row of
+    /// each segment is attended and returned, `[segments, heads·head_dim]`. The default attends
+    /// every row and gathers; backends may skip the rest.
+    fn gated_attention_last_rows(
+        &self,
+        x: &AttentionInputs<Self::Tensor>,
+        dims: &AttentionDims,
+        segments: &[Range<usize>],
+        parents: &[Option<usize>],
+        caches: &mut [&mut Self::KvCache],
+    ) -> Result<Self::Tensor> {
+        let all = self.gated_attention(x, dims, segments, parents, caches)?;
+        let last: Vec<usize> = segments.iter().map(|s| s.end.saturating_sub(1)).collect();
+        self.gather_rows(&all, &last)
+    }
 
     fn new_delta_state(&self, dims: &DeltaNetDims) -> Result<Self::DeltaState>;
     /// Causal conv + SiLU (continuing each segment's conv history), β/g gates, L2-normed q/k,

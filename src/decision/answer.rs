@@ -4,7 +4,7 @@
 //! `x_`, and TypeSafe's confidence formulas).
 
 use super::outcome::{known, Outcome};
-use super::prompt::Field;
+use super::prompt::ScoredQuestion;
 use super::request::{ContractMode, DecisionRequest, QuestionKind};
 use serde_json::{json, Map, Value};
 
@@ -78,10 +78,15 @@ impl Extras {
 }
 
 /// The `answers` object: one entry per question, in request order.
-pub fn answers(req: &DecisionRequest, fields: &[Field], outcomes: &[Outcome], mode: ContractMode) -> Map<String, Value> {
+pub fn answers(
+    req: &DecisionRequest,
+    scored: &[ScoredQuestion],
+    outcomes: &[Outcome],
+    mode: ContractMode,
+) -> Map<String, Value> {
     let ex = Extras { mode };
     let mut out = Map::new();
-    let mut next = 0; // index into fields/outcomes
+    let mut next = 0; // index into scored/outcomes
     for (qi, q) in req.questions.iter().enumerate() {
         let mut a = Map::new();
         match &q.kind {
@@ -102,7 +107,8 @@ pub fn answers(req: &DecisionRequest, fields: &[Field], outcomes: &[Outcome], mo
                     ContractMode::Imajev => concentration(&p) * (1.0 - unknown),
                     ContractMode::Typesafe => typesafe_choice_confidence(&p),
                 };
-                let probs: Map<String, Value> = options.iter().zip(&p).map(|((v, _), x)| (v.clone(), json!(x))).collect();
+                let probs: Map<String, Value> =
+                    options.iter().zip(&p).map(|((v, _), x)| (v.clone(), json!(x))).collect();
                 a.insert("type".into(), json!("choice"));
                 a.insert("choice".into(), json!(options[selected].0));
                 a.insert("probabilities".into(), Value::Object(probs));
@@ -118,8 +124,10 @@ pub fn answers(req: &DecisionRequest, fields: &[Field], outcomes: &[Outcome], mo
                     ContractMode::Imajev => concentration(&p) * (1.0 - unknown),
                     ContractMode::Typesafe => typesafe_score_confidence(&p),
                 };
-                let legend: Map<String, Value> = levels.iter().enumerate().map(|(i, d)| (i.to_string(), json!(d))).collect();
-                let probs: Map<String, Value> = p.iter().enumerate().map(|(i, x)| (i.to_string(), json!(x))).collect();
+                let legend: Map<String, Value> =
+                    levels.iter().enumerate().map(|(i, d)| (i.to_string(), json!(d))).collect();
+                let probs: Map<String, Value> =
+                    p.iter().enumerate().map(|(i, x)| (i.to_string(), json!(x))).collect();
                 a.insert("type".into(), json!("score"));
                 a.insert("score".into(), json!(score));
                 a.insert("legend".into(), Value::Object(legend));
@@ -134,7 +142,7 @@ pub fn answers(req: &DecisionRequest, fields: &[Field], outcomes: &[Outcome], mo
                 let mut all_abstained = true;
                 for (label, _) in labels {
                     let o = &outcomes[next];
-                    debug_assert_eq!(fields[next].owner, qi);
+                    debug_assert_eq!(scored[next].owner, qi);
                     next += 1;
                     let unknown = o.unknown();
                     let p = o.scores[0] + 0.5 * unknown;

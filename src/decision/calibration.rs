@@ -5,7 +5,7 @@
 //! temperatures (requests with images and an empty state). A bucket the file lacks leaves the
 //! probabilities uncalibrated (T = 1, no `calibration_version`).
 
-use super::prompt::FieldKind;
+use super::prompt::ScoredKind;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -46,7 +46,7 @@ pub fn bucket(option_count: usize) -> Option<&'static str> {
     }
 }
 
-pub fn key(kind: FieldKind, option_count: usize) -> Option<String> {
+pub fn key(kind: ScoredKind, option_count: usize) -> Option<String> {
     bucket(option_count).map(|b| format!("{}:{b}", kind.calibration_name()))
 }
 
@@ -114,8 +114,8 @@ impl Calibration {
         })
     }
 
-    /// The temperature for a field; the photo-only table wins when it has the bucket.
-    pub fn temperature(&self, kind: FieldKind, option_count: usize, photo_only: bool) -> Option<f64> {
+    /// The temperature for a scored question; the photo-only table wins when it has the bucket.
+    pub fn temperature(&self, kind: ScoredKind, option_count: usize, photo_only: bool) -> Option<f64> {
         let k = key(kind, option_count)?;
         if photo_only {
             if let Some(t) = self.photo_only_temperatures.get(&k) {
@@ -125,7 +125,7 @@ impl Calibration {
         self.temperatures.get(&k).copied()
     }
 
-    pub fn unknown_offset(&self, kind: FieldKind, option_count: usize) -> f64 {
+    pub fn unknown_offset(&self, kind: ScoredKind, option_count: usize) -> f64 {
         key(kind, option_count).and_then(|k| self.unknown_offsets.get(&k).copied()).unwrap_or(0.0)
     }
 }
@@ -148,16 +148,19 @@ mod tests {
         let doc = serde_json::json!({"schema_version": "1.0", "calibration_version": "p3-r2-s000291-authored",
             "temperatures": temps, "counts": counts, "fit": {"nll": 0.61}});
         let c = Calibration::from_json(&doc.to_string()).unwrap();
-        assert_eq!(c.temperature(FieldKind::Choice, 255, false), Some(1.3051569717552742));
-        assert_eq!(c.temperature(FieldKind::Boolean, 2, true), Some(1.3051569717552742));
+        assert_eq!(c.temperature(ScoredKind::Choice, 255, false), Some(1.3051569717552742));
+        assert_eq!(c.temperature(ScoredKind::Boolean, 2, true), Some(1.3051569717552742));
         let doc = serde_json::json!({"schema_version": "1.2", "calibration_version": "m",
             "temperatures": {"boolean:2": 1.5}, "counts": {"boolean:2": 3},
             "photo_only_temperatures": {"boolean:2": 1.028}, "photo_only_counts": {"boolean:2": 823}});
         let c = Calibration::from_json(&doc.to_string()).unwrap();
-        assert_eq!(c.temperature(FieldKind::Boolean, 2, true), Some(1.028));
-        assert_eq!(c.temperature(FieldKind::Boolean, 2, false), Some(1.5));
-        assert_eq!(c.temperature(FieldKind::Choice, 2, true), None);
-        assert!(Calibration::from_json(r#"{"schema_version": "2.0", "calibration_version": "x", "temperatures": {}, "counts": {}}"#).is_err());
+        assert_eq!(c.temperature(ScoredKind::Boolean, 2, true), Some(1.028));
+        assert_eq!(c.temperature(ScoredKind::Boolean, 2, false), Some(1.5));
+        assert_eq!(c.temperature(ScoredKind::Choice, 2, true), None);
+        assert!(Calibration::from_json(
+            r#"{"schema_version": "2.0", "calibration_version": "x", "temperatures": {}, "counts": {}}"#
+        )
+        .is_err());
         assert!(Calibration::from_json(r#"{"schema_version": "1.0", "calibration_version": "x", "temperatures": {"boolean:2": -1}, "counts": {"boolean:2": 1}}"#).is_err());
     }
 }

@@ -45,19 +45,26 @@ impl Codebook {
                 break;
             }
             let ids = tokenizer.encode(&format!("{EMPTY_PROMPT}{code}"))?;
-            if ids.len() == prefix.len() + 1 && ids[..prefix.len()] == prefix[..] && seen.insert(ids[prefix.len()]) {
+            if ids.len() == prefix.len() + 1
+                && ids[..prefix.len()] == prefix[..]
+                && seen.insert(ids[prefix.len()])
+            {
                 codes.push(Code { code, token_id: ids[prefix.len()] });
             }
         }
         if codes.len() < count {
-            bail!("the tokenizer exposes only {} single-token decision codes; {count} requested", codes.len());
+            bail!(
+                "the tokenizer exposes only {} single-token decision codes; {count} requested",
+                codes.len()
+            );
         }
         Ok(Codebook { version: 1, codes, prompt_layout: None })
     }
 
     pub fn read(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let cb: Codebook = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let cb: Codebook =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         if cb.version != 1 {
             bail!("{}: unsupported codebook version {}", path.display(), cb.version);
         }
@@ -98,7 +105,10 @@ impl Codebook {
         }
         if let Some(layout) = &file.prompt_layout {
             if layout != "standard" {
-                bail!("{}: prompt_layout {layout:?} is not supported (only the standard layout shipped)", path.display());
+                bail!(
+                    "{}: prompt_layout {layout:?} is not supported (only the standard layout shipped)",
+                    path.display()
+                );
             }
         }
         Ok(file)

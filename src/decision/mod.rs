@@ -71,33 +71,43 @@ impl Decider {
     }
 
     pub fn plan(&self, req: &DecisionRequest) -> Result<Plan, PlanError> {
-        let image_tokens: Vec<usize> = req.images.iter().map(|i| i.patched.merged_tokens()).collect();
-        for f in prompt::fields(req) {
-            if f.candidates.len() > self.codebook.len() {
+        let image_tokens: Vec<usize> = req.images.iter().map(|i| i.tokens).collect();
+        for q in prompt::scored_questions(req) {
+            if q.candidates.len() > self.codebook.len() {
                 return Err(PlanError::Invalid(format!(
                     "a question has {} options; this adapter's readout allows at most {}",
-                    f.option_count(),
+                    q.option_count(),
                     self.max_options()
                 )));
             }
         }
-        let plan = prompt::plan(req, &self.tokenizer, &self.codebook, self.settings.rotations, &image_tokens)?;
+        let plan =
+            prompt::plan(req, &self.tokenizer, &self.codebook, self.settings.rotations, &image_tokens)?;
         if plan.max_pass_tokens > self.settings.max_input_tokens {
-            return Err(PlanError::TooManyTokens { got: plan.max_pass_tokens, limit: self.settings.max_input_tokens });
+            return Err(PlanError::TooManyTokens {
+                got: plan.max_pass_tokens,
+                limit: self.settings.max_input_tokens,
+            });
         }
         Ok(plan)
     }
 
-    /// Outcomes per field from readout logits (`logits[field][pass]`), calibrated if configured.
-    pub fn outcomes(&self, req: &DecisionRequest, plan: &Plan, logits: &[Vec<Vec<f32>>]) -> Vec<outcome::Outcome> {
+    /// Outcomes per scored question from readout logits (`logits[scored][pass]`), calibrated if
+    /// configured.
+    pub fn outcomes(
+        &self,
+        req: &DecisionRequest,
+        plan: &Plan,
+        logits: &[Vec<Vec<f32>>],
+    ) -> Vec<outcome::Outcome> {
         let photo_only = !req.images.is_empty() && req.state_is_empty();
-        plan.fields
+        plan.scored
             .iter()
             .zip(logits)
-            .map(|(fp, l)| {
-                let o = outcome::combine(fp, l);
+            .map(|(sp, l)| {
+                let o = outcome::combine(sp, l);
                 match &self.settings.calibration {
-                    Some(c) => outcome::calibrate(o, fp.field.kind, c, !req.images.is_empty(), photo_only),
+                    Some(c) => outcome::calibrate(o, sp.question.kind, c, !req.images.is_empty(), photo_only),
                     None => o,
                 }
             })
@@ -107,10 +117,13 @@ impl Decider {
     /// The full response body.
     pub fn respond(&self, req: &DecisionRequest, plan: &Plan, logits: &[Vec<Vec<f32>>], t: Timings) -> Value {
         let outcomes = self.outcomes(req, plan, logits);
-        let fields: Vec<prompt::Field> = plan.fields.iter().map(|f| f.field.clone()).collect();
-        let answers = answer::answers(req, &fields, &outcomes, self.settings.mode);
-        let images: Vec<Value> =
-            req.images.iter().map(|i| json!({"sha256": i.sha256, "width": i.width, "height": i.height})).collect();
+        let scored: Vec<prompt::ScoredQuestion> = plan.scored.iter().map(|q| q.question.clone()).collect();
+        let answers = answer::answers(req, &scored, &outcomes, self.settings.mode);
+        let images: Vec<Value> = req
+            .images
+            .iter()
+            .map(|i| json!({"sha256": i.sha256, "width": i.width, "height": i.height}))
+            .collect();
         let mut usage = Map::new();
         usage.insert("input_tokens".into(), json!(plan.max_pass_tokens));
         usage.insert("output_tokens".into(), json!(0));

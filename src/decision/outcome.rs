@@ -1,12 +1,12 @@
-//! From readout logits to a field's outcome: single-pass softmax with imajev's token-id tie
+//! From readout logits to a scored question's outcome: single-pass softmax with imajev's token-id tie
 //! break, or the mean of log-softmax over rotations; then optional temperature calibration.
 //! All in f64 and in the same operation order as the Python reference, so only the engine's
 //! logits can make the two differ.
 
 use super::calibration::Calibration;
-use super::prompt::{FieldKind, FieldPlan};
+use super::prompt::{ScoredKind, ScoredPlan};
 
-/// One field's result over its candidates (unknown last).
+/// One scored question's result over its candidates (unknown last).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     /// Candidate keys, unknown last.
@@ -49,10 +49,10 @@ fn argmax_by(logits: &[f64], tie: impl Fn(usize) -> i64) -> usize {
     best
 }
 
-/// The outcome of a field from its passes' readout logits (`per_pass[i]` follows
+/// The outcome of a scored question from its passes' readout logits (`per_pass[i]` follows
 /// `plan.passes[i]`; each has at least `candidates` values — extra readout rows are ignored).
-pub fn combine(plan: &FieldPlan, per_pass: &[Vec<f32>]) -> Outcome {
-    let keys: Vec<String> = plan.field.candidates.iter().map(|c| c.0.clone()).collect();
+pub fn combine(plan: &ScoredPlan, per_pass: &[Vec<f32>]) -> Outcome {
+    let keys: Vec<String> = plan.question.candidates.iter().map(|c| c.0.clone()).collect();
     let n = keys.len();
     if per_pass.len() == 1 {
         // A single pass keeps the raw logits and breaks exact ties by the lowest vocabulary id.
@@ -85,7 +85,13 @@ pub fn combine(plan: &FieldPlan, per_pass: &[Vec<f32>]) -> Outcome {
 }
 
 /// Applies temperature calibration (and, for text-only requests, an unknown-logit offset).
-pub fn calibrate(o: Outcome, kind: FieldKind, cal: &Calibration, has_images: bool, photo_only: bool) -> Outcome {
+pub fn calibrate(
+    o: Outcome,
+    kind: ScoredKind,
+    cal: &Calibration,
+    has_images: bool,
+    photo_only: bool,
+) -> Outcome {
     let options = o.keys.len() - 1;
     let temperature = cal.temperature(kind, options, photo_only);
     let offset = if has_images { 0.0 } else { cal.unknown_offset(kind, options) };
@@ -122,13 +128,14 @@ pub fn known(o: &Outcome) -> (Vec<f64>, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::prompt::{Field, PassPlan, UNKNOWN_KEY};
+    use crate::decision::prompt::{PassPlan, ScoredQuestion, UNKNOWN_KEY};
 
-    fn plan(offsets: &[usize], n: usize) -> FieldPlan {
-        let mut candidates: Vec<(String, String)> = (0..n - 1).map(|i| (format!("o{i}"), format!("o{i}"))).collect();
+    fn plan(offsets: &[usize], n: usize) -> ScoredPlan {
+        let mut candidates: Vec<(String, String)> =
+            (0..n - 1).map(|i| (format!("o{i}"), format!("o{i}"))).collect();
         candidates.push((UNKNOWN_KEY.into(), "unknown".into()));
-        FieldPlan {
-            field: Field { kind: FieldKind::Choice, question: "q".into(), candidates, owner: 0 },
+        ScoredPlan {
+            question: ScoredQuestion { kind: ScoredKind::Choice, text: "q".into(), candidates, owner: 0 },
             common: vec![],
             passes: offsets.iter().map(|&o| PassPlan { offset: o, suffix: vec![1] }).collect(),
             code_tokens: (0..n as u32).map(|i| 100 - i).collect(),
@@ -143,7 +150,9 @@ mod tests {
         let passes: Vec<Vec<f32>> = p
             .passes
             .iter()
-            .map(|pp| (0..3).map(|pos| cand[(pos + pp.offset) % 3] + if pos == 0 { 1.0 } else { 0.0 }).collect())
+            .map(|pp| {
+                (0..3).map(|pos| cand[(pos + pp.offset) % 3] + if pos == 0 { 1.0 } else { 0.0 }).collect()
+            })
             .collect();
         let o = combine(&p, &passes);
         assert_eq!(o.selected, 0);

@@ -197,7 +197,9 @@ mod tests {
 
     #[test]
     fn dumps_matches_python() {
-        let v = parse(r#"{"b": 1, "a": [1.0, -0, 12345678901234567890123, 1e5, "x\"y\\z\n\t\u0001é😀\u2028"], "A": {"z": null, "y": true}}"#);
+        let v = parse(
+            r#"{"b": 1, "a": [1.0, -0, 12345678901234567890123, 1e5, "x\"y\\z\n\t\u0001é😀\u2028"], "A": {"z": null, "y": true}}"#,
+        );
         assert_eq!(
             dumps(&v, PROMPT_STATE).unwrap(),
             "{\"A\": {\"y\": true, \"z\": null}, \"a\": [1.0, 0, 12345678901234567890123, 100000.0, \"x\\\"y\\\\z\\n\\t\\u0001é😀\u{2028}\"], \"b\": 1}"

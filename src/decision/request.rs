@@ -1,8 +1,8 @@
-//! A validated decision request: the state, the questions (as the model will see them) and the
-//! decoded images. The API layer builds it from the wire format; everything here is already
-//! checked, so planning and answering cannot fail on user input.
+//! A validated decision request: the state, the questions (as the model will see them) and what
+//! the prompt and the answers need to know of its images (not their pixels: those go to the
+//! engine beside the plan). The API layer builds it from the wire format; everything here is
+//! already checked, so planning and answering cannot fail on user input.
 
-use crate::image::PatchedImage;
 use serde_json::Value;
 
 /// Which public contract the answers follow.
@@ -36,13 +36,16 @@ pub struct Question {
     pub kind: QuestionKind,
 }
 
-/// A decoded, preprocessed image of a request.
-#[derive(Debug, Clone)]
+/// A decoded, preprocessed image of a request, as the decision layer sees it.
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestImage {
+    /// Of the encoded bytes (`usage.images`).
     pub sha256: String,
     pub width: u32,
     pub height: u32,
-    pub patched: PatchedImage,
+    /// `<|image_pad|>` tokens it takes in the prompt after the vision merger
+    /// ([`crate::image::PatchedImage::merged_tokens`]).
+    pub tokens: usize,
 }
 
 #[derive(Debug, Clone)]

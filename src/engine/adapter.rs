@@ -6,8 +6,8 @@
 //! Every pair in the file must land on a projection of the model; anything the loader cannot
 //! place is an error, never silently dropped.
 
-use super::weights::{StoredDtype, TensorRef, WeightStore};
 use crate::backend::LoraPair;
+use crate::weights::{StoredDtype, TensorRef, WeightStore};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use std::collections::BTreeSet;
@@ -52,8 +52,9 @@ pub struct LoraAdapter {
 impl LoraAdapter {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&cfg_path)
-            .with_context(|| format!("reading {} (is {} a PEFT adapter folder?)", cfg_path.display(), dir.display()))?;
+        let text = std::fs::read_to_string(&cfg_path).with_context(|| {
+            format!("reading {} (is {} a PEFT adapter folder?)", cfg_path.display(), dir.display())
+        })?;
         let config: AdapterConfig =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", cfg_path.display()))?;
         if let Some(pt) = &config.peft_type {
@@ -73,7 +74,9 @@ impl LoraAdapter {
         if config.modules_to_save.as_ref().is_some_and(|m| !m.is_null()) {
             bail!("modules_to_save is not supported: the readout lives in decision_readout.safetensors");
         }
-        let nonempty = |m: &Option<serde_json::Map<String, serde_json::Value>>| m.as_ref().is_some_and(|m| !m.is_empty());
+        let nonempty = |m: &Option<serde_json::Map<String, serde_json::Value>>| {
+            m.as_ref().is_some_and(|m| !m.is_empty())
+        };
         if nonempty(&config.rank_pattern) || nonempty(&config.alpha_pattern) {
             bail!("per-module rank_pattern / alpha_pattern are not supported");
         }

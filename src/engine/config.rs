@@ -5,6 +5,7 @@
 //! still accepts (`rope_scaling` + `rope_theta`, `full_attention_interval`, `mamba`/`attention`
 //! layer types) are normalised here so the rest of the engine sees one shape.
 
+use crate::backend::{AttentionDims, DeltaNetDims};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -32,19 +33,45 @@ pub struct RopeParameters {
     pub mrope_interleaved: Option<bool>,
 }
 
-fn d_vocab() -> usize { 248320 }
-fn d_hidden() -> usize { 4096 }
-fn d_inter() -> usize { 12288 }
-fn d_layers() -> usize { 32 }
-fn d_heads() -> usize { 16 }
-fn d_kv_heads() -> usize { 4 }
-fn d_head_dim() -> usize { 256 }
-fn d_eps() -> f64 { 1e-6 }
-fn d_conv() -> usize { 4 }
-fn d_128() -> usize { 128 }
-fn d_lin_k_heads() -> usize { 16 }
-fn d_lin_v_heads() -> usize { 32 }
-fn d_act() -> String { "silu".into() }
+fn d_vocab() -> usize {
+    248320
+}
+fn d_hidden() -> usize {
+    4096
+}
+fn d_inter() -> usize {
+    12288
+}
+fn d_layers() -> usize {
+    32
+}
+fn d_heads() -> usize {
+    16
+}
+fn d_kv_heads() -> usize {
+    4
+}
+fn d_head_dim() -> usize {
+    256
+}
+fn d_eps() -> f64 {
+    1e-6
+}
+fn d_conv() -> usize {
+    4
+}
+fn d_128() -> usize {
+    128
+}
+fn d_lin_k_heads() -> usize {
+    16
+}
+fn d_lin_v_heads() -> usize {
+    32
+}
+fn d_act() -> String {
+    "silu".into()
+}
 
 /// `text_config` (`qwen3_5_text`).
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -99,17 +126,39 @@ pub struct TextConfig {
     pub max_position_embeddings: Option<usize>,
 }
 
-fn d_v_depth() -> usize { 27 }
-fn d_v_hidden() -> usize { 1152 }
-fn d_v_act() -> String { "gelu_pytorch_tanh".into() }
-fn d_v_inter() -> usize { 4304 }
-fn d_v_heads() -> usize { 16 }
-fn d_v_in() -> usize { 3 }
-fn d_v_patch() -> usize { 16 }
-fn d_v_merge() -> usize { 2 }
-fn d_v_tpatch() -> usize { 2 }
-fn d_v_out() -> usize { 3584 }
-fn d_v_pos() -> usize { 2304 }
+fn d_v_depth() -> usize {
+    27
+}
+fn d_v_hidden() -> usize {
+    1152
+}
+fn d_v_act() -> String {
+    "gelu_pytorch_tanh".into()
+}
+fn d_v_inter() -> usize {
+    4304
+}
+fn d_v_heads() -> usize {
+    16
+}
+fn d_v_in() -> usize {
+    3
+}
+fn d_v_patch() -> usize {
+    16
+}
+fn d_v_merge() -> usize {
+    2
+}
+fn d_v_tpatch() -> usize {
+    2
+}
+fn d_v_out() -> usize {
+    3584
+}
+fn d_v_pos() -> usize {
+    2304
+}
 
 /// `vision_config` (`qwen3_5_vision`).
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -154,10 +203,18 @@ pub struct QuantizationConfig {
     pub modules_to_not_convert: Option<Vec<String>>,
 }
 
-fn d_image_token() -> u32 { 248056 }
-fn d_video_token() -> u32 { 248057 }
-fn d_vs_token() -> u32 { 248053 }
-fn d_ve_token() -> u32 { 248054 }
+fn d_image_token() -> u32 {
+    248056
+}
+fn d_video_token() -> u32 {
+    248057
+}
+fn d_vs_token() -> u32 {
+    248053
+}
+fn d_ve_token() -> u32 {
+    248054
+}
 
 /// Top-level `config.json` (`qwen3_5`).
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -194,8 +251,7 @@ pub struct TextRope {
 
 impl ModelConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading {}", path.display()))?;
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         Self::from_json(&text).with_context(|| format!("parsing {}", path.display()))
     }
 
@@ -223,11 +279,7 @@ impl ModelConfig {
         }
         let kinds = t.layer_kinds()?;
         if kinds.len() != t.num_hidden_layers {
-            bail!(
-                "layer_types has {} entries but num_hidden_layers is {}",
-                kinds.len(),
-                t.num_hidden_layers
-            );
+            bail!("layer_types has {} entries but num_hidden_layers is {}", kinds.len(), t.num_hidden_layers);
         }
         let rope = t.rope()?;
         if rope.rotary_dim == 0 || rope.rotary_dim % 2 != 0 || rope.rotary_dim > t.head_dim {
@@ -288,6 +340,29 @@ impl TextConfig {
         }
     }
 
+    /// The shapes of the gated-attention layers.
+    pub fn attention_dims(&self) -> Result<AttentionDims> {
+        Ok(AttentionDims {
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            rotary_dim: self.rope()?.rotary_dim,
+            norm_eps: self.rms_norm_eps as f32,
+        })
+    }
+
+    /// The shapes of the Gated DeltaNet layers.
+    pub fn deltanet_dims(&self) -> DeltaNetDims {
+        DeltaNetDims {
+            key_heads: self.linear_num_key_heads,
+            value_heads: self.linear_num_value_heads,
+            key_dim: self.linear_key_head_dim,
+            value_dim: self.linear_value_head_dim,
+            conv_kernel: self.linear_conv_kernel_dim,
+            norm_eps: self.rms_norm_eps as f32,
+        }
+    }
+
     pub fn rope(&self) -> Result<TextRope> {
         let p = self.rope_parameters.clone().or_else(|| self.rope_scaling.clone()).unwrap_or_default();
         if let Some(rt) = &p.rope_type {
@@ -305,13 +380,21 @@ impl TextConfig {
         Ok(TextRope { theta, rotary_dim, mrope_section: [sec[0], sec[1], sec[2]] })
     }
 
-    pub fn key_dim(&self) -> usize { self.linear_num_key_heads * self.linear_key_head_dim }
-    pub fn value_dim(&self) -> usize { self.linear_num_value_heads * self.linear_value_head_dim }
-    pub fn conv_dim(&self) -> usize { 2 * self.key_dim() + self.value_dim() }
+    pub fn key_dim(&self) -> usize {
+        self.linear_num_key_heads * self.linear_key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.linear_num_value_heads * self.linear_value_head_dim
+    }
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
 }
 
 impl VisionConfig {
-    pub fn head_dim(&self) -> usize { self.hidden_size / self.num_heads }
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
     pub fn rope_theta(&self) -> f64 {
         self.rope_parameters.as_ref().and_then(|p| p.rope_theta).unwrap_or(10_000.0)
     }
@@ -319,5 +402,7 @@ impl VisionConfig {
     pub fn patch_dim(&self) -> usize {
         self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
     }
-    pub fn pos_grid_side(&self) -> usize { (self.num_position_embeddings as f64).sqrt() as usize }
+    pub fn pos_grid_side(&self) -> usize {
+        (self.num_position_embeddings as f64).sqrt() as usize
+    }
 }

@@ -1,4 +1,4 @@
-//! Qwen3.5 prefill: config, weights (safetensors, F32/BF16/block-FP8), vision tower, hybrid
+//! Qwen3.5 prefill: config, weights (read through [`crate::weights`]), vision tower, hybrid
 //! decoder (Gated DeltaNet + gated attention), LoRA, readout, and the forkable `State`.
 //! Written against [`crate::backend::Backend`]; knows nothing about HTTP or questions.
 
@@ -8,8 +8,6 @@ pub mod model;
 pub mod positions;
 pub mod profile;
 pub mod progress;
-pub mod synth;
-pub mod weights;
 
 pub use config::{LayerKind, ModelConfig};
 pub use model::{LoadReport, Qwen35, Segment, State};

@@ -7,9 +7,11 @@ use super::adapter::{readout_path, LoraAdapter, ReadoutFile};
 use super::config::{LayerKind, ModelConfig, TextRope};
 use super::positions::{self, SequenceLayout};
 use super::progress::LoadProgress;
-use super::weights::{TensorRef, WeightStore};
-use crate::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use crate::backend::{
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
+};
 use crate::image::PatchedImage;
+use crate::weights::{TensorRef, WeightStore};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -74,8 +76,20 @@ pub struct Segment<'a, B: Backend> {
 }
 
 enum Mixer<B: Backend> {
-    Attention { qkv: B::Linear, o: B::Linear, q_norm: B::Tensor, k_norm: B::Tensor },
-    DeltaNet { in_proj: B::Linear, conv: B::Tensor, a_log: B::Tensor, dt_bias: B::Tensor, norm: B::Tensor, out: B::Linear },
+    Attention {
+        qkv: B::Linear,
+        o: B::Linear,
+        q_norm: B::Tensor,
+        k_norm: B::Tensor,
+    },
+    DeltaNet {
+        in_proj: B::Linear,
+        conv: B::Tensor,
+        a_log: B::Tensor,
+        dt_bias: B::Tensor,
+        norm: B::Tensor,
+        out: B::Linear,
+    },
 }
 
 struct Layer<B: Backend> {
@@ -155,7 +169,13 @@ impl<'s, 'a> Loader<'s, 'a> {
 
     /// A projection made of the given modules (`<module>.weight` `[out, in]`, optional bias),
     /// each with its LoRA pair when the adapter has one.
-    fn linear<B: Backend>(&mut self, b: &B, modules: &[(&str, usize)], input: usize, bias: bool) -> Result<B::Linear> {
+    fn linear<B: Backend>(
+        &mut self,
+        b: &B,
+        modules: &[(&str, usize)],
+        input: usize,
+        bias: bool,
+    ) -> Result<B::Linear> {
         let mut tensors = Vec::new();
         for &(m, out) in modules {
             let w = self.get(&format!("{m}.weight"), &[out, input])?;
@@ -186,15 +206,22 @@ impl<B: Backend> Qwen35<B> {
         let started = Instant::now();
         let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
         let mut store = WeightStore::open_model_dir(model_dir)?;
-        store.set_fp8_block(config.quantization_config.as_ref().and_then(|q| match q.weight_block_size.as_deref() {
-            Some([a, b]) => Some([*a, *b]),
-            _ => None,
+        store.set_fp8_block(config.quantization_config.as_ref().and_then(|q| {
+            match q.weight_block_size.as_deref() {
+                Some([a, b]) => Some([*a, *b]),
+                _ => None,
+            }
         }));
         let adapter = adapter_dir.map(LoraAdapter::open).transpose()?;
         let readout_file = match adapter_dir {
-            Some(d) if readout_path(d).exists() => Some(ReadoutFile::open(&readout_path(d), config.text_config.hidden_size)?),
+            Some(d) if readout_path(d).exists() => {
+                Some(ReadoutFile::open(&readout_path(d), config.text_config.hidden_size)?)
+            }
             Some(d) => {
-                tracing::warn!("{} has no decision_readout.safetensors; readout logits are unavailable", d.display());
+                tracing::warn!(
+                    "{} has no decision_readout.safetensors; readout logits are unavailable",
+                    d.display()
+                );
                 None
             }
             None => None,
@@ -208,7 +235,10 @@ impl<B: Backend> Qwen35<B> {
         } else if store.contains("model.embed_tokens.weight") {
             "model."
         } else {
-            bail!("{}: no model.language_model.embed_tokens.weight — not a Qwen3.5 checkpoint?", model_dir.display());
+            bail!(
+                "{}: no model.language_model.embed_tokens.weight — not a Qwen3.5 checkpoint?",
+                model_dir.display()
+            );
         };
         let mut ld = Loader {
             store: &store,
@@ -220,21 +250,8 @@ impl<B: Backend> Qwen35<B> {
         let b = &backend;
         let (h, inter) = (t.hidden_size, t.intermediate_size);
         let embed = ld.param(b, &format!("{prefix}embed_tokens.weight"), &[t.vocab_size, h])?;
-        let attn_dims = AttentionDims {
-            heads: t.num_attention_heads,
-            kv_heads: t.num_key_value_heads,
-            head_dim: t.head_dim,
-            rotary_dim: rope.rotary_dim,
-            norm_eps: eps,
-        };
-        let delta_dims = DeltaNetDims {
-            key_heads: t.linear_num_key_heads,
-            value_heads: t.linear_num_value_heads,
-            key_dim: t.linear_key_head_dim,
-            value_dim: t.linear_value_head_dim,
-            conv_kernel: t.linear_conv_kernel_dim,
-            norm_eps: eps,
-        };
+        let attn_dims = t.attention_dims()?;
+        let delta_dims = t.deltanet_dims();
         let mut layers = Vec::with_capacity(kinds.len());
         for (i, kind) in kinds.iter().enumerate() {
             let p = format!("{prefix}layers.{i}.");
@@ -244,8 +261,14 @@ impl<B: Backend> Qwen35<B> {
                     let q = format!("{p}self_attn.q_proj");
                     let k = format!("{p}self_attn.k_proj");
                     let v = format!("{p}self_attn.v_proj");
-                    let qkv = ld.linear(b, &[(&q, nh * hd * 2), (&k, kvh * hd), (&v, kvh * hd)], h, t.attention_bias)?;
-                    let o = ld.linear(b, &[(&format!("{p}self_attn.o_proj"), h)], nh * hd, t.attention_bias)?;
+                    let qkv = ld.linear(
+                        b,
+                        &[(&q, nh * hd * 2), (&k, kvh * hd), (&v, kvh * hd)],
+                        h,
+                        t.attention_bias,
+                    )?;
+                    let o =
+                        ld.linear(b, &[(&format!("{p}self_attn.o_proj"), h)], nh * hd, t.attention_bias)?;
                     Mixer::Attention {
                         qkv,
                         o,
@@ -283,7 +306,12 @@ impl<B: Backend> Qwen35<B> {
                     }
                 }
             };
-            let gate_up = ld.linear(b, &[(&format!("{p}mlp.gate_proj"), inter), (&format!("{p}mlp.up_proj"), inter)], h, false)?;
+            let gate_up = ld.linear(
+                b,
+                &[(&format!("{p}mlp.gate_proj"), inter), (&format!("{p}mlp.up_proj"), inter)],
+                h,
+                false,
+            )?;
             let down = ld.linear(b, &[(&format!("{p}mlp.down_proj"), h)], inter, false)?;
             layers.push(Layer {
                 input_norm: ld.param(b, &format!("{p}input_layernorm.weight"), &[h])?,
@@ -351,13 +379,17 @@ impl<B: Backend> Qwen35<B> {
         )?;
         let flat = [d, pd];
         let pb = ld.get("model.visual.patch_embed.proj.bias", &[d])?;
-        let patch = b.linear(&[LinearPart { weight: TensorRef { shape: &flat, ..pw }, bias: Some(pb), lora: None }])?;
+        let patch =
+            b.linear(&[LinearPart { weight: TensorRef { shape: &flat, ..pw }, bias: Some(pb), lora: None }])?;
         let pos = ld.param(b, "model.visual.pos_embed.weight", &[v.num_position_embeddings, d])?;
         let mut blocks = Vec::with_capacity(v.depth);
         for i in 0..v.depth {
             let p = format!("model.visual.blocks.{i}.");
             let mut ln = |n: &str| -> Result<(B::Tensor, B::Tensor)> {
-                Ok((ld.param(b, &format!("{p}{n}.weight"), &[d])?, ld.param(b, &format!("{p}{n}.bias"), &[d])?))
+                Ok((
+                    ld.param(b, &format!("{p}{n}.weight"), &[d])?,
+                    ld.param(b, &format!("{p}{n}.bias"), &[d])?,
+                ))
             };
             let norm1 = ln("norm1")?;
             let norm2 = ln("norm2")?;
@@ -371,8 +403,10 @@ impl<B: Backend> Qwen35<B> {
             });
         }
         let m = v.spatial_merge_size * v.spatial_merge_size * d;
-        let merger_norm =
-            (ld.param(b, "model.visual.merger.norm.weight", &[d])?, ld.param(b, "model.visual.merger.norm.bias", &[d])?);
+        let merger_norm = (
+            ld.param(b, "model.visual.merger.norm.weight", &[d])?,
+            ld.param(b, "model.visual.merger.norm.bias", &[d])?,
+        );
         let merger_fc1 = ld.linear(b, &[("model.visual.merger.linear_fc1", m)], m, true)?;
         let merger_fc2 = ld.linear(b, &[("model.visual.merger.linear_fc2", v.out_hidden_size)], m, true)?;
         let act = match v.hidden_act.as_str() {
@@ -402,8 +436,12 @@ impl<B: Backend> Qwen35<B> {
             .iter()
             .map(|k| {
                 Ok(match k {
-                    LayerKind::FullAttention => LayerState::Attention(self.backend.new_kv_cache(&self.attn_dims)?),
-                    LayerKind::LinearAttention => LayerState::DeltaNet(self.backend.new_delta_state(&self.delta_dims)?),
+                    LayerKind::FullAttention => {
+                        LayerState::Attention(self.backend.new_kv_cache(&self.attn_dims)?)
+                    }
+                    LayerKind::LinearAttention => {
+                        LayerState::DeltaNet(self.backend.new_delta_state(&self.delta_dims)?)
+                    }
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -413,7 +451,13 @@ impl<B: Backend> Qwen35<B> {
     /// Lays out `ids` (one `<|image_pad|>` per image) after a state that has seen `start` positions.
     pub fn layout(&self, ids: &[u32], images: &[&PatchedImage], start: i64) -> Result<SequenceLayout> {
         let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
-        positions::layout(ids, self.config.image_token_id, &grids, self.config.vision_config.spatial_merge_size, start)
+        positions::layout(
+            ids,
+            self.config.image_token_id,
+            &grids,
+            self.config.vision_config.spatial_merge_size,
+            start,
+        )
     }
 
     /// Runs the vision tower once over all images; returns each image's merged features
@@ -422,7 +466,10 @@ impl<B: Backend> Qwen35<B> {
         if images.is_empty() {
             return Ok(vec![]);
         }
-        let vt = self.vision.as_ref().ok_or_else(|| anyhow!("this checkpoint has no vision tower (model.visual.*); send text only"))?;
+        let vt = self
+            .vision
+            .as_ref()
+            .ok_or_else(|| anyhow!("this checkpoint has no vision tower (model.visual.*); send text only"))?;
         let vc = &self.config.vision_config;
         let b = &self.backend;
         let pd = vc.patch_dim();
@@ -437,8 +484,16 @@ impl<B: Backend> Qwen35<B> {
         for img in images {
             let [gt, gh, gw] = img.grid_thw;
             let n = gt * gh * gw;
-            ensure!(img.pixel_values.len() == n * pd, "image pixel rows do not match grid {:?}", img.grid_thw);
-            ensure!(gh % merge == 0 && gw % merge == 0, "image grid {:?} is not divisible by the merge size", img.grid_thw);
+            ensure!(
+                img.pixel_values.len() == n * pd,
+                "image pixel rows do not match grid {:?}",
+                img.grid_thw
+            );
+            ensure!(
+                gh % merge == 0 && gw % merge == 0,
+                "image grid {:?} is not divisible by the merge size",
+                img.grid_thw
+            );
             pixels.extend_from_slice(&img.pixel_values);
             let (i, w) = positions::pos_embed_taps(img.grid_thw, merge, vc.pos_grid_side());
             idx.extend(i);
@@ -510,23 +565,31 @@ impl<B: Backend> Qwen35<B> {
         let mut x = b.embed(&self.embed, &ids)?;
         for (s, range) in segs.iter().zip(&ranges) {
             for (img, rows) in &s.layout.images {
-                let feats = s.images.get(*img).ok_or_else(|| anyhow!("features for image {img} are missing"))?;
+                let feats =
+                    s.images.get(*img).ok_or_else(|| anyhow!("features for image {img} are missing"))?;
                 let fr = b.shape(feats)[0];
-                ensure!(fr == rows.len(), "image {img} has {fr} feature rows for {} placeholder tokens", rows.len());
+                ensure!(
+                    fr == rows.len(),
+                    "image {img} has {fr} feature rows for {} placeholder tokens",
+                    rows.len()
+                );
                 let rows: Vec<usize> = rows.clone().map(|r| r + range.start).collect();
                 b.scatter_rows(&mut x, &rows, feats)?;
             }
         }
-        let (cos, sin) = positions::text_rope_tables(&pos, self.rope.theta, self.rope.rotary_dim, self.rope.mrope_section);
+        let (cos, sin) =
+            positions::text_rope_tables(&pos, self.rope.theta, self.rope.rotary_dim, self.rope.mrope_section);
         let cos = b.upload(&cos, &[n, self.rope.rotary_dim])?;
         let sin = b.upload(&sin, &[n, self.rope.rotary_dim])?;
         let last_rows: Vec<usize> = ranges.iter().map(|r| r.end - 1).collect();
         prof.mark(b, "embed");
         // Each later layer's input norm (and the final norm) is fused with the residual add of
         // the MLP before it, at the end of the loop body.
-        let mut h = b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
+        let mut h =
+            b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
         for (li, layer) in self.layers.iter().enumerate() {
             prof.mark(b, "norms+residual");
+            let last_layer = li + 1 == self.layers.len();
             let o = match &layer.mixer {
                 Mixer::Attention { qkv, o, q_norm, k_norm } => {
                     let p = b.matmul(&h, qkv)?;
@@ -537,15 +600,15 @@ impl<B: Backend> Qwen35<B> {
                             _ => Err(anyhow!("state layer {li} is not an attention cache")),
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    let inputs = AttentionInputs {
-                        qkv: &p,
-                        q_norm,
-                        k_norm,
-                        cos: &cos,
-                        sin: &sin,
-                    };
+                    let inputs = AttentionInputs { qkv: &p, q_norm, k_norm, cos: &cos, sin: &sin };
                     prof.mark(b, "attn.proj_in");
-                    let core = b.gated_attention(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?;
+                    // The last layer attends only the rows that are read out (every row's keys
+                    // and values still enter the caches, which forks continue).
+                    let core = if last_layer {
+                        b.gated_attention_last_rows(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?
+                    } else {
+                        b.gated_attention(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?
+                    };
                     prof.mark(b, "attn.core");
                     let y = b.matmul(&core, o)?;
                     prof.mark(b, "attn.proj_out");
@@ -561,13 +624,8 @@ impl<B: Backend> Qwen35<B> {
                             _ => Err(anyhow!("state layer {li} is not a DeltaNet state")),
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    let inputs = DeltaNetInputs {
-                        proj: &p,
-                        conv_weight: conv,
-                        a_log,
-                        dt_bias,
-                        norm_weight: norm,
-                    };
+                    let inputs =
+                        DeltaNetInputs { proj: &p, conv_weight: conv, a_log, dt_bias, norm_weight: norm };
                     prof.mark(b, "gdn.proj_in");
                     let core = b.gated_delta_net(&inputs, d, &ranges, parents, &mut sts)?;
                     prof.mark(b, "gdn.core");
@@ -576,11 +634,16 @@ impl<B: Backend> Qwen35<B> {
                     y
                 }
             };
-            let hm = if li + 1 == self.layers.len() {
+            let hm = if last_layer {
                 // Only the last token of each sequence is read out: the last MLP runs on those rows
-                // (gathered after the residual add, before the norm).
-                b.add_assign(&mut x, &o)?;
-                x = b.gather_rows(&x, &last_rows)?;
+                // (gathered before the residual add when the mixer returned only them, else after).
+                if matches!(layer.mixer, Mixer::Attention { .. }) {
+                    x = b.gather_rows(&x, &last_rows)?;
+                    b.add_assign(&mut x, &o)?;
+                } else {
+                    b.add_assign(&mut x, &o)?;
+                    x = b.gather_rows(&x, &last_rows)?;
+                }
                 b.rms_norm(&x, &layer.post_norm, self.eps, 1.0)?
             } else {
                 b.add_rms_norm(&mut x, &o, &layer.post_norm, self.eps, 1.0)?
@@ -605,7 +668,11 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// `prefill(tokens, images) → (State, hidden of the last token)`.
-    pub fn prefill(&self, ids: &[u32], images: &[&PatchedImage]) -> Result<(State<B>, B::Tensor, SequenceLayout)> {
+    pub fn prefill(
+        &self,
+        ids: &[u32],
+        images: &[&PatchedImage],
+    ) -> Result<(State<B>, B::Tensor, SequenceLayout)> {
         let feats = self.encode_images(images)?;
         let layout = self.layout(ids, images, 0)?;
         let mut st = self.new_state()?;
@@ -623,7 +690,8 @@ impl<B: Backend> Qwen35<B> {
             .zip(suffixes)
             .map(|(s, ids)| self.layout(ids, &[], s.next_pos))
             .collect::<Result<Vec<_>>>()?;
-        let segs: Vec<Segment<B>> = layouts.iter().map(|l| Segment { layout: l, images: &[], parent: None }).collect();
+        let segs: Vec<Segment<B>> =
+            layouts.iter().map(|l| Segment { layout: l, images: &[], parent: None }).collect();
         let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
         self.forward(&segs, &mut refs)
     }
@@ -638,7 +706,8 @@ impl<B: Backend> Qwen35<B> {
         feats: &[B::Tensor],
         suffixes: &[&[u32]],
     ) -> Result<(Vec<State<B>>, B::Tensor)> {
-        let layouts = suffixes.iter().map(|ids| self.layout(ids, &[], layout.next_pos)).collect::<Result<Vec<_>>>()?;
+        let layouts =
+            suffixes.iter().map(|ids| self.layout(ids, &[], layout.next_pos)).collect::<Result<Vec<_>>>()?;
         let mut segs = vec![Segment { layout, images: feats, parent: None }];
         segs.extend(layouts.iter().map(|l| Segment { layout: l, images: &[], parent: Some(0) }));
         // The suffixes' states are replaced by forks of the prefix's inside the forward; until
@@ -653,7 +722,9 @@ impl<B: Backend> Qwen35<B> {
 
     /// Readout logits `[rows]` per hidden row, in f32.
     pub fn readout(&self, hidden: &B::Tensor) -> Result<Vec<Vec<f32>>> {
-        let (w, rows) = self.readout.as_ref().ok_or_else(|| anyhow!("no readout head is loaded (adapter folder without decision_readout.safetensors)"))?;
+        let (w, rows) = self.readout.as_ref().ok_or_else(|| {
+            anyhow!("no readout head is loaded (adapter folder without decision_readout.safetensors)")
+        })?;
         let flat = self.backend.readout(hidden, w)?;
         Ok(flat.chunks(*rows).map(|c| c.to_vec()).collect())
     }

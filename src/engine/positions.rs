@@ -24,7 +24,13 @@ pub struct SequenceLayout {
 ///
 /// `grids[i]` is image i's patch grid `(t, h, w)`; images are taken in order of appearance;
 /// `merge` is the spatial merge size; `start` is the first text position.
-pub fn layout(ids: &[u32], image_pad: u32, grids: &[[usize; 3]], merge: usize, start: i64) -> Result<SequenceLayout> {
+pub fn layout(
+    ids: &[u32],
+    image_pad: u32,
+    grids: &[[usize; 3]],
+    merge: usize,
+    start: i64,
+) -> Result<SequenceLayout> {
     let pads = ids.iter().filter(|&&t| t == image_pad).count();
     if pads != grids.len() {
         bail!(
@@ -33,7 +39,12 @@ pub fn layout(ids: &[u32], image_pad: u32, grids: &[[usize; 3]], merge: usize, s
             grids.len()
         );
     }
-    let mut out = SequenceLayout { ids: Vec::new(), positions: [vec![], vec![], vec![]], images: vec![], next_pos: start };
+    let mut out = SequenceLayout {
+        ids: Vec::new(),
+        positions: [vec![], vec![], vec![]],
+        images: vec![],
+        next_pos: start,
+    };
     let mut cur = start;
     let mut img = 0;
     for &t in ids {
@@ -82,7 +93,12 @@ pub fn inv_freq(theta: f64, dim: usize) -> Vec<f32> {
 /// Text cos/sin tables `[n, rotary_dim]` with interleaved mRoPE: frequency `j` takes its
 /// position from H when `j % 3 == 1 && j < 3·sec[1]`, from W when `j % 3 == 2 && j < 3·sec[2]`,
 /// else from T; the half-table is repeated (`cat(freqs, freqs)`).
-pub fn text_rope_tables(positions: &[Vec<i64>; 3], theta: f64, rotary_dim: usize, section: [usize; 3]) -> (Vec<f32>, Vec<f32>) {
+pub fn text_rope_tables(
+    positions: &[Vec<i64>; 3],
+    theta: f64,
+    rotary_dim: usize,
+    section: [usize; 3],
+) -> (Vec<f32>, Vec<f32>) {
     let inv = inv_freq(theta, rotary_dim);
     let half = rotary_dim / 2;
     let n = positions[0].len();

@@ -11,7 +11,8 @@ use std::time::Instant;
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        std::env::var("IMAJEV_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("kernels"))
+        std::env::var("IMAJEV_PROFILE")
+            .is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("kernels"))
     })
 }
 
@@ -56,7 +57,8 @@ impl StageTimer {
         if !self.on || self.totals.is_empty() {
             return;
         }
-        let parts: Vec<String> = self.totals.iter().map(|(k, (ms, n))| format!("{k} {ms:.2} ms/{n}")).collect();
+        let parts: Vec<String> =
+            self.totals.iter().map(|(k, (ms, n))| format!("{k} {ms:.2} ms/{n}")).collect();
         tracing::info!("profile {what} ({tokens} tokens): {}", parts.join(", "));
     }
 }

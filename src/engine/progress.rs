@@ -18,7 +18,15 @@ pub struct LoadProgress {
 impl LoadProgress {
     pub fn new(label: &'static str, total: u64) -> Self {
         let now = Instant::now();
-        LoadProgress { label, total, done: 0, started: now, last_log: now, bar: None, tty: std::io::stderr().is_terminal() }
+        LoadProgress {
+            label,
+            total,
+            done: 0,
+            started: now,
+            last_log: now,
+            bar: None,
+            tty: std::io::stderr().is_terminal(),
+        }
     }
 
     pub fn advance(&mut self, bytes: u64) {
@@ -31,8 +39,10 @@ impl LoadProgress {
             let bar = self.bar.get_or_insert_with(|| {
                 let b = ProgressBar::with_draw_target(Some(self.total), ProgressDrawTarget::stderr());
                 b.set_style(
-                    ProgressStyle::with_template("{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} ({eta})")
-                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                    ProgressStyle::with_template(
+                        "{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} ({eta})",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
                 );
                 b.set_message(self.label);
                 b

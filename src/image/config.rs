@@ -157,8 +157,7 @@ impl TryFrom<ConfigJson> for ImageProcessorConfig {
 impl ImageProcessorConfig {
     /// Parses a `preprocessor_config.json` text; absent keys take the Qwen3.5 defaults.
     pub fn from_json_str(text: &str) -> Result<Self, ImageError> {
-        serde_json::from_str(text)
-            .map_err(|e| ImageError::Config(format!("preprocessor_config.json: {e}")))
+        serde_json::from_str(text).map_err(|e| ImageError::Config(format!("preprocessor_config.json: {e}")))
     }
 
     /// Reads `dir/preprocessor_config.json` if present, else the Qwen3.5 defaults.
@@ -167,10 +166,7 @@ impl ImageProcessorConfig {
         match std::fs::read_to_string(&path) {
             Ok(text) => Self::from_json_str(&text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
-            Err(e) => Err(ImageError::Config(format!(
-                "reading {}: {e}",
-                path.display()
-            ))),
+            Err(e) => Err(ImageError::Config(format!("reading {}: {e}", path.display()))),
         }
     }
 
@@ -178,10 +174,7 @@ impl ImageProcessorConfig {
     pub fn validate(&self) -> Result<(), ImageError> {
         let bad = |m: String| Err(ImageError::Config(m));
         if self.resample != 3 {
-            return bad(format!(
-                "resample {} is not implemented (only 3 = BICUBIC)",
-                self.resample
-            ));
+            return bad(format!("resample {} is not implemented (only 3 = BICUBIC)", self.resample));
         }
         if self.patch_size == 0 || self.merge_size == 0 || self.temporal_patch_size == 0 {
             return bad("patch_size, merge_size and temporal_patch_size must be positive".into());
@@ -190,10 +183,7 @@ impl ImageProcessorConfig {
             return bad("size.shortest_edge and size.longest_edge must be positive".into());
         }
         if self.do_rescale && !(self.rescale_factor.is_finite() && self.rescale_factor != 0.0) {
-            return bad(format!(
-                "rescale_factor {} must be finite and non-zero",
-                self.rescale_factor
-            ));
+            return bad(format!("rescale_factor {} must be finite and non-zero", self.rescale_factor));
         }
         if self.do_normalize && self.image_std.contains(&0.0) {
             return bad("std evaluated to zero, leading to division by zero".into());
@@ -237,22 +227,15 @@ mod tests {
     #[test]
     fn roundtrip_and_legacy_keys() {
         let d = ImageProcessorConfig::default();
-        assert_eq!(
-            ImageProcessorConfig::from_json_str(&d.to_json()).unwrap(),
-            d
-        );
+        assert_eq!(ImageProcessorConfig::from_json_str(&d.to_json()).unwrap(), d);
         let c = ImageProcessorConfig::from_json_str(
             r#"{"size": {"shortest_edge": 10, "longest_edge": 20}, "min_pixels": 1024, "max_pixels": 4096}"#,
         )
         .unwrap();
         assert_eq!((c.min_pixels, c.max_pixels), (1024, 4096));
-        let c = ImageProcessorConfig::from_json_str(r#"{"min_pixels": 1024, "max_pixels": 4096}"#)
-            .unwrap();
+        let c = ImageProcessorConfig::from_json_str(r#"{"min_pixels": 1024, "max_pixels": 4096}"#).unwrap();
         assert_eq!((c.min_pixels, c.max_pixels, c.patch_size), (1024, 4096, 16));
         assert!(ImageProcessorConfig::from_json_str(r#"{"resample": 2}"#).is_err());
-        assert!(
-            ImageProcessorConfig::from_json_str(r#"{"size": {"height": 224, "width": 224}}"#)
-                .is_err()
-        );
+        assert!(ImageProcessorConfig::from_json_str(r#"{"size": {"height": 224, "width": 224}}"#).is_err());
     }
 }

@@ -79,10 +79,7 @@ pub struct ImageLimits {
 
 impl Default for ImageLimits {
     fn default() -> Self {
-        Self {
-            max_bytes: 20 * 1024 * 1024,
-            max_pixels: 20_000_000,
-        }
+        Self { max_bytes: 20 * 1024 * 1024, max_pixels: 20_000_000 }
     }
 }
 
@@ -164,18 +161,13 @@ pub fn sniff_format(b: &[u8]) -> Result<ImageFormat, ImageError> {
         "PNM".into()
     } else {
         let t = &b[..b.len().min(256)];
-        let text = t
-            .iter()
-            .all(|&c| c == b'\n' || c == b'\r' || c == b'\t' || (0x20..0x7f).contains(&c));
+        let text = t.iter().all(|&c| c == b'\n' || c == b'\r' || c == b'\t' || (0x20..0x7f).contains(&c));
         if text && (find(t, b"<svg").is_some() || find(t, b"<?xml").is_some()) {
             "SVG/XML".into()
         } else if text {
             "text, not an image".into()
         } else {
-            format!(
-                "unknown (first bytes {})",
-                hex::encode(&b[..b.len().min(8)])
-            )
+            format!("unknown (first bytes {})", hex::encode(&b[..b.len().min(8)]))
         }
     };
     Err(ImageError::UnsupportedFormat(what))
@@ -194,20 +186,16 @@ struct Header {
 }
 
 fn be16(b: &[u8], o: usize) -> Option<u32> {
-    b.get(o..o + 2)
-        .map(|s| u16::from_be_bytes([s[0], s[1]]) as u32)
+    b.get(o..o + 2).map(|s| u16::from_be_bytes([s[0], s[1]]) as u32)
 }
 fn be32(b: &[u8], o: usize) -> Option<u32> {
-    b.get(o..o + 4)
-        .map(|s| u32::from_be_bytes([s[0], s[1], s[2], s[3]]))
+    b.get(o..o + 4).map(|s| u32::from_be_bytes([s[0], s[1], s[2], s[3]]))
 }
 fn le24(b: &[u8], o: usize) -> Option<u32> {
-    b.get(o..o + 3)
-        .map(|s| s[0] as u32 | (s[1] as u32) << 8 | (s[2] as u32) << 16)
+    b.get(o..o + 3).map(|s| s[0] as u32 | (s[1] as u32) << 8 | (s[2] as u32) << 16)
 }
 fn le32(b: &[u8], o: usize) -> Option<u32> {
-    b.get(o..o + 4)
-        .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    b.get(o..o + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
 }
 
 fn png_header(b: &[u8]) -> Result<Header, ImageError> {
@@ -308,10 +296,7 @@ fn decode_raw_profile(v: &[u8]) -> Option<Vec<u8>> {
 
 fn jpeg_header(b: &[u8]) -> Result<Header, ImageError> {
     let bad = |m: String| ImageError::corrupt(ImageFormat::Jpeg, m);
-    let mut h = Header {
-        frames: 1,
-        ..Default::default()
-    };
+    let mut h = Header { frames: 1, ..Default::default() };
     let mut pos = 2usize;
     let mut sof = None;
     let mut sos = None;
@@ -332,9 +317,7 @@ fn jpeg_header(b: &[u8]) -> Result<Header, ImageError> {
         }
         let len = be16(b, pos).ok_or_else(|| bad("truncated marker segment".into()))? as usize;
         if len < 2 || pos + len > b.len() {
-            return Err(bad(format!(
-                "marker 0xFF{marker:02X} segment runs past the end of the data"
-            )));
+            return Err(bad(format!("marker 0xFF{marker:02X} segment runs past the end of the data")));
         }
         let seg = &b[pos + 2..pos + len];
         match marker {
@@ -378,10 +361,7 @@ fn jpeg_header(b: &[u8]) -> Result<Header, ImageError> {
         return Err(bad("no frame header (SOF) before the image data".into()));
     };
     // Pillow's SOF handler: 8-bit samples and 1, 3 or 4 components only.
-    let unsupported = |detail: String| ImageError::UnsupportedFeature {
-        format: "JPEG",
-        detail,
-    };
+    let unsupported = |detail: String| ImageError::UnsupportedFeature { format: "JPEG", detail };
     if precision != 8 {
         return Err(unsupported(format!("{precision}-bit samples")));
     }
@@ -395,22 +375,15 @@ fn jpeg_header(b: &[u8]) -> Result<Header, ImageError> {
     h.height = height as u64;
     // Pillow raises "image file is truncated" when the data ends before EOI.
     if find(&b[sos..], &[0xFF, 0xD9]).is_none() {
-        return Err(bad(
-            "the data ends before the end-of-image marker (file truncated?)".into(),
-        ));
+        return Err(bad("the data ends before the end-of-image marker (file truncated?)".into()));
     }
     Ok(h)
 }
 
 fn webp_header(b: &[u8]) -> Result<Header, ImageError> {
     let bad = |m: &str| ImageError::corrupt(ImageFormat::WebP, m);
-    let mut h = Header {
-        frames: 1,
-        ..Default::default()
-    };
-    let riff_end = (le32(b, 4).unwrap_or(0) as usize)
-        .saturating_add(8)
-        .min(b.len());
+    let mut h = Header { frames: 1, ..Default::default() };
+    let riff_end = (le32(b, 4).unwrap_or(0) as usize).saturating_add(8).min(b.len());
     let mut pos = 12usize;
     let mut first = true;
     let mut animated = false;
@@ -471,10 +444,7 @@ fn map_image_err(format: ImageFormat, e: image::ImageError) -> ImageError {
     use image::error::ImageError as E;
     match e {
         E::Limits(l) => ImageError::corrupt(format, format!("decoder memory limit exceeded ({l})")),
-        E::Unsupported(u) => ImageError::UnsupportedFeature {
-            format: format.name(),
-            detail: u.to_string(),
-        },
+        E::Unsupported(u) => ImageError::UnsupportedFeature { format: format.name(), detail: u.to_string() },
         other => ImageError::corrupt(format, other.to_string()),
     }
 }
@@ -482,10 +452,7 @@ fn map_image_err(format: ImageFormat, e: image::ImageError) -> ImageError {
 /// Decodes JPEG / PNG / WebP bytes to oriented RGB8, refusing what the reference refuses.
 pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<DecodedImage, ImageError> {
     if bytes.len() > limits.max_bytes {
-        return Err(ImageError::TooLarge {
-            bytes: bytes.len(),
-            limit: limits.max_bytes,
-        });
+        return Err(ImageError::TooLarge { bytes: bytes.len(), limit: limits.max_bytes });
     }
     let format = sniff_format(bytes)?;
     let header = match format {
@@ -495,10 +462,7 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<DecodedImage, 
     };
     let (w, h) = (header.width, header.height);
     if w == 0 || h == 0 {
-        return Err(ImageError::Empty {
-            width: w,
-            height: h,
-        });
+        return Err(ImageError::Empty { width: w, height: h });
     }
     if w * h > limits.max_pixels {
         return Err(ImageError::TooManyPixels {
@@ -525,14 +489,7 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<DecodedImage, 
     }
     let orientation = resolve_orientation(header.exif.as_deref(), header.xmp.as_deref());
     let (rgb, ow, oh) = apply_orientation(rgb, dw as usize, dh as usize, 3, orientation);
-    Ok(DecodedImage {
-        width: ow as u32,
-        height: oh as u32,
-        rgb,
-        sha256: sha256.into(),
-        format,
-        orientation,
-    })
+    Ok(DecodedImage { width: ow as u32, height: oh as u32, rgb, sha256: sha256.into(), format, orientation })
 }
 
 /// Pixel decoding (RGB8, before orientation), with the decoder held to what the header declared.
@@ -544,13 +501,9 @@ fn decode_pixels(
     let (w, h) = (header.width, header.height);
     #[cfg(feature = "exact-jpeg")]
     if format == ImageFormat::Jpeg {
-        let (rgb, dw, dh) =
-            super::jpeg::decode_rgb(bytes).map_err(|m| ImageError::corrupt(format, m))?;
+        let (rgb, dw, dh) = super::jpeg::decode_rgb(bytes).map_err(|m| ImageError::corrupt(format, m))?;
         if (dw as u64, dh as u64) != (w, h) {
-            return Err(ImageError::corrupt(
-                format,
-                format!("frame is {dw}x{dh}, header said {w}x{h}"),
-            ));
+            return Err(ImageError::corrupt(format, format!("frame is {dw}x{dh}, header said {w}x{h}")));
         }
         return Ok((rgb, dw as u64, dh as u64));
     }
@@ -606,11 +559,7 @@ fn to_rgb8_like_pillow(
     };
     Ok(match img {
         D::ImageRgb8(b) => b.into_raw(),
-        D::ImageRgba8(b) => b
-            .into_raw()
-            .chunks_exact(4)
-            .flat_map(|p| [p[0], p[1], p[2]])
-            .collect(),
+        D::ImageRgba8(b) => b.into_raw().chunks_exact(4).flat_map(|p| [p[0], p[1], p[2]]).collect(),
         D::ImageLuma8(b) => gray(b.into_raw().into_iter(), n),
         D::ImageLumaA8(b) => gray(b.into_raw().chunks_exact(2).map(|p| p[0]), n),
         D::ImageLuma16(b) => gray(b.into_raw().into_iter().map(g16), n),

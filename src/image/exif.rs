@@ -29,20 +29,12 @@ pub fn exif_orientation_tag(blob: &[u8]) -> Option<Option<u32>> {
     };
     let u16_at = |o: usize| -> Option<u32> {
         let b = d.get(o..o + 2)?;
-        Some(if le {
-            u16::from_le_bytes([b[0], b[1]])
-        } else {
-            u16::from_be_bytes([b[0], b[1]])
-        } as u32)
+        Some(if le { u16::from_le_bytes([b[0], b[1]]) } else { u16::from_be_bytes([b[0], b[1]]) } as u32)
     };
     let u32_at = |o: usize| -> Option<u32> {
         let b = d.get(o..o + 4)?;
         let a = [b[0], b[1], b[2], b[3]];
-        Some(if le {
-            u32::from_le_bytes(a)
-        } else {
-            u32::from_be_bytes(a)
-        })
+        Some(if le { u32::from_le_bytes(a) } else { u32::from_be_bytes(a) })
     };
     let ifd = u32_at(4)? as usize;
     let n = u16_at(ifd)? as usize;
@@ -60,11 +52,11 @@ pub fn exif_orientation_tag(blob: &[u8]) -> Option<Option<u32>> {
             None
         } else {
             match typ {
-                1 => d.get(e + 8).map(|&b| b as u32),              // BYTE
-                6 => d.get(e + 8).map(|&b| b as i8 as i32 as u32), // SBYTE
-                3 => u16_at(e + 8),                                // SHORT
+                1 => d.get(e + 8).map(|&b| b as u32),                      // BYTE
+                6 => d.get(e + 8).map(|&b| b as i8 as i32 as u32),         // SBYTE
+                3 => u16_at(e + 8),                                        // SHORT
                 8 => u16_at(e + 8).map(|v| v as u16 as i16 as i32 as u32), // SSHORT
-                4 | 9 => u32_at(e + 8),                            // LONG / SLONG
+                4 | 9 => u32_at(e + 8),                                    // LONG / SLONG
                 _ => None,
             }
         });
@@ -167,46 +159,19 @@ mod tests {
         assert_eq!(orientation_from_exif(&exif_le(3, 1, 6)), Some(6));
         assert_eq!(orientation_from_exif(&exif_le(4, 1, 8)), Some(8));
         assert_eq!(orientation_from_exif(&exif_le(3, 2, 6)), None);
-        assert_eq!(
-            resolve_orientation(
-                Some(&exif_le(3, 2, 6)),
-                Some(b"<x tiff:Orientation=\"3\"/>")
-            ),
-            1
-        );
-        assert_eq!(
-            resolve_orientation(None, Some(b"<tiff:Orientation>8</tiff:Orientation>")),
-            8
-        );
-        assert_eq!(
-            resolve_orientation(Some(b"junk"), Some(b"tiff:Orientation=\"6\"")),
-            6
-        );
+        assert_eq!(resolve_orientation(Some(&exif_le(3, 2, 6)), Some(b"<x tiff:Orientation=\"3\"/>")), 1);
+        assert_eq!(resolve_orientation(None, Some(b"<tiff:Orientation>8</tiff:Orientation>")), 8);
+        assert_eq!(resolve_orientation(Some(b"junk"), Some(b"tiff:Orientation=\"6\"")), 6);
     }
 
     #[test]
     fn rotations_compose() {
         // 3x2 image, one channel: 0 1 2 / 3 4 5
         let px: Vec<u8> = (0..6).collect();
-        assert_eq!(
-            apply_orientation(px.clone(), 3, 2, 1, 6),
-            (vec![3, 0, 4, 1, 5, 2], 2, 3)
-        );
-        assert_eq!(
-            apply_orientation(px.clone(), 3, 2, 1, 8),
-            (vec![2, 5, 1, 4, 0, 3], 2, 3)
-        );
-        assert_eq!(
-            apply_orientation(px.clone(), 3, 2, 1, 5),
-            (vec![0, 3, 1, 4, 2, 5], 2, 3)
-        );
-        assert_eq!(
-            apply_orientation(px.clone(), 3, 2, 1, 7),
-            (vec![5, 2, 4, 1, 3, 0], 2, 3)
-        );
-        assert_eq!(
-            apply_orientation(px.clone(), 3, 2, 1, 3).0,
-            vec![5, 4, 3, 2, 1, 0]
-        );
+        assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 6), (vec![3, 0, 4, 1, 5, 2], 2, 3));
+        assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 8), (vec![2, 5, 1, 4, 0, 3], 2, 3));
+        assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 5), (vec![0, 3, 1, 4, 2, 5], 2, 3));
+        assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 7), (vec![5, 2, 4, 1, 3, 0], 2, 3));
+        assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 3).0, vec![5, 4, 3, 2, 1, 0]);
     }
 }

@@ -30,12 +30,7 @@ fn muldiv255(a: i32, b: i32) -> i32 {
 fn cmyk_inverted_to_rgb(cmyk: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(cmyk.len() / 4 * 3);
     for p in cmyk.chunks_exact(4) {
-        let (c, m, y, k) = (
-            255 - p[0] as i32,
-            255 - p[1] as i32,
-            255 - p[2] as i32,
-            255 - p[3] as i32,
-        );
+        let (c, m, y, k) = (255 - p[0] as i32, 255 - p[1] as i32, 255 - p[2] as i32, 255 - p[3] as i32);
         let nk = 255 - k;
         for v in [c, m, y] {
             out.push((nk - muldiv255(v, nk)).clamp(0, 255) as u8);
@@ -82,10 +77,7 @@ pub(crate) fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize), String
             _ => px,
         };
         if rgb.len() != w * h * 3 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "short image data",
-            ));
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short image data"));
         }
         Ok((rgb, w, h))
     };
@@ -106,10 +98,7 @@ mod tests {
     fn cmyk_formula_matches_pillow_examples() {
         // Pillow: Image.new("CMYK", (1,1), (c,m,y,k)).convert("RGB") with inverted storage.
         // White (no ink) is stored as 255s in Adobe-inverted CMYK.
-        assert_eq!(
-            super::cmyk_inverted_to_rgb(&[255, 255, 255, 255]),
-            vec![255, 255, 255]
-        );
+        assert_eq!(super::cmyk_inverted_to_rgb(&[255, 255, 255, 255]), vec![255, 255, 255]);
         assert_eq!(super::cmyk_inverted_to_rgb(&[0, 0, 0, 0]), vec![0, 0, 0]);
     }
 }

@@ -72,35 +72,21 @@ pub enum ImageError {
         "Image exceeds {} decoded pixels ({width}x{height} = {pixels}); downscale it before sending",
         millions(*limit)
     )]
-    TooManyPixels {
-        width: u64,
-        height: u64,
-        pixels: u64,
-        limit: u64,
-    },
+    TooManyPixels { width: u64, height: u64, pixels: u64, limit: u64 },
     #[error("unsupported image format: {0}; send JPEG, PNG or WebP")]
     UnsupportedFormat(String),
     #[error("corrupt or truncated image: {0}; re-encode or re-upload it")]
     Corrupt(String),
-    #[error(
-        "animated images are not supported; send a single frame (e.g. the first frame as PNG)"
-    )]
+    #[error("animated images are not supported; send a single frame (e.g. the first frame as PNG)")]
     Animated,
     #[error("image has zero width or height ({width}x{height})")]
     Empty { width: u64, height: u64 },
     #[error(
         "absolute aspect ratio must be smaller than 200, got {ratio:?} ({width}x{height}); crop or pad the image"
     )]
-    AspectRatio {
-        width: usize,
-        height: usize,
-        ratio: f64,
-    },
+    AspectRatio { width: usize, height: usize, ratio: f64 },
     #[error("{format} image uses an unsupported feature: {detail}; re-encode it as 8-bit RGB")]
-    UnsupportedFeature {
-        format: &'static str,
-        detail: String,
-    },
+    UnsupportedFeature { format: &'static str, detail: String },
     #[error("image processor configuration: {0}")]
     Config(String),
 }

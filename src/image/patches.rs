@@ -12,8 +12,7 @@
 //!   the temporal axis being the same frame repeated `temporal_patch_size` times.
 
 use super::{
-    resize::resize_bicubic_aa_u8, resize::smart_resize, DecodedImage, ImageError,
-    ImageProcessorConfig,
+    resize::resize_bicubic_aa_u8, resize::smart_resize, DecodedImage, ImageError, ImageProcessorConfig,
 };
 
 /// The processor's output for one image.
@@ -46,10 +45,7 @@ impl PatchedImage {
 
     /// `pixel_values` as little-endian bytes (what the goldens hash).
     pub fn pixel_values_le_bytes(&self) -> Vec<u8> {
-        self.pixel_values
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect()
+        self.pixel_values.iter().flat_map(|v| v.to_le_bytes()).collect()
     }
 }
 
@@ -62,10 +58,7 @@ pub(crate) fn normalize_lut(cfg: &ImageProcessorConfig) -> [[f32; 256]; 3] {
             *out = if cfg.do_normalize {
                 let (mean, std) = if cfg.do_rescale {
                     let inv = (1.0 / cfg.rescale_factor) as f32;
-                    (
-                        cfg.image_mean[c] as f32 * inv,
-                        cfg.image_std[c] as f32 * inv,
-                    )
+                    (cfg.image_mean[c] as f32 * inv, cfg.image_std[c] as f32 * inv)
                 } else {
                     (cfg.image_mean[c] as f32, cfg.image_std[c] as f32)
                 };
@@ -99,10 +92,7 @@ pub fn preprocess_rgb(
         smart_resize(height, width, cfg.factor(), cfg.min_pixels, cfg.max_pixels)?
     } else {
         if width == 0 || height == 0 {
-            return Err(ImageError::Empty {
-                width: width as u64,
-                height: height as u64,
-            });
+            return Err(ImageError::Empty { width: width as u64, height: height as u64 });
         }
         (height, width)
     };
@@ -166,10 +156,7 @@ pub fn preprocess_rgb(
 }
 
 /// [`preprocess_rgb`] on a decoded image.
-pub fn preprocess(
-    img: &DecodedImage,
-    cfg: &ImageProcessorConfig,
-) -> Result<PatchedImage, ImageError> {
+pub fn preprocess(img: &DecodedImage, cfg: &ImageProcessorConfig) -> Result<PatchedImage, ImageError> {
     preprocess_rgb(&img.rgb, img.width as usize, img.height as usize, cfg)
 }
 
@@ -180,11 +167,7 @@ pub fn resized_rgb(
 ) -> Result<(usize, usize, Vec<u8>), ImageError> {
     let (w, h) = (img.width as usize, img.height as usize);
     let (rh, rw) = smart_resize(h, w, cfg.factor(), cfg.min_pixels, cfg.max_pixels)?;
-    let out = if (rh, rw) != (h, w) {
-        resize_bicubic_aa_u8(&img.rgb, w, h, rw, rh)
-    } else {
-        img.rgb.clone()
-    };
+    let out = if (rh, rw) != (h, w) { resize_bicubic_aa_u8(&img.rgb, w, h, rw, rh) } else { img.rgb.clone() };
     Ok((rh, rw, out))
 }
 
@@ -197,13 +180,8 @@ mod tests {
         // 64x64 image whose pixel (y, x, c) = distinct small value; no resize needed (64 < min
         // pixels would upscale, so switch resize off).
         let (w, h) = (64usize, 64usize);
-        let rgb: Vec<u8> = (0..h * w * 3)
-            .map(|i| ((i / 3 % 97) + (i % 3) * 50) as u8)
-            .collect();
-        let cfg = ImageProcessorConfig {
-            do_resize: false,
-            ..Default::default()
-        };
+        let rgb: Vec<u8> = (0..h * w * 3).map(|i| ((i / 3 % 97) + (i % 3) * 50) as u8).collect();
+        let cfg = ImageProcessorConfig { do_resize: false, ..Default::default() };
         let p = preprocess_rgb(&rgb, w, h, &cfg).unwrap();
         assert_eq!(p.grid_thw, [1, 4, 4]);
         assert_eq!(p.merged_tokens(), 4);

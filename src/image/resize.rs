@@ -38,19 +38,12 @@ pub fn smart_resize(
     max_pixels: usize,
 ) -> Result<(usize, usize), ImageError> {
     if height == 0 || width == 0 || factor == 0 {
-        return Err(ImageError::Empty {
-            width: width as u64,
-            height: height as u64,
-        });
+        return Err(ImageError::Empty { width: width as u64, height: height as u64 });
     }
     let (h, w, f) = (height as f64, width as f64, factor as f64);
     let ratio = h.max(w) / h.min(w);
     if ratio > 200.0 {
-        return Err(ImageError::AspectRatio {
-            width,
-            height,
-            ratio,
-        });
+        return Err(ImageError::AspectRatio { width, height, ratio });
     }
     // Python's round() is round-half-to-even on the (correctly rounded) float quotient.
     let mut h_bar = (h / f).round_ties_even() as usize * factor;
@@ -105,11 +98,7 @@ impl AxisWeights {
         assert!(in_size > 0 && out_size > 0);
         let scale = in_size as f64 / out_size as f64;
         let interp_size = 4.0_f64;
-        let support = if scale >= 1.0 {
-            (interp_size * 0.5) * scale
-        } else {
-            interp_size * 0.5
-        };
+        let support = if scale >= 1.0 { (interp_size * 0.5) * scale } else { interp_size * 0.5 };
         let kmax = support.ceil() as usize * 2 + 1;
         let invscale = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
 
@@ -153,20 +142,10 @@ impl AxisWeights {
             .iter()
             .map(|&w| {
                 let v = w * mult;
-                (if v < 0.0 {
-                    (-0.5 + v) as i32
-                } else {
-                    (0.5 + v) as i32
-                }) as i16
+                (if v < 0.0 { (-0.5 + v) as i32 } else { (0.5 + v) as i32 }) as i16
             })
             .collect();
-        Self {
-            xmin: xmin_v,
-            xsize: xsize_v,
-            kmax,
-            weights,
-            precision,
-        }
+        Self { xmin: xmin_v, xsize: xsize_v, kmax, weights, precision }
     }
 
     #[inline]
@@ -254,13 +233,7 @@ fn vertical(src: &[u8], row_len: usize, h: usize, new_h: usize) -> Vec<u8> {
 
 /// Resizes an interleaved RGB8 (HWC) image exactly like torch 2.11's CPU
 /// `interpolate(uint8, mode="bicubic", antialias=True, align_corners=False)`.
-pub fn resize_bicubic_aa_u8(
-    rgb_hwc: &[u8],
-    w: usize,
-    h: usize,
-    new_w: usize,
-    new_h: usize,
-) -> Vec<u8> {
+pub fn resize_bicubic_aa_u8(rgb_hwc: &[u8], w: usize, h: usize, new_w: usize, new_h: usize) -> Vec<u8> {
     resize_bicubic_aa_u8_channels(rgb_hwc, w, h, 3, new_w, new_h)
 }
 
@@ -273,15 +246,8 @@ pub fn resize_bicubic_aa_u8_channels(
     new_w: usize,
     new_h: usize,
 ) -> Vec<u8> {
-    assert_eq!(
-        src.len(),
-        w * h * channels,
-        "buffer is not {w}x{h}x{channels}"
-    );
-    assert!(
-        w > 0 && h > 0 && new_w > 0 && new_h > 0,
-        "empty resize {w}x{h} -> {new_w}x{new_h}"
-    );
+    assert_eq!(src.len(), w * h * channels, "buffer is not {w}x{h}x{channels}");
+    assert!(w > 0 && h > 0 && new_w > 0 && new_h > 0, "empty resize {w}x{h} -> {new_w}x{new_h}");
     let tmp;
     let horiz: &[u8] = if new_w != w {
         tmp = horizontal(src, w, h, channels, new_w);
@@ -302,23 +268,13 @@ mod tests {
 
     #[test]
     fn weights_sum_to_one_in_fixed_point() {
-        for &(i, o) in &[
-            (37usize, 224usize),
-            (700, 704),
-            (1000, 100),
-            (1, 32),
-            (300, 32),
-            (5, 1),
-        ] {
+        for &(i, o) in &[(37usize, 224usize), (700, 704), (1000, 100), (1, 32), (300, 32), (5, 1)] {
             let ax = AxisWeights::new(i, o);
             assert!(ax.precision >= 1 && ax.precision <= 22);
             for x in 0..o {
                 let s: i32 = ax.taps(x).1.iter().map(|&v| v as i32).sum();
                 let one = 1i32 << ax.precision;
-                assert!(
-                    (s - one).abs() <= ax.kmax as i32,
-                    "{i}->{o} x={x}: {s} vs {one}"
-                );
+                assert!((s - one).abs() <= ax.kmax as i32, "{i}->{o} x={x}: {s} vs {one}");
             }
         }
     }
@@ -328,11 +284,7 @@ mod tests {
         let img: Vec<u8> = (0..5 * 4 * 3).map(|v| (v * 7) as u8).collect();
         assert_eq!(resize_bicubic_aa_u8(&img, 5, 4, 5, 4), img);
         let flat = vec![77u8; 9 * 7 * 3];
-        assert!(resize_bicubic_aa_u8(&flat, 9, 7, 64, 32)
-            .iter()
-            .all(|&v| v == 77));
-        assert!(resize_bicubic_aa_u8(&flat, 9, 7, 2, 3)
-            .iter()
-            .all(|&v| v == 77));
+        assert!(resize_bicubic_aa_u8(&flat, 9, 7, 64, 32).iter().all(|&v| v == 77));
+        assert!(resize_bicubic_aa_u8(&flat, 9, 7, 2, 3).iter().all(|&v| v == 77));
     }
 }

@@ -136,9 +136,7 @@ fn cut_points(text: &str) -> Vec<usize> {
 
 impl std::fmt::Debug for QwenTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QwenTokenizer")
-            .field("vocab_size", &self.vocab_size())
-            .finish()
+        f.debug_struct("QwenTokenizer").field("vocab_size", &self.vocab_size()).finish()
     }
 }
 
@@ -204,21 +202,14 @@ impl QwenTokenizer {
 
     /// Token ids of `text` in one piece (what [`Self::encode`] must equal).
     pub fn encode_whole(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| anyhow!(e))
-            .context("tokenizing")?;
+        let enc = self.inner.encode_fast(text, false).map_err(|e| anyhow!(e)).context("tokenizing")?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`, special tokens included (invalid UTF-8 from partial
     /// byte tokens becomes U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| anyhow!(e))
-            .context("detokenizing")
+        self.inner.decode(ids, false).map_err(|e| anyhow!(e)).context("detokenizing")
     }
 
     /// Id of a token (byte-level vocabulary string, or a special token's text).
@@ -270,10 +261,7 @@ pub fn tokenize_stream(
         let mut bytes = Vec::new();
         input.read_to_end(&mut bytes).context("reading stdin")?;
         let text = String::from_utf8(bytes).map_err(|e| {
-            anyhow!(
-                "stdin is not valid UTF-8 (first bad byte at offset {})",
-                e.utf8_error().valid_up_to()
-            )
+            anyhow!("stdin is not valid UTF-8 (first bad byte at offset {})", e.utf8_error().valid_up_to())
         })?;
         write_ids(out, &tok.encode(&text)?)?;
         return Ok(());
@@ -282,11 +270,7 @@ pub fn tokenize_stream(
     let mut number = 0usize;
     loop {
         line.clear();
-        if input
-            .read_until(b'\n', &mut line)
-            .context("reading stdin")?
-            == 0
-        {
+        if input.read_until(b'\n', &mut line).context("reading stdin")? == 0 {
             break;
         }
         number += 1;
@@ -303,9 +287,7 @@ pub fn tokenize_stream(
         }
         let text: String = serde_json::from_str(content)
             .with_context(|| format!("stdin line {number} is not a JSON string"))?;
-        let ids = tok
-            .encode(&text)
-            .with_context(|| format!("stdin line {number}"))?;
+        let ids = tok.encode(&text).with_context(|| format!("stdin line {number}"))?;
         write_ids(out, &ids)?;
     }
     Ok(())
@@ -336,7 +318,8 @@ mod tests {
         let t = tok();
         assert!(t.cuttable, "the builtin tokenizer.json is the layout cut_points reasons about");
         // A tokenizer file with another split regex is never cut.
-        let mut j: serde_json::Value = serde_json::from_slice(&QwenTokenizer::builtin_json().unwrap()).unwrap();
+        let mut j: serde_json::Value =
+            serde_json::from_slice(&QwenTokenizer::builtin_json().unwrap()).unwrap();
         j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+|\\S+".into();
         assert!(!cuttable(&j));
         let text = "The printer on floor three prints every page twice. ".repeat(400);
@@ -369,12 +352,7 @@ mod tests {
         let prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
         let ids = t.encode(prompt).unwrap();
         assert_eq!(&ids[..5], &[IM_START, 846, 198, VISION_START, IMAGE_PAD]);
-        assert_eq!(
-            ids.iter()
-                .filter(|&&i| i == THINK || i == THINK_END)
-                .count(),
-            2
-        );
+        assert_eq!(ids.iter().filter(|&&i| i == THINK || i == THINK_END).count(), 2);
         assert_eq!(t.decode(&ids).unwrap(), prompt);
         // 1 + 1 = 2: digits are single tokens; "俱乐部" is one token that no merge builds.
         assert_eq!(
@@ -383,10 +361,7 @@ mod tests {
         );
         assert_eq!(t.encode("俱乐部").unwrap(), vec![104_328]);
         // NFC: decomposed é tokenizes as the precomposed one.
-        assert_eq!(
-            t.encode("e\u{301}t\u{e9}").unwrap(),
-            t.encode("\u{e9}t\u{e9}").unwrap()
-        );
+        assert_eq!(t.encode("e\u{301}t\u{e9}").unwrap(), t.encode("\u{e9}t\u{e9}").unwrap());
         assert!(t.encode("").unwrap().is_empty());
     }
 
@@ -404,16 +379,9 @@ mod tests {
     fn model_dir_with_and_without_tokenizer_json() {
         let dir = tempfile::tempdir().unwrap();
         let a = QwenTokenizer::from_model_dir(dir.path()).unwrap(); // falls back to builtin
-        std::fs::write(
-            dir.path().join("tokenizer.json"),
-            QwenTokenizer::builtin_json().unwrap(),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), QwenTokenizer::builtin_json().unwrap()).unwrap();
         let b = QwenTokenizer::from_model_dir(dir.path()).unwrap();
-        assert_eq!(
-            a.encode("<think>x</think>").unwrap(),
-            b.encode("<think>x</think>").unwrap()
-        );
+        assert_eq!(a.encode("<think>x</think>").unwrap(), b.encode("<think>x</think>").unwrap());
         std::fs::write(dir.path().join("tokenizer.json"), b"{not json").unwrap();
         assert!(QwenTokenizer::from_model_dir(dir.path()).is_err());
     }
@@ -421,17 +389,11 @@ mod tests {
     #[test]
     fn cli_plain_and_jsonl() {
         let t = tok();
-        assert_eq!(
-            run(&t, "<|im_start|>user\nhi".as_bytes(), false).unwrap(),
-            "[248045,846,198,5834]\n"
-        );
+        assert_eq!(run(&t, "<|im_start|>user\nhi".as_bytes(), false).unwrap(), "[248045,846,198,5834]\n");
         assert_eq!(run(&t, b"", false).unwrap(), "[]\n");
         assert_eq!(
             run(&t, b"\"<think>\"\r\n\"\"\n\"a\\nb\"", true).unwrap(),
-            format!(
-                "[{THINK}]\n[]\n{}\n",
-                serde_json::to_string(&t.encode("a\nb").unwrap()).unwrap()
-            )
+            format!("[{THINK}]\n[]\n{}\n", serde_json::to_string(&t.encode("a\nb").unwrap()).unwrap())
         );
         assert_eq!(run(&t, b"", true).unwrap(), "");
     }
@@ -440,17 +402,11 @@ mod tests {
     fn cli_errors() {
         let t = tok();
         let e = run(&t, b"ok \xff", false).unwrap_err().to_string();
-        assert!(
-            e.contains("not valid UTF-8") && e.contains("offset 3"),
-            "{e}"
-        );
+        assert!(e.contains("not valid UTF-8") && e.contains("offset 3"), "{e}");
         let e = run(&t, b"\"a\"\n\n\"b\"\n", true).unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("empty"), "{e}");
         let e = format!("{:#}", run(&t, b"\"a\"\nplain text\n", true).unwrap_err());
-        assert!(
-            e.contains("line 2") && e.contains("not a JSON string"),
-            "{e}"
-        );
+        assert!(e.contains("line 2") && e.contains("not a JSON string"), "{e}");
         let e = format!("{:#}", run(&t, b"[1,2]\n", true).unwrap_err());
         assert!(e.contains("line 1"), "{e}");
         let e = run(&t, b"\"a\"\n\"\xc3\"\n", true).unwrap_err().to_string();

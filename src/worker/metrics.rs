@@ -17,10 +17,9 @@ pub struct EngineMetrics {
 }
 
 fn stage(name: &str, help: &str) -> Histogram {
-    Histogram::with_opts(
-        HistogramOpts::new(name, help)
-            .buckets(vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]),
-    )
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(vec![
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ]))
     .expect("valid histogram")
 }
 
@@ -33,13 +32,22 @@ impl EngineMetrics {
             prefill_seconds: stage("imajev_prefill_seconds", "Shared-prefix prefill time per request"),
             questions_seconds: stage("imajev_questions_seconds", "Time of all question passes of a request"),
             passes: IntCounter::new("imajev_passes_total", "Forward passes (question × rotation) run")?,
-            tokens: IntCounter::new("imajev_tokens_total", "Tokens processed by the engine (prefix once, suffixes per pass)")?,
+            tokens: IntCounter::new(
+                "imajev_tokens_total",
+                "Tokens processed by the engine (prefix once, suffixes per pass)",
+            )?,
             dropped: IntCounterVec::new(
-                Opts::new("imajev_jobs_dropped_total", "Accepted requests stopped before finishing, by reason"),
+                Opts::new(
+                    "imajev_jobs_dropped_total",
+                    "Accepted requests stopped before finishing, by reason",
+                ),
                 &["reason"],
             )?,
             loaded: IntGauge::new("imajev_model_loaded", "1 once the model is loaded")?,
-            weight_bytes: IntGauge::new("imajev_engine_weight_bytes", "Bytes of checkpoint weights mapped by the engine")?,
+            weight_bytes: IntGauge::new(
+                "imajev_engine_weight_bytes",
+                "Bytes of checkpoint weights mapped by the engine",
+            )?,
         };
         registry.register(Box::new(m.queue_depth.clone()))?;
         registry.register(Box::new(m.queue_seconds.clone()))?;

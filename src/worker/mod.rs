@@ -8,7 +8,7 @@ pub mod metrics;
 pub mod runner;
 
 pub use metrics::EngineMetrics;
-pub use runner::{BatchLimits, DecisionEngine, EngineOutput, RunError};
+pub use runner::{BatchLimits, DecisionEngine, EngineOutput, RunError, StopReason};
 
 use crate::decision::Plan;
 use crate::image::PatchedImage;
@@ -32,14 +32,41 @@ pub enum JobError {
     NotLoaded(String),
 }
 
+/// One accepted request for the engine thread.
 pub struct Job {
+    /// The request id, for logs.
     pub id: String,
-    pub plan: Plan,
+    /// Shared with the caller, who builds the answers from it.
+    pub plan: Arc<Plan>,
+    /// The images' pixels in prompt order (owned: only the engine reads them).
     pub images: Vec<PatchedImage>,
+    /// Past it the job is dropped, before or between its steps.
     pub deadline: Instant,
+    /// The request timeout the deadline came from (for the 504 message).
     pub timeout: Duration,
     pub enqueued: Instant,
     pub reply: oneshot::Sender<Result<EngineOutput, JobError>>,
+}
+
+impl Job {
+    /// Why to stop working on this job now, if anything.
+    fn stop_reason(&self) -> Option<StopReason> {
+        if self.reply.is_closed() {
+            Some(StopReason::CallerGone)
+        } else if Instant::now() >= self.deadline {
+            Some(StopReason::Deadline)
+        } else {
+            None
+        }
+    }
+
+    /// The reply for a job stopped for `why` (nobody reads it when the caller is gone).
+    fn stopped(&self, why: StopReason) -> JobError {
+        match why {
+            StopReason::Deadline => JobError::Deadline(self.timeout),
+            StopReason::CallerGone => JobError::Cancelled,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,9 +136,14 @@ impl WorkerHandle {
     }
 }
 
-/// Starts the engine thread: it loads the model with `load`, then serves jobs until every
-/// handle is dropped and the queue is empty.
-pub fn spawn<F>(load: F, capacity: usize, limits: BatchLimits, metrics: Arc<EngineMetrics>) -> (WorkerHandle, JoinHandle<()>)
+/// Starts the engine thread: it loads the model with `load`, then runs jobs ([`run_jobs`]) until
+/// every handle is dropped and the queue is empty.
+pub fn spawn<F>(
+    load: F,
+    capacity: usize,
+    limits: BatchLimits,
+    metrics: Arc<EngineMetrics>,
+) -> (WorkerHandle, JoinHandle<()>)
 where
     F: FnOnce() -> anyhow::Result<Box<dyn DecisionEngine>> + Send + 'static,
 {
@@ -151,7 +183,7 @@ where
                     None
                 }
             };
-            serve(engine, rx, &h, limits);
+            run_jobs(engine, rx, &h, limits);
         })
         .expect("spawning the engine thread");
     (handle, join)
@@ -171,21 +203,26 @@ impl Shared {
     }
 }
 
-fn serve(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
+/// The engine thread's loop: runs queued jobs one at a time, in arrival order, skipping those
+/// nobody waits for any more and refusing those past their deadline.
+fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
     // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
     while let Ok(job) = rx.recv() {
         let depth = h.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
         h.metrics.queue_depth.set(depth as i64);
         let waited = job.enqueued.elapsed();
         h.metrics.queue_seconds.observe(waited.as_secs_f64());
-        if job.reply.is_closed() {
-            h.metrics.dropped.with_label_values(&["disconnected"]).inc();
-            tracing::info!(request_id = %job.id, "caller left while queued; skipped");
-            continue;
-        }
-        if Instant::now() >= job.deadline {
-            h.metrics.dropped.with_label_values(&["deadline"]).inc();
-            let _ = job.reply.send(Err(JobError::Deadline(job.timeout)));
+        if let Some(why) = job.stop_reason() {
+            h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+            match why {
+                StopReason::CallerGone => {
+                    tracing::info!(request_id = %job.id, "caller left while queued; skipped")
+                }
+                StopReason::Deadline => {
+                    let error = job.stopped(why);
+                    let _ = job.reply.send(Err(error));
+                }
+            }
             continue;
         }
         let Some(engine) = engine.as_ref() else {
@@ -199,15 +236,7 @@ fn serve(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared,
         };
         let started = Instant::now();
         let images: Vec<&PatchedImage> = job.images.iter().collect();
-        let keep_going = || {
-            if job.reply.is_closed() {
-                Err("caller disconnected")
-            } else if Instant::now() >= job.deadline {
-                Err("deadline passed")
-            } else {
-                Ok(())
-            }
-        };
+        let keep_going = || job.stop_reason().map_or(Ok(()), Err);
         let result = engine.run(&job.plan, &images, limits, &keep_going);
         let secs = started.elapsed().as_secs_f64();
         let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
@@ -218,12 +247,8 @@ fn serve(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared,
                 Ok(out)
             }
             Err(RunError::Stopped(why)) => {
-                h.metrics.dropped.with_label_values(&[if why.contains("deadline") { "deadline" } else { "disconnected" }]).inc();
-                if why.contains("deadline") {
-                    Err(JobError::Deadline(job.timeout))
-                } else {
-                    Err(JobError::Cancelled)
-                }
+                h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+                Err(job.stopped(why))
             }
             Err(RunError::Engine(e)) => {
                 tracing::error!(request_id = %job.id, "engine error: {e:#}");

@@ -28,7 +28,7 @@ impl Default for BatchLimits {
     }
 }
 
-/// Readout logits of every pass (`logits[field][pass]`) and where the time went.
+/// Readout logits of every pass (`logits[scored][pass]`, per scored question of the plan) and where the time went.
 #[derive(Debug, Clone, Default)]
 pub struct EngineOutput {
     pub logits: Vec<Vec<Vec<f32>>>,
@@ -39,11 +39,30 @@ pub struct EngineOutput {
     pub passes: usize,
 }
 
+/// Why a run stops before its end (checked between its steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StopReason {
+    #[error("deadline passed")]
+    Deadline,
+    #[error("caller disconnected")]
+    CallerGone,
+}
+
+impl StopReason {
+    /// The `reason` label of `imajev_jobs_dropped_total`.
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            StopReason::Deadline => "deadline",
+            StopReason::CallerGone => "disconnected",
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// The caller gave up (deadline passed or client gone) between two steps.
     #[error("stopped: {0}")]
-    Stopped(&'static str),
+    Stopped(StopReason),
     #[error(transparent)]
     Engine(#[from] anyhow::Error),
 }
@@ -56,7 +75,7 @@ pub trait DecisionEngine: Send {
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
-        keep_going: &dyn Fn() -> Result<(), &'static str>,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError>;
     /// Backend description for `/v1/models` and logs.
     fn backend_name(&self) -> String;
@@ -73,7 +92,7 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
-        keep_going: &dyn Fn() -> Result<(), &'static str>,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError> {
         let mut out = EngineOutput::default();
         let t = Instant::now();
@@ -82,25 +101,30 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         keep_going().map_err(RunError::Stopped)?;
 
         let layout = self.layout(&plan.prefix, images, 0)?;
-        // Per field: the prefix state extended with the tokens all its passes share — when that
+        // Per scored question: the prefix state extended with the tokens all its passes share — when that
         // saves enough work; otherwise those tokens stay at the front of every pass's suffix.
-        let saved: usize = plan.fields.iter().map(|f| f.common.len() * f.passes.len().saturating_sub(1)).sum();
+        let saved: usize =
+            plan.scored.iter().map(|q| q.common.len() * q.passes.len().saturating_sub(1)).sum();
         let share_commons = saved >= limits.min_shared_tokens;
-        // Every pass (field f, pass p) and the tokens it runs after its field's state.
-        let passes: Vec<(usize, usize)> =
-            plan.fields.iter().enumerate().flat_map(|(f, fp)| (0..fp.passes.len()).map(move |p| (f, p))).collect();
+        // Every pass (scored question q, pass p) and the tokens it runs after its question's state.
+        let passes: Vec<(usize, usize)> = plan
+            .scored
+            .iter()
+            .enumerate()
+            .flat_map(|(q, sp)| (0..sp.passes.len()).map(move |p| (q, p)))
+            .collect();
         let suffix: Vec<std::borrow::Cow<'_, [u32]>> = passes
             .iter()
-            .map(|&(f, p)| {
-                let fp = &plan.fields[f];
-                if share_commons || fp.common.is_empty() {
-                    std::borrow::Cow::Borrowed(fp.passes[p].suffix.as_slice())
+            .map(|&(q, p)| {
+                let sp = &plan.scored[q];
+                if share_commons || sp.common.is_empty() {
+                    std::borrow::Cow::Borrowed(sp.passes[p].suffix.as_slice())
                 } else {
-                    std::borrow::Cow::Owned([fp.common.as_slice(), fp.passes[p].suffix.as_slice()].concat())
+                    std::borrow::Cow::Owned([sp.common.as_slice(), sp.passes[p].suffix.as_slice()].concat())
                 }
             })
             .collect();
-        out.logits = plan.fields.iter().map(|fp| vec![Vec::new(); fp.passes.len()]).collect();
+        out.logits = plan.scored.iter().map(|sp| vec![Vec::new(); sp.passes.len()]).collect();
 
         // When every pass fits in one packed forward together with the prefix, the prefix and
         // the passes that continue it are that one forward (no separate prefill: one pass over
@@ -116,8 +140,8 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             let (_, hidden) = self.prefill_extend(&layout, &feats, &suffixes)?;
             // Row 0 is the prefix's last token: not a pass.
             let logits = self.readout(&hidden)?;
-            for (&(f, p), l) in passes.iter().zip(logits.into_iter().skip(1)) {
-                out.logits[f][p] = l;
+            for (&(q, p), l) in passes.iter().zip(logits.into_iter().skip(1)) {
+                out.logits[q][p] = l;
             }
             out.tokens += layout.ids.len() + pass_tokens;
             out.passes = passes.len();
@@ -127,36 +151,41 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
 
         let t = Instant::now();
         let mut prefix = self.new_state()?;
-        self.forward(&[crate::engine::Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut prefix])?;
+        self.forward(
+            &[crate::engine::Segment { layout: &layout, images: &feats, parent: None }],
+            &mut [&mut prefix],
+        )?;
         prefix.share(&self.backend)?;
         out.tokens += layout.ids.len();
         out.prefill_ms = ms(t);
         keep_going().map_err(RunError::Stopped)?;
 
         let t = Instant::now();
-        let mut field_states: Vec<Option<State<B>>> = (0..plan.fields.len()).map(|_| None).collect();
+        let mut question_states: Vec<Option<State<B>>> = (0..plan.scored.len()).map(|_| None).collect();
         let with_common: Vec<usize> = if share_commons {
-            (0..plan.fields.len()).filter(|&i| !plan.fields[i].common.is_empty()).collect()
+            (0..plan.scored.len()).filter(|&i| !plan.scored[i].common.is_empty()).collect()
         } else {
             Vec::new()
         };
-        for chunk in batches(&with_common, |&i| plan.fields[i].common.len(), limits) {
+        for chunk in batches(&with_common, |&i| plan.scored[i].common.len(), limits) {
             let mut states: Vec<State<B>> = chunk.iter().map(|_| prefix.fork()).collect();
-            let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| plan.fields[i].common.as_slice()).collect();
+            let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| plan.scored[i].common.as_slice()).collect();
             self.extend(&mut states, &suffixes)?;
             out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
             for (&i, mut s) in chunk.iter().zip(states) {
                 s.share(&self.backend)?;
-                field_states[i] = Some(s);
+                question_states[i] = Some(s);
             }
             keep_going().map_err(RunError::Stopped)?;
         }
-        // Every pass: a fork of its field's state, extended with its suffix.
+        // Every pass: a fork of its question's state, extended with its suffix.
         let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
         let indices: Vec<usize> = (0..passes.len()).collect();
         for chunk in batches(&indices, |&i| suffix[i].len(), limits) {
-            let mut states: Vec<State<B>> =
-                chunk.iter().map(|&i| field_states[passes[i].0].as_ref().unwrap_or(&prefix).fork()).collect();
+            let mut states: Vec<State<B>> = chunk
+                .iter()
+                .map(|&i| question_states[passes[i].0].as_ref().unwrap_or(&prefix).fork())
+                .collect();
             prof.mark(&self.backend, "fork");
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| suffix[i].as_ref()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;
@@ -165,8 +194,8 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             prof.mark(&self.backend, "readout");
             out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
             for (&i, l) in chunk.iter().zip(logits) {
-                let (f, p) = passes[i];
-                out.logits[f][p] = l;
+                let (q, p) = passes[i];
+                out.logits[q][p] = l;
             }
             out.passes += chunk.len();
             keep_going().map_err(RunError::Stopped)?;
@@ -193,7 +222,8 @@ fn batches<T: Copy>(items: &[T], tokens: impl Fn(&T) -> usize, limits: BatchLimi
     let mut cur_tokens = 0;
     for it in items {
         let n = tokens(it);
-        if !cur.is_empty() && (cur.len() >= limits.max_sequences.max(1) || cur_tokens + n > limits.max_tokens) {
+        if !cur.is_empty() && (cur.len() >= limits.max_sequences.max(1) || cur_tokens + n > limits.max_tokens)
+        {
             out.push(std::mem::take(&mut cur));
             cur_tokens = 0;
         }
@@ -213,7 +243,8 @@ mod tests {
     #[test]
     fn batches_respect_limits() {
         let items: Vec<usize> = vec![3, 3, 3, 10, 1, 1];
-        let b = batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2, min_shared_tokens: 0 });
+        let b =
+            batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2, min_shared_tokens: 0 });
         assert_eq!(b, vec![vec![3, 3], vec![3], vec![10], vec![1, 1]]);
     }
 }

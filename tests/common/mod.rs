@@ -1,7 +1,7 @@
 //! Shared test helpers: synthetic checkpoints in temporary folders.
 #![allow(dead_code)]
 
-use imajev_serve::engine::synth::{self, SynthDtype};
+use imajev_serve::synth::{self, SynthDtype};
 use std::path::{Path, PathBuf};
 
 pub struct TinyModel {
@@ -21,7 +21,10 @@ pub fn bundle(config: &str, dtype: SynthDtype, seed: u64, rank: usize, alpha: f6
     synth::write_model(&cfg, dtype, seed, &model).unwrap();
     synth::write_adapter(&cfg, rank, alpha, rows, seed, &adapter).unwrap();
     let tokenizer = imajev_serve::tokenizer::QwenTokenizer::builtin().unwrap();
-    imajev_serve::decision::Codebook::derive(&tokenizer, rows).unwrap().write(&adapter.join("decision_readout.json")).unwrap();
+    imajev_serve::decision::Codebook::derive(&tokenizer, rows)
+        .unwrap()
+        .write(&adapter.join("decision_readout.json"))
+        .unwrap();
     TinyModel { _dir: dir, model, adapter }
 }
 
@@ -45,7 +48,9 @@ pub fn from_spec(spec: &serde_json::Value, config_dir: &Path) -> TinyModel {
         other => panic!("dtype {other}"),
     };
     let adapter = spec.get("adapter").unwrap_or(spec);
-    let num = |a: &str, b: &str| adapter.get(a).or_else(|| adapter.get(b)).unwrap_or_else(|| panic!("model spec lacks {a}"));
+    let num = |a: &str, b: &str| {
+        adapter.get(a).or_else(|| adapter.get(b)).unwrap_or_else(|| panic!("model spec lacks {a}"))
+    };
     bundle(
         &config,
         dtype,

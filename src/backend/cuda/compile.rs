@@ -7,42 +7,17 @@
 //! capability, driver and NVRTC versions) and carries a checksum of its payload; an entry that is
 //! truncated, corrupt or rejected by the driver is rebuilt, never fatal.
 
+use super::launch::{KernelFile, KERNELS};
+use super::CudaOptions;
 use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{CudaContext, CudaFunction};
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Prepended to every kernel file (shared typedefs and reductions).
 pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
-
-/// One `.cu` file of `kernels/`.
-#[derive(Debug, Clone, Copy)]
-pub struct KernelFile {
-    pub name: &'static str,
-    pub source: &'static str,
-}
-
-pub const FILES: &[KernelFile] = &[
-    KernelFile {
-        name: "elementwise",
-        source: include_str!("../../../kernels/elementwise.cu"),
-    },
-    KernelFile {
-        name: "norm",
-        source: include_str!("../../../kernels/norm.cu"),
-    },
-    KernelFile {
-        name: "quant",
-        source: include_str!("../../../kernels/quant.cu"),
-    },
-    KernelFile {
-        name: "attention",
-        source: include_str!("../../../kernels/attention.cu"),
-    },
-    KernelFile {
-        name: "deltanet",
-        source: include_str!("../../../kernels/deltanet.cu"),
-    },
-];
 
 /// The program NVRTC sees for a kernel file: the common header, then the file (with `#line` so
 /// diagnostics name the real file and line).
@@ -63,9 +38,8 @@ pub fn compile_options(arch: &str, include_dir: &Path) -> Vec<String> {
 /// Cache key: hex SHA-256 over the program, its options and the device/driver tag.
 pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
     let mut h = Sha256::new();
-    for part in std::iter::once(source)
-        .chain(options.iter().map(|s| s.as_str()))
-        .chain(std::iter::once(device_tag))
+    for part in
+        std::iter::once(source).chain(options.iter().map(|s| s.as_str())).chain(std::iter::once(device_tag))
     {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
@@ -76,11 +50,7 @@ pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
 /// `$IMAJEV_KERNEL_CACHE`, else `$XDG_CACHE_HOME/imajev-serve/kernels`, else
 /// `~/.cache/imajev-serve/kernels`; `None` when none can be determined (then nothing is cached).
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     env("IMAJEV_KERNEL_CACHE")
         .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("imajev-serve/kernels")))
         .or_else(|| env("HOME").map(|p| p.join(".cache/imajev-serve/kernels")))
@@ -120,9 +90,7 @@ pub fn read_cache(path: &Path) -> Option<Vec<u8>> {
 
 /// Writes a cache file atomically (temporary file + rename).
 pub fn write_cache(path: &Path, payload: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
+    let dir = path.parent().ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut bytes = Vec::with_capacity(MAGIC.len() + 32 + payload.len());
@@ -140,8 +108,8 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
     use cudarc::nvrtc::{result, sys};
     let src = std::ffi::CString::new(source).context("kernel source contains a NUL byte")?;
     let fname = std::ffi::CString::new(format!("{name}.cu"))?;
-    let prog = result::create_program(&src, Some(&fname))
-        .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+    let prog =
+        result::create_program(&src, Some(&fname)).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
     let out = (|| -> Result<Vec<u8>> {
         // SAFETY: `prog` was created above and is destroyed only after this closure.
         let compiled = unsafe { result::compile_program(prog, options) };
@@ -159,7 +127,9 @@ pub fn nvrtc_cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u
             .result()
             .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
         if size == 0 {
-            bail!("NVRTC produced no CUBIN for kernels/{name}.cu (is --gpu-architecture a real sm_XY target?)");
+            bail!(
+                "NVRTC produced no CUBIN for kernels/{name}.cu (is --gpu-architecture a real sm_XY target?)"
+            );
         }
         let mut buf = vec![0u8; size];
         unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) }
@@ -181,6 +151,103 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((a, b))
 }
 
+/// Loads every kernel module: from the disk cache when a valid entry exists, else NVRTC (the
+/// missing ones in parallel), writing the cache. Returns the functions and (cached, compiled).
+pub(super) fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    options: &CudaOptions,
+    arch: &str,
+    device_tag: &str,
+) -> Result<(HashMap<&'static str, CudaFunction>, usize, usize)> {
+    let include = cuda_include_dir();
+    let include_path = match &include {
+        Ok(p) | Err(p) => p.clone(),
+    };
+    let opts = compile_options(arch, &include_path);
+    let cache_dir = options.kernel_cache_dir.clone().or_else(default_cache_dir);
+    struct Job {
+        file: KernelFile,
+        source: String,
+        path: Option<PathBuf>,
+        cubin: Option<Vec<u8>>,
+    }
+    let mut jobs: Vec<Job> = KERNELS
+        .iter()
+        .map(|f| {
+            let source = full_source(f);
+            let key = cache_key(&source, &opts, device_tag);
+            let path = cache_dir.as_ref().map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
+            let cubin = path.as_deref().and_then(read_cache);
+            Job { file: *f, source, path, cubin }
+        })
+        .collect();
+    let mut modules = HashMap::new();
+    let mut cached = 0;
+    for j in jobs.iter_mut() {
+        if let Some(bin) = &j.cubin {
+            match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.clone())) {
+                Ok(m) => {
+                    modules.insert(j.file.name, m);
+                    cached += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "cached kernels/{}.cu CUBIN was rejected by the driver ({e:?}); rebuilding",
+                        j.file.name
+                    );
+                    j.cubin = None;
+                }
+            }
+        }
+    }
+    let todo: Vec<&Job> = jobs.iter().filter(|j| !modules.contains_key(j.file.name)).collect();
+    let compiled = todo.len();
+    if !todo.is_empty() {
+        if let Err(p) = &include {
+            bail!(
+                "NVRTC needs the CUDA headers (cuda_bf16.h, cuda_fp8.h) to build the kernels, and {} has none: set CUDA_HOME \
+                 to a CUDA 13 toolkit whose include/ holds cuda_bf16.h (or fill the kernel cache from a machine that has one)",
+                p.display()
+            );
+        }
+        tracing::info!(count = todo.len(), arch, "compiling CUDA kernels with NVRTC");
+        let bins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> =
+                todo.iter().map(|j| s.spawn(|| nvrtc_cubin(j.file.name, &j.source, &opts))).collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked"))))
+                .collect()
+        });
+        for (j, bin) in todo.iter().zip(bins) {
+            let bin = bin?;
+            if let Some(p) = &j.path {
+                if let Err(e) = write_cache(p, &bin) {
+                    tracing::warn!("could not cache kernels/{}.cu: {e:#}", j.file.name);
+                }
+            }
+            let m = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(bin))
+                .map_err(|e| anyhow!("loading the CUBIN of kernels/{}.cu: {e:?}", j.file.name))?;
+            modules.insert(j.file.name, m);
+        }
+    }
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let mut funcs = HashMap::new();
+    for file in KERNELS {
+        let m = modules.get(file.name).ok_or_else(|| anyhow!("kernels/{}.cu is not loaded", file.name))?;
+        for kf in file.functions {
+            let f = m
+                .load_function(kf.name)
+                .map_err(|e| anyhow!("kernels/{}.cu has no function {}: {e:?}", file.name, kf.name))?;
+            if kf.max_dynamic_smem > 0 {
+                f.set_attribute(MAX_SMEM, kf.max_dynamic_smem as i32)?;
+            }
+            funcs.insert(kf.name, f);
+        }
+    }
+    Ok((funcs, cached, compiled))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,18 +255,11 @@ mod tests {
     #[test]
     fn every_kernel_file_is_embedded_and_names_its_cpu_twin() {
         assert!(COMMON.contains("block_sum"));
-        for f in FILES {
+        for f in KERNELS {
             assert!(f.source.contains("__global__"), "{} has no kernel", f.name);
-            assert!(
-                f.source.contains("CPU twin"),
-                "{} does not name its CPU twin",
-                f.name
-            );
+            assert!(f.source.contains("CPU twin"), "{} does not name its CPU twin", f.name);
             let full = full_source(f);
-            assert!(
-                full.starts_with(COMMON)
-                    && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name))
-            );
+            assert!(full.starts_with(COMMON) && full.contains(&format!("#line 1 \"kernels/{}.cu\"", f.name)));
         }
     }
 
@@ -221,10 +281,7 @@ mod tests {
             )
         );
         // Length-prefixed: moving bytes between fields changes the key.
-        assert_ne!(
-            cache_key("ab", &["c".into()], "d"),
-            cache_key("a", &["bc".into()], "d")
-        );
+        assert_ne!(cache_key("ab", &["c".into()], "d"), cache_key("a", &["bc".into()], "d"));
     }
 
     /// Where NVRTC and the CUDA headers are installed (no GPU needed), every kernel file must
@@ -240,19 +297,11 @@ mod tests {
             return;
         };
         let opts = compile_options("sm_90a", &include);
-        for f in FILES {
+        for f in KERNELS {
             let cubin = nvrtc_cubin(f.name, &full_source(f), &opts).unwrap();
-            assert!(
-                cubin.starts_with(b"\x7fELF"),
-                "kernels/{}.cu: not an ELF CUBIN",
-                f.name
-            );
+            assert!(cubin.starts_with(b"\x7fELF"), "kernels/{}.cu: not an ELF CUBIN", f.name);
         }
-        eprintln!(
-            "NVRTC {:?}: {} kernel files compiled for sm_90a",
-            nvrtc_version().unwrap(),
-            FILES.len()
-        );
+        eprintln!("NVRTC {:?}: {} kernel files compiled for sm_90a", nvrtc_version().unwrap(), KERNELS.len());
     }
 
     #[test]
@@ -271,11 +320,7 @@ mod tests {
         // Truncated and foreign files are misses too.
         std::fs::write(&p, &bytes[..20]).unwrap();
         assert!(read_cache(&p).is_none());
-        std::fs::write(
-            &p,
-            b"not a cache file at all, definitely longer than forty bytes",
-        )
-        .unwrap();
+        std::fs::write(&p, b"not a cache file at all, definitely longer than forty bytes").unwrap();
         assert!(read_cache(&p).is_none());
         // A rewrite repairs it.
         write_cache(&p, b"fresh").unwrap();

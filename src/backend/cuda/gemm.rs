@@ -17,7 +17,7 @@
 //! M we fall back to that M's heuristic and count it (`fallbacks`); `tests/gpu.rs` checks
 //! bitwise row invariance across M on the device.
 
-use super::host::ptr_alignment;
+use super::layout::ptr_alignment;
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -31,6 +31,11 @@ pub const M_REF: usize = 4096;
 pub const NARROW_N: usize = 256;
 /// The M narrow shapes are planned for (a request's suffix batch).
 pub const M_REF_NARROW: usize = 256;
+/// BF16 GEMMs with more rows run as row blocks of this many (each with the shape's fixed
+/// algorithm): past ~30K rows cuBLASLt rejects some fixed algorithms (the split-K LoRA A shapes),
+/// and a per-M fallback would make rows depend on the batch. FP8 GEMMs cannot be split this way
+/// (their activation scales are `[K/128][M]`), and need not be: their algorithms take any M.
+pub const BF16_M_BLOCK: usize = 16384;
 const WORKSPACE: usize = 32 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -141,13 +146,8 @@ fn layouts(g: &Gemm, m: usize) -> Result<Layouts> {
         .map_err(|e| anyhow!("layout A: {e:?}"))?;
     out.0[1] = lt::create_matrix_layout(ab, g.k as u64, m as u64, g.ldx as i64)
         .map_err(|e| anyhow!("layout B: {e:?}"))?;
-    out.0[2] = lt::create_matrix_layout(
-        lts::cudaDataType_t::CUDA_R_16BF,
-        g.n as u64,
-        m as u64,
-        g.ldy as i64,
-    )
-    .map_err(|e| anyhow!("layout D: {e:?}"))?;
+    out.0[2] = lt::create_matrix_layout(lts::cudaDataType_t::CUDA_R_16BF, g.n as u64, m as u64, g.ldy as i64)
+        .map_err(|e| anyhow!("layout D: {e:?}"))?;
     Ok(out)
 }
 
@@ -157,12 +157,7 @@ fn set_desc<T>(
     v: &T,
 ) -> Result<()> {
     unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attr,
-            v as *const T as *const c_void,
-            std::mem::size_of::<T>(),
-        )
+        lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>())
     }
     .map_err(|e| anyhow!("cuBLASLt desc attribute {attr:?}: {e:?}"))
 }
@@ -173,20 +168,12 @@ fn set_pref<T>(
     v: &T,
 ) -> Result<()> {
     unsafe {
-        lt::set_matmul_pref_attribute(
-            pref,
-            attr,
-            v as *const T as *const c_void,
-            std::mem::size_of::<T>(),
-        )
+        lt::set_matmul_pref_attribute(pref, attr, v as *const T as *const c_void, std::mem::size_of::<T>())
     }
     .map_err(|e| anyhow!("cuBLASLt preference {attr:?}: {e:?}"))
 }
 
-fn algo_attr(
-    algo: &lts::cublasLtMatmulAlgo_t,
-    attr: lts::cublasLtMatmulAlgoConfigAttributes_t,
-) -> u32 {
+fn algo_attr(algo: &lts::cublasLtMatmulAlgo_t, attr: lts::cublasLtMatmulAlgoConfigAttributes_t) -> u32 {
     let mut v = 0u32;
     let mut written = 0usize;
     let _ = unsafe {
@@ -211,10 +198,7 @@ impl Blas {
             handle,
             stream,
             workspace,
-            state: Mutex::new(State {
-                plans: HashMap::new(),
-                fallbacks: 0,
-            }),
+            state: Mutex::new(State { plans: HashMap::new(), fallbacks: 0 }),
         })
     }
 
@@ -257,19 +241,9 @@ impl Blas {
         )?;
         results[..count.max(0) as usize]
             .iter()
-            .find(|r| {
-                r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && r.workspaceSize <= WORKSPACE
-            })
+            .find(|r| r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE)
             .map(|r| r.algo)
-            .ok_or_else(|| {
-                anyhow!(
-                    "cuBLASLt has no {:?} algorithm for N={} K={} M={m}",
-                    g.kind,
-                    g.n,
-                    g.k
-                )
-            })
+            .ok_or_else(|| anyhow!("cuBLASLt has no {:?} algorithm for N={} K={} M={m}", g.kind, g.n, g.k))
     }
 
     fn plan(&self, g: &Gemm) -> Result<Plan> {
@@ -280,8 +254,7 @@ impl Blas {
             lts::cudaDataType_t::CUDA_R_32F,
         )
         .map_err(|e| anyhow!("cublasLtMatmulDescCreate: {e:?}"))?;
-        let pref = lt::create_matmul_pref()
-            .map_err(|e| anyhow!("cublasLtMatmulPreferenceCreate: {e:?}"))?;
+        let pref = lt::create_matmul_pref().map_err(|e| anyhow!("cublasLtMatmulPreferenceCreate: {e:?}"))?;
         let mut plan = Plan {
             desc,
             pref,
@@ -309,11 +282,7 @@ impl Blas {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale)?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scale)?;
         }
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &(WORKSPACE as u64),
-        )?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(WORKSPACE as u64))?;
         // Narrow outputs (LoRA A, in_proj b/a: N <= 256) have too few output tiles to fill the GPU
         // at small M: they may split K, reduced out of place in f32 (deterministic, and the same
         // split for every M since the algorithm stays fixed), and their algorithm is chosen at a
@@ -326,29 +295,13 @@ impl Blas {
             lts::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32
         };
         set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes)?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-            &ptr_alignment(g.w),
-        )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-            &ptr_alignment(g.x),
-        )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-            &ptr_alignment(g.y),
-        )?;
-        set_pref(
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            &ptr_alignment(g.y),
-        )?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ptr_alignment(g.w))?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ptr_alignment(g.x))?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ptr_alignment(g.y))?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ptr_alignment(g.y))?;
         let m_ref = if narrow { M_REF_NARROW } else { M_REF };
         let m_ref = match g.kind {
-            GemmKind::Fp8Block => super::host::fp8_rows(m_ref),
+            GemmKind::Fp8Block => crate::weights::fp8::fp8_rows(m_ref),
             GemmKind::Bf16 => m_ref,
         };
         plan.algo = self.heuristic(&plan, g, m_ref)?;
@@ -360,8 +313,24 @@ impl Blas {
         Ok(plan)
     }
 
-    /// Enqueues one GEMM on the stream.
+    /// Enqueues one GEMM on the stream (a BF16 GEMM of more than [`BF16_M_BLOCK`] rows as
+    /// several, one per block of rows: the same algorithm, so the same bits per row).
     pub fn run(&self, g: &Gemm) -> Result<()> {
+        if g.kind == GemmKind::Bf16 && g.m > BF16_M_BLOCK {
+            let mut at = 0;
+            while at < g.m {
+                let rows = (g.m - at).min(BF16_M_BLOCK);
+                let x = g.x + 2 * (at * g.ldx) as u64;
+                let y = g.y + 2 * (at * g.ldy) as u64;
+                self.run_one(&Gemm { m: rows, x, y, ..*g })?;
+                at += rows;
+            }
+            return Ok(());
+        }
+        self.run_one(g)
+    }
+
+    fn run_one(&self, g: &Gemm) -> Result<()> {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
@@ -376,10 +345,7 @@ impl Blas {
             align: [ptr_alignment(g.w), ptr_alignment(g.x), ptr_alignment(g.y)],
             accumulate: g.beta != 0.0,
         };
-        let mut state = self
-            .state
-            .lock()
-            .map_err(|_| anyhow!("gemm state poisoned"))?;
+        let mut state = self.state.lock().map_err(|_| anyhow!("gemm state poisoned"))?;
         if let std::collections::hash_map::Entry::Vacant(e) = state.plans.entry(key) {
             let p = self.plan(g)?;
             tracing::debug!(?p.info, "cuBLASLt plan");
@@ -389,16 +355,8 @@ impl Blas {
         let plan = plans.get_mut(&key).expect("plan just inserted");
         if g.kind == GemmKind::Fp8Block {
             use lts::cublasLtMatmulDescAttributes_t as D;
-            set_desc(
-                plan.desc,
-                D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                &g.w_scale,
-            )?;
-            set_desc(
-                plan.desc,
-                D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                &g.x_scale,
-            )?;
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale)?;
+            set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scale)?;
         }
         if !plan.layouts.contains_key(&g.m) {
             if plan.layouts.len() >= 512 {

@@ -1,31 +1,29 @@
-//! Composition root of a serving process: resolves the model and adapter (or builds the demo),
-//! builds the decision layer from the adapter's files, and starts the engine thread, which loads
-//! the weights in the background so the HTTP side can answer `503 loading` meanwhile.
+//! The composition root of a serving process: flags → device → engine → worker → HTTP. It
+//! resolves the model and adapter (or builds the demo), builds the decision layer from the
+//! adapter's files, starts the engine thread (which loads the weights in the background, so the
+//! HTTP side can answer `503 loading` meanwhile) and serves HTTP until SIGINT/SIGTERM.
+//!
+//! * [`device`] — which backend runs the model, and loading it there;
+//! * [`demo`] — the random-weight demo bundle served without `--model`.
+//!
+//! The only module that knows every layer; none of them knows it.
 
-use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::{CudaBackend, CudaOptions};
+pub mod demo;
+pub mod device;
+
+pub use device::{cuda_backend, load_engine, Device, Quantize};
+
+use crate::api::{AppState, ServerConfig};
 use crate::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use crate::engine::adapter::{readout_path, ReadoutFile};
-use crate::engine::synth::{self, SynthDtype};
-use crate::engine::{ModelConfig, Qwen35};
+use crate::engine::ModelConfig;
 use crate::image::ImageProcessorConfig;
 use crate::tokenizer::QwenTokenizer;
-use crate::worker::{self, BatchLimits, DecisionEngine, EngineMetrics, WorkerHandle};
+use crate::worker::{self, BatchLimits, EngineMetrics, WorkerHandle};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-
-/// Which backend runs the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Device {
-    /// CUDA when a usable GPU is present, else CPU.
-    #[default]
-    Auto,
-    Cpu,
-    Cuda,
-}
 
 /// Everything that decides which model answers and how.
 #[derive(Debug, Clone)]
@@ -74,6 +72,7 @@ pub struct Prepared {
     pub demo: Option<tempfile::TempDir>,
 }
 
+/// A started serving process, before HTTP: the decision layer and the engine thread.
 pub struct Service {
     pub decider: Arc<Decider>,
     pub worker: WorkerHandle,
@@ -84,26 +83,6 @@ pub struct Service {
     /// Keeps the demo checkpoint's temporary folder alive.
     pub demo: Option<tempfile::TempDir>,
 }
-
-/// The demo bundle: the tiny synthetic Qwen3.5 (real tokenizer, random weights) and an
-/// imajev-style adapter with a 256-code readout, written to a temporary folder.
-pub fn demo_bundle() -> Result<(tempfile::TempDir, PathBuf, PathBuf)> {
-    let dir = tempfile::Builder::new().prefix("imajev-demo-").tempdir()?;
-    let cfg = synth::preset("tiny")?;
-    let model = dir.path().join("model");
-    let adapter = dir.path().join("adapter");
-    synth::write_model(&cfg, SynthDtype::Bf16, 20261202, &model)?;
-    synth::write_adapter(&cfg, 8, 16.0, 256, 20261202, &adapter)?;
-    Codebook::derive(&QwenTokenizer::builtin()?, 256)?.write(&adapter.join("decision_readout.json"))?;
-    Ok((dir, model, adapter))
-}
-
-const DEMO_NOTICE: &str = "\n\
-==============================================================================\n\
-  DEMO MODE: no --model given. Serving a tiny RANDOM-WEIGHT Qwen3.5 with the\n\
-  real tokenizer. The API is real; the ANSWERS ARE MEANINGLESS. Point --model\n\
-  at Qwen/Qwen3.5-4B and --adapter at mohit67890/imajev-4b to serve decisions.\n\
-==============================================================================";
 
 /// Builds the decision layer and starts the engine thread.
 pub fn start(opts: &ServeOptions) -> Result<Service> {
@@ -132,14 +111,16 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
         (Some(m), a) => (None, m.clone(), a.clone()),
         (None, Some(_)) => bail!("--adapter needs --model (the base checkpoint it adapts)"),
         (None, None) => {
-            let (d, m, a) = demo_bundle().context("building the demo model")?;
-            eprintln!("{DEMO_NOTICE}");
+            let (d, m, a) = demo::demo_bundle().context("building the demo model")?;
+            eprintln!("{}", demo::DEMO_NOTICE);
             tracing::warn!("demo mode: random weights, meaningless answers");
             (Some(d), m, Some(a))
         }
     };
     let adapter_dir = adapter_dir.ok_or_else(|| {
-        anyhow::anyhow!("--adapter is required: decisions are read by the adapter's decision_readout.safetensors")
+        anyhow::anyhow!(
+            "--adapter is required: decisions are read by the adapter's decision_readout.safetensors"
+        )
     })?;
     if !model_dir.join("config.json").exists() {
         bail!("{} has no config.json; --model must be a Hugging Face model folder", model_dir.display());
@@ -153,7 +134,13 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
     let rows = ReadoutFile::open(&readout, config.text_config.hidden_size)?.rows();
     let codebook = Codebook::for_adapter(&adapter_dir, &tokenizer, rows)?;
     let calibration = opts.calibration.as_deref().map(Calibration::load).transpose()?;
-    let model_name = opts.model_name.clone().unwrap_or_else(|| if demo.is_some() { "imajev-demo".into() } else { "imajev-4b".into() });
+    let model_name = opts.model_name.clone().unwrap_or_else(|| {
+        if demo.is_some() {
+            "imajev-demo".into()
+        } else {
+            "imajev-4b".into()
+        }
+    });
     let settings = DecisionSettings {
         rotations: opts.rotations.max(1),
         calibration: calibration.clone(),
@@ -189,39 +176,70 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
     })
 }
 
-/// How projection weights are stored on the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Quantize {
-    /// As the checkpoint stores them (block-FP8 checkpoints stay FP8; BF16 stays BF16).
-    #[default]
-    None,
-    /// Quantise BF16/F32 projections to block FP8 (E4M3, 128×128 scales) at load.
-    Fp8,
-    /// Dequantise a block-FP8 checkpoint's projections to BF16 at load: BF16 GEMMs without FP8
-    /// activation rounding, for the closest answers to a BF16 model from FP8 weights (twice the
-    /// weight memory, slower at long inputs).
-    Bf16,
-}
-
-/// The CUDA backend on GPU 0, or why there is none.
-pub fn cuda_backend(quantize: Quantize) -> Result<CudaBackend> {
-    CudaBackend::new(0, CudaOptions { quantize_fp8: quantize == Quantize::Fp8, dequantize_fp8: quantize == Quantize::Bf16, ..Default::default() })
-}
-
-/// Loads the model on the requested device (`auto`: CUDA when usable, else CPU).
-pub fn load_engine(device: Device, quantize: Quantize, model: &Path, adapter: &Path) -> Result<Box<dyn DecisionEngine>> {
-    match device {
-        Device::Cuda => Ok(Box::new(Qwen35::load(cuda_backend(quantize)?, model, Some(adapter))?)),
-        Device::Cpu => Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?)),
-        Device::Auto => match cuda_backend(quantize) {
-            Ok(b) => Ok(Box::new(Qwen35::load(b, model, Some(adapter))?)),
-            Err(e) => {
-                tracing::info!("no usable GPU ({e:#}); using the CPU backend");
-                Ok(Box::new(Qwen35::load(CpuBackend::default(), model, Some(adapter))?))
-            }
-        },
+/// Serves HTTP with `http`'s settings and the model `opts` names until SIGINT or SIGTERM: starts
+/// the engine thread (the model loads in the background), binds `http.host:http.port`, and
+/// returns once every accepted request is answered and the engine thread has stopped.
+pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
+    let service = start(opts)?;
+    http.adapter_label = service.info.adapter.clone();
+    if service.info.demo {
+        http.model_description =
+            "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
     }
+    tracing::info!(
+        model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
+        contract = ?service.info.contract, readout_codes = service.info.readout_codes,
+        "serving on http://{}:{} (the model loads in the background)", http.host, http.port
+    );
+    // The demo's files stay until the engine thread has stopped.
+    let Service { decider, worker, engine_thread, image_config, registry, demo: _demo_files, .. } = service;
+    let app = crate::api::build_app_state(&http, worker, registry, image_config)?;
+    app.set_decider(decider);
+    let result = actix_web::rt::System::new().block_on(run_http_until_signal(http, app));
+    // Every worker handle is gone once the server returns: the engine thread drains and stops.
+    let _ = engine_thread.join();
+    result
+}
+
+/// Binds `cfg.host:cfg.port` and serves until SIGINT/SIGTERM; returns once accepted requests
+/// have finished. Must run inside an actix system.
+async fn run_http_until_signal(cfg: ServerConfig, app: AppState) -> Result<()> {
+    let listener = std::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
+        .with_context(|| format!("binding {}:{}", cfg.host, cfg.port))?;
+    crate::api::run_http_server(listener, cfg, app, shutdown_signal()).await
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(t), Ok(i)) => (t, i),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!("cannot listen for SIGTERM/SIGINT ({e}); stop the server with SIGKILL");
+            return std::future::pending().await;
+        }
+    };
+    let which = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!("{which}: stopping; accepted requests finish first");
+}
+
+/// The API keys of `--api-key-file`: one per line; blank lines and `#` comments are skipped.
+pub fn read_api_keys(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --api-key-file {}", path.display()))?;
+    let keys: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    if keys.is_empty() {
+        bail!("--api-key-file {} holds no keys (one per line)", path.display());
+    }
+    Ok(keys)
 }
 
 fn dir_bytes(dir: &Path) -> u64 {

@@ -23,7 +23,10 @@ struct Pending {
 impl KernelProfiler {
     pub fn from_env(stream: &Arc<CudaStream>) -> Option<Self> {
         let on = std::env::var("IMAJEV_PROFILE").is_ok_and(|v| v.eq_ignore_ascii_case("kernels"));
-        on.then(|| KernelProfiler { stream: stream.clone(), state: Mutex::new(Pending { since: None, events: Vec::new() }) })
+        on.then(|| KernelProfiler {
+            stream: stream.clone(),
+            state: Mutex::new(Pending { since: None, events: Vec::new() }),
+        })
     }
 
     /// Times `f` (which queues device work on the stream) under `name`.

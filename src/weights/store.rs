@@ -4,8 +4,8 @@
 //! `model.safetensors.index.json` (any other `*.safetensors` files are used when neither exists).
 //! Each file is mapped once; headers are parsed once; a [`TensorRef`] is a borrowed view of one
 //! tensor's raw little-endian bytes plus, for block-FP8 weights, its `weight_scale_inv` companion.
-//! Conversion to f32 (BF16/F16 widening, FP8 block dequantisation) happens here so both backends
-//! and the tests share one definition of what the bytes mean.
+//! Conversion to f32 (BF16/F16 widening, FP8 block dequantisation through [`super::fp8`]) happens
+//! here so both backends and the tests share one definition of what the bytes mean.
 
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
@@ -74,7 +74,9 @@ impl<'a> TensorRef<'a> {
             bail!("tensor {} has {} bytes, expected {}", self.name, self.bytes.len(), n * self.dtype.size());
         }
         Ok(match self.dtype {
-            StoredDtype::F32 => self.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            StoredDtype::F32 => {
+                self.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
             StoredDtype::BF16 => self
                 .bytes
                 .chunks_exact(2)
@@ -89,65 +91,17 @@ impl<'a> TensorRef<'a> {
                 let scale = self
                     .scale_inv
                     .ok_or_else(|| anyhow!("FP8 tensor {} has no weight_scale_inv", self.name))?;
-                dequantize_fp8_blocks(self.bytes, self.shape, scale.bytes, scale.shape, scale.block)
-                    .with_context(|| format!("dequantising {}", self.name))?
+                super::fp8::dequantize_fp8_blocks(
+                    self.bytes,
+                    self.shape,
+                    scale.bytes,
+                    scale.shape,
+                    scale.block,
+                )
+                .with_context(|| format!("dequantising {}", self.name))?
             }
         })
     }
-}
-
-/// `W[o, i] = fp8(w[o, i]) · scale_inv[o / bn, i / bk]`. The block size is the checkpoint's
-/// `weight_block_size` when it tiles the scale grid (`ceil(dim / block)` blocks, ragged last
-/// block), else inferred from the grid (`dim / blocks`, as transformers infers it).
-pub fn dequantize_fp8_blocks(
-    w: &[u8],
-    shape: &[usize],
-    scale: &[u8],
-    scale_shape: &[usize],
-    block: Option<[usize; 2]>,
-) -> Result<Vec<f32>> {
-    let (rows, cols) = match shape {
-        [r, c] => (*r, *c),
-        _ => bail!("FP8 weights must be 2-D, got shape {shape:?}"),
-    };
-    let (sr, sc) = match scale_shape {
-        [a, b] => (*a, *b),
-        _ => bail!("weight_scale_inv must be 2-D, got shape {scale_shape:?}"),
-    };
-    if sr == 0 || sc == 0 {
-        bail!("empty weight_scale_inv");
-    }
-    let (bn, bk) = match block {
-        Some([bn, bk]) if bn > 0 && bk > 0 && rows.div_ceil(bn) == sr && cols.div_ceil(bk) == sc => (bn, bk),
-        _ => (rows.div_ceil(sr), cols.div_ceil(sc)),
-    };
-    if rows.div_ceil(bn) != sr || cols.div_ceil(bk) != sc {
-        bail!("weight_scale_inv shape {scale_shape:?} does not tile weight shape {shape:?}");
-    }
-    let scales: Vec<f32> = scale.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    if scales.len() != sr * sc {
-        bail!("weight_scale_inv must be F32 with {} values", sr * sc);
-    }
-    let lut = fp8_e4m3_table();
-    let mut out = vec![0f32; rows * cols];
-    for r in 0..rows {
-        let srow = &scales[(r / bn) * sc..(r / bn + 1) * sc];
-        let wrow = &w[r * cols..(r + 1) * cols];
-        let orow = &mut out[r * cols..(r + 1) * cols];
-        for (c, (o, &b)) in orow.iter_mut().zip(wrow).enumerate() {
-            *o = lut[b as usize] * srow[c / bk];
-        }
-    }
-    Ok(out)
-}
-
-/// All 256 E4M3 (fn) values.
-pub fn fp8_e4m3_table() -> [f32; 256] {
-    let mut t = [0f32; 256];
-    for (i, v) in t.iter_mut().enumerate() {
-        *v = float8::F8E4M3::from_bits(i as u8).to_f32();
-    }
-    t
 }
 
 struct MappedFile {
@@ -180,8 +134,8 @@ impl WeightStore {
         let files: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("reading {}", index_path.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("parsing {}", index_path.display()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -201,7 +155,10 @@ impl WeightStore {
                 .collect();
             found.sort();
             if found.is_empty() {
-                bail!("{} holds no model.safetensors, no model.safetensors.index.json and no *.safetensors", dir.display());
+                bail!(
+                    "{} holds no model.safetensors, no model.safetensors.index.json and no *.safetensors",
+                    dir.display()
+                );
             }
             found
         };
@@ -284,9 +241,7 @@ impl WeightStore {
         let bytes = &self.files[e.file].map[e.start..e.end];
         let scale_inv = if e.dtype == StoredDtype::F8E4M3 {
             let sname = scale_name(name);
-            let (se, sbytes) = self
-                .raw(&sname)
-                .ok_or_else(|| anyhow!("FP8 tensor {name} has no {sname}"))?;
+            let (se, sbytes) = self.raw(&sname).ok_or_else(|| anyhow!("FP8 tensor {name} has no {sname}"))?;
             if se.dtype != StoredDtype::F32 {
                 bail!("{sname} must be F32");
             }

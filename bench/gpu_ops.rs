@@ -1,0 +1,337 @@
+//! Single-op timings of the CUDA backend at Qwen3.5-4B shapes (a benchmark, not a test: nothing is
+//! asserted; correctness is `tests/gpu/`). Compare kernels here, in isolation, before whole
+//! requests (`bench/gpu_bench.py`).
+//!
+//! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]`
+//!
+//! * FP8 and BF16 GEMMs of the three large projection shapes at M = 2048;
+//! * RMSNorm with and without the fused FP8 quantisation;
+//! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
+//!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
+//!   prefix, TFLOP/s counted over the causal half; the 128-row kernel beside the 64-row one;
+//! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens, once with each
+//!   tensor-core chunk scan (plain and pipelined: the same bits, the rest of the mixer the same
+//!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
+//!   own device time;
+//! * the cuBLASLt algorithm fixed for each large GEMM shape.
+
+use anyhow::{Context, Result};
+use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, GdnScan};
+use imajev_serve::backend::{
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart,
+};
+use imajev_serve::engine::positions;
+use imajev_serve::synth;
+use imajev_serve::synth::memory::MemoryTensor;
+use imajev_serve::synth::rng::SplitMix;
+use serde_json::json;
+use std::ops::Range;
+use std::time::Instant;
+
+/// One measured op.
+struct Timing {
+    name: String,
+    ms: f64,
+    tflops: Option<f64>,
+}
+
+fn time_ms(g: &CudaBackend, iters: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    g.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    g.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3 / iters as f64)
+}
+
+fn tiling(lens: &[usize]) -> Vec<Range<usize>> {
+    let mut at = 0;
+    lens.iter()
+        .map(|&l| {
+            at += l;
+            at - l..at
+        })
+        .collect()
+}
+
+fn part(w: &MemoryTensor) -> LinearPart<'_> {
+    LinearPart { weight: w.r(), bias: None, lora: None }
+}
+
+/// A BF16 device tensor of random values (an upload is F32; a row gather makes it BF16, as the
+/// model's activations are).
+fn bf16_input(
+    g: &CudaBackend,
+    rng: &mut SplitMix,
+    shape: &[usize],
+) -> Result<imajev_serve::backend::cuda::CudaTensor> {
+    let n: usize = shape.iter().product();
+    let t = g.upload(&rng.bf16_normals(n, 1.0), shape)?;
+    g.gather_rows(&t, &(0..shape[0]).collect::<Vec<_>>())
+}
+
+struct Bench<'a> {
+    g: &'a CudaBackend,
+    rng: SplitMix,
+    out: Vec<Timing>,
+}
+
+impl Bench<'_> {
+    fn push(&mut self, name: String, ms: f64, flop: Option<f64>) {
+        let tflops = flop.map(|f| f / ms / 1e9);
+        match tflops {
+            Some(t) => println!("{name:<62} {ms:9.3} ms  {t:6.0} TFLOP/s"),
+            None => println!("{name:<62} {ms:9.3} ms"),
+        }
+        self.out.push(Timing { name, ms, tflops });
+    }
+
+    fn gemms(&mut self) -> Result<()> {
+        let (g, m) = (self.g, 2048);
+        for (name, n, k) in
+            [("in_proj qkvz", 12288usize, 2560usize), ("out_proj", 2560, 4096), ("mlp down", 2560, 9216)]
+        {
+            let v = self.rng.bf16_normals(n * k, 0.02);
+            let x = bf16_input(g, &mut self.rng, &[m, k])?;
+            for (fmt, w) in
+                [("fp8", MemoryTensor::fp8("w", &[n, k], &v)), ("bf16", MemoryTensor::bf16("w", &[n, k], &v))]
+            {
+                let l = g.linear(&[part(&w)])?;
+                let ms = time_ms(g, 10, &mut || g.matmul(&x, &l).map(|_| ()))?;
+                self.push(
+                    format!("{fmt} GEMM {name} N={n} K={k} M={m} (incl. act quant)"),
+                    ms,
+                    Some(2.0 * (m * n * k) as f64),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn norms(&mut self) -> Result<()> {
+        let (g, m, d) = (self.g, 2048, 2560);
+        let x = bf16_input(g, &mut self.rng, &[m, d])?;
+        let w = g.upload(&self.rng.bf16_normals(d, 0.1), &[d])?;
+        let fused = g.rms_norm(&x, &w, 1e-6, 1.0)?.has_fp8_activations();
+        let ms = time_ms(g, 20, &mut || g.rms_norm(&x, &w, 1e-6, 1.0).map(|_| ()))?;
+        let what = if fused { " + fused FP8 quantisation" } else { "" };
+        self.push(format!("rms_norm [{m}, {d}]{what}"), ms, None);
+        // Norm + a small FP8 projection (N = 128), fused vs the quantisation in its own kernel.
+        let u = CudaBackend::new(0, CudaOptions { unfused_act_quant: true, ..g.options().clone() })?;
+        let wp = MemoryTensor::fp8("w", &[128, d], &self.rng.bf16_normals(128 * d, 0.02));
+        let xv = self.rng.bf16_normals(m * d, 1.0);
+        let wv = self.rng.bf16_normals(d, 0.1);
+        for (label, be) in [("fused quantisation", g), ("quant_act_1x128 launch", &u)] {
+            let l = be.linear(&[part(&wp)])?;
+            let x = be.gather_rows(&be.upload(&xv, &[m, d])?, &(0..m).collect::<Vec<_>>())?;
+            let w = be.upload(&wv, &[d])?;
+            let ms = time_ms(be, 20, &mut || be.matmul(&be.rms_norm(&x, &w, 1e-6, 1.0)?, &l).map(|_| ()))?;
+            self.push(format!("rms_norm + fp8 GEMM N=128 [{m}, {d}], {label}"), ms, None);
+        }
+        Ok(())
+    }
+
+    /// Causal attention of one sequence of `m` tokens, and 11 passes of 73 tokens over a shared
+    /// prefix of `m` tokens (as the benchmark request's passes).
+    fn attention(&mut self, g: &CudaBackend, kernel: &str, dims: AttentionDims, m: usize) -> Result<()> {
+        let AttentionDims { heads, head_dim: hd, rotary_dim: rot, .. } = dims;
+        let per_pair = 4.0 * (heads * hd) as f64; // q·k and p·v, 2 FLOP each per (query, key, dim)
+        let nw = g.upload(&self.rng.bf16_normals(hd, 0.1), &[hd])?;
+        let tables = |start: usize, n: usize| -> Result<_> {
+            let pos: Vec<i64> = (start as i64..(start + n) as i64).collect();
+            let (cos, sin) =
+                positions::text_rope_tables(&[pos.clone(), pos.clone(), pos], 1e7, rot, [11, 11, 10]);
+            Ok((g.upload(&cos, &[n, rot])?, g.upload(&sin, &[n, rot])?))
+        };
+        let qkv = bf16_input(g, &mut self.rng, &[m, dims.qkv_width()])?;
+        let (cos, sin) = tables(0, m)?;
+        let inputs = AttentionInputs { qkv: &qkv, q_norm: &nw, k_norm: &nw, cos: &cos, sin: &sin };
+        let iters = if m > 8192 { 3 } else { 5 };
+        let ms = time_ms(g, iters, &mut || {
+            let mut c = g.new_kv_cache(&dims)?;
+            g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut c]).map(|_| ())
+        })?;
+        self.push(
+            format!("gated_attention 4B, 1×{m} tokens causal, {kernel}"),
+            ms,
+            Some(per_pair * (m * m) as f64 / 2.0),
+        );
+        // The prefix's cache, shared; 11 forks continue it by 73 tokens each.
+        let mut prefix = g.new_kv_cache(&dims)?;
+        g.gated_attention(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut prefix])?;
+        g.share_kv(&mut prefix)?;
+        let lens = [73usize; 11];
+        let n: usize = lens.iter().sum();
+        let qkv = bf16_input(g, &mut self.rng, &[n, dims.qkv_width()])?;
+        let (cos, sin) = tables(m, n)?;
+        let inputs = AttentionInputs { qkv: &qkv, q_norm: &nw, k_norm: &nw, cos: &cos, sin: &sin };
+        let ms = time_ms(g, 5, &mut || {
+            let mut forks: Vec<_> = lens.iter().map(|_| prefix.clone()).collect();
+            let mut refs: Vec<_> = forks.iter_mut().collect();
+            g.gated_attention(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
+        })?;
+        let pairs: f64 = lens.iter().map(|&l| (l * m) as f64 + (l * l) as f64 / 2.0).sum();
+        self.push(
+            format!("gated_attention 4B, 11 passes × 73 over a {m}-token prefix, {kernel}"),
+            ms,
+            Some(per_pair * pairs),
+        );
+        Ok(())
+    }
+
+    /// The vision tower's bidirectional attention over one image of `m` patches (16 heads of 64).
+    fn vision(&mut self, g: &CudaBackend, kernel: &str, m: usize) -> Result<()> {
+        let (heads, hd) = (16usize, 64usize);
+        let qkv = bf16_input(g, &mut self.rng, &[m, 3 * heads * hd])?;
+        let ang: Vec<f32> = (0..m * hd).map(|i| (i % 977) as f32 * 0.01).collect();
+        let cos = g.upload(&ang.iter().map(|a| a.cos()).collect::<Vec<_>>(), &[m, hd])?;
+        let sin = g.upload(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>(), &[m, hd])?;
+        let ms =
+            time_ms(g, 3, &mut || g.vision_attention(&qkv, &cos, &sin, heads, &tiling(&[m])).map(|_| ()))?;
+        self.push(
+            format!("vision_attention 16×64, 1×{m} patches, {kernel}"),
+            ms,
+            Some(4.0 * (heads * hd) as f64 * (m * m) as f64),
+        );
+        Ok(())
+    }
+
+    /// The Gated DeltaNet mixer of one sequence of `m` tokens and, with `forks`, of 11 forks × 73
+    /// tokens of one state, on each backend of `scans` (the same inputs uploaded to each).
+    fn deltanet(
+        &mut self,
+        scans: &[(&str, &CudaBackend)],
+        dims: DeltaNetDims,
+        m: usize,
+        forks: bool,
+    ) -> Result<()> {
+        let (ch, pw, vh, dv) = (dims.conv_channels(), dims.proj_width(), dims.value_heads, dims.value_dim);
+        let proj_h = self.rng.bf16_normals(m * pw, 1.0);
+        let conv_h = self.rng.bf16_normals(ch * 4, 0.5);
+        let lens = [73usize; 11];
+        let mut single = Vec::new();
+        let mut forked = Vec::new();
+        for &(label, g) in scans {
+            let rows = |n: usize| (0..n).collect::<Vec<_>>();
+            let proj = g.gather_rows(&g.upload(&proj_h, &[m, pw])?, &rows(m))?;
+            let conv = g.gather_rows(&g.upload(&conv_h, &[ch, 4])?, &rows(ch))?;
+            let (alog, dtb, nw) = (
+                g.upload(&vec![1.0; vh], &[vh])?,
+                g.upload(&vec![0.0; vh], &[vh])?,
+                g.upload(&vec![1.0; dv], &[dv])?,
+            );
+            let inputs = DeltaNetInputs {
+                proj: &proj,
+                conv_weight: &conv,
+                a_log: &alog,
+                dt_bias: &dtb,
+                norm_weight: &nw,
+            };
+            let ms = time_ms(g, 5, &mut || {
+                let mut s = g.new_delta_state(&dims)?;
+                g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s]).map(|_| ())
+            })?;
+            self.push(format!("gated_delta_net 4B, 1×{m} tokens, {label}"), ms, None);
+            single.push(ms);
+            if forks {
+                // The benchmark request's passes: 11 forks of one state, 73 tokens each (two chunks).
+                let n: usize = lens.iter().sum();
+                let base = g.new_delta_state(&dims)?;
+                let x = g.gather_rows(&proj, &rows(n))?;
+                let inputs = DeltaNetInputs { proj: &x, ..inputs };
+                let ms = time_ms(g, 5, &mut || {
+                    let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
+                    let mut refs: Vec<_> = forks.iter_mut().collect();
+                    g.gated_delta_net(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
+                })?;
+                self.push(format!("gated_delta_net 4B, 11 forks × 73 tokens, {label}"), ms, None);
+                forked.push(ms);
+            }
+            if let Some(report) = g.kernel_report()? {
+                println!("  kernels of the {label} runs (warm-up included):\n{report}");
+            }
+        }
+        for (what, t) in [(format!("1×{m} tokens"), &single), ("11 forks × 73".to_string(), &forked)] {
+            if let [a, b] = t[..] {
+                println!(
+                    "  {what}: {} − {} = {:.3} ms per layer, ratio {:.2}",
+                    scans[0].0,
+                    scans[1].0,
+                    a - b,
+                    a / b
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
+    let long = args.iter().any(|a| a == "--long");
+    let g = CudaBackend::new(0, CudaOptions::default()).context("this benchmark needs a CUDA GPU")?;
+    println!("{}", g.describe());
+    let t = synth::preset("qwen3.5-4b")?.text_config;
+    let (attn, delta) = (t.attention_dims()?, t.deltanet_dims());
+    let mut b = Bench { g: &g, rng: SplitMix::new(99), out: Vec::new() };
+    b.gemms()?;
+    b.norms()?;
+    let lengths: &[usize] = if long { &[2048, 4096, 16384] } else { &[2048] };
+    let q64 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows64, ..g.options().clone() })?;
+    let hopper = g.info().compute_capability == (9, 0);
+    let q128 =
+        CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
+    let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;
+    for &m in lengths {
+        b.attention(&q128, "128-row tiles", attn, m)?;
+        b.attention(&q64, "64-row tiles", attn, m)?;
+        if hopper {
+            b.attention(&wg, "wgmma", attn, m)?;
+        }
+    }
+    for &m in lengths {
+        b.vision(&q128, "128-row tiles", m)?;
+        b.vision(&q64, "64-row tiles", m)?;
+        if hopper {
+            b.vision(&wg, "wgmma", m)?;
+        }
+    }
+    // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
+    let scan =
+        |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });
+    let (plain, piped) = (scan(GdnScan::Plain)?, scan(GdnScan::Pipelined)?);
+    if plain.options().gdn_ffma {
+        println!("IMAJEV_GDN_FFMA=1 is set: both DeltaNet rows below are the FMA scan");
+    }
+    let scans = [("plain tc scan", &plain), ("pipelined tc scan", &piped)];
+    for &m in lengths {
+        b.deltanet(&scans, delta, m, m == 2048)?;
+    }
+    println!(
+        "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",
+        imajev_serve::backend::cuda::gemm::M_REF
+    );
+    for p in g.gemm_plans().iter().filter(|p| p.n * p.k >= 1 << 20) {
+        println!(
+            "  {:?} N={} K={}: algo {} tile {} splitK {} stages {}",
+            p.kind, p.n, p.k, p.algo_id, p.tile_id, p.splitk, p.stages
+        );
+    }
+    println!("GEMM calls that left their fixed algorithm: {}", g.gemm_fallbacks());
+    if let Some(path) = json_out {
+        let info = g.info();
+        let doc = json!({
+            "command": args.join(" "),
+            "gpu": info.name,
+            "driver": info.driver_version,
+            "cublaslt": info.cublaslt_version,
+            "ops": b.out.iter().map(|t| json!({"name": t.name, "ms": t.ms, "tflops": t.tflops})).collect::<Vec<_>>(),
+        });
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {path}"))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,520 @@
+//! Softmax attention: the decoder's gated attention over per-sequence KV caches (q/k norm,
+//! rotary, append, causal GQA, output gate), shared KV prefixes for forks, and the vision tower's
+//! bidirectional attention. Kernels: kernels/attention.cu (`attn_prep`, `attn_fwd_<head dim>`);
+//! CPU twin: src/backend/cpu/attention.rs.
+
+use super::launch::{launch_config, Arg};
+use super::layout;
+use super::tensor::CudaTensor;
+use super::CudaBackend;
+use crate::backend::{check_parents, check_tiling, AttentionDims, AttentionInputs, Tree};
+use anyhow::{anyhow, ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Which attention kernel runs (for the head dims it serves; other head dims take `attn_fwd`).
+/// The choice depends on the options, the GPU and the head dim only, never on the batch, so a
+/// row's arithmetic is the same whatever shares a call. Passes over long caches split their keys
+/// with `attn_fwd_q128` whatever is chosen here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// `attn_fwd_wgmma` on Hopper (head dims 64 and 256), else `attn_fwd_q128`.
+    #[default]
+    Auto,
+    /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
+    Wgmma,
+    /// `attn_fwd_q128` (mma.sync, 128 query rows per block).
+    Rows128,
+    /// `attn_fwd` (mma.sync, 64 query rows per block): the first kernel, kept as a reference.
+    Rows64,
+}
+
+impl AttentionKernel {
+    /// From `IMAJEV_ATTENTION` (`auto`, `wgmma`, `q128`, `q64`).
+    pub fn parse(v: &str) -> Option<Self> {
+        Some(match v {
+            "auto" => AttentionKernel::Auto,
+            "wgmma" => AttentionKernel::Wgmma,
+            "q128" => AttentionKernel::Rows128,
+            "q64" => AttentionKernel::Rows64,
+            _ => return None,
+        })
+    }
+}
+
+/// Keys and values of one attention layer of one sequence: an optional immutable shared prefix
+/// (made by `share_kv`, referenced by every fork), then the sequence's own rows
+/// `[capacity, kv_heads·head_dim]` BF16, grown geometrically. `clone()` shares the prefix and
+/// deep-copies the own rows on the GPU.
+pub struct CudaKvCache {
+    shared: Option<Arc<SharedKv>>,
+    k: Option<CudaSlice<bf16>>,
+    v: Option<CudaSlice<bf16>>,
+    pub(super) width: usize,
+    cap: usize,
+    len: usize,
+}
+
+struct SharedKv {
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    len: usize,
+}
+
+impl CudaKvCache {
+    /// Rows the own buffers can hold before they are reallocated.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+    /// Rows in the shared (immutable) prefix.
+    pub fn shared_len(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.len)
+    }
+}
+
+/// A new buffer of `cap` elements whose first `n` are copied from `src`.
+fn copy_prefix<T>(src: &CudaSlice<T>, cap: usize, n: usize) -> Result<CudaSlice<T>>
+where
+    T: cudarc::driver::DeviceRepr,
+{
+    let stream = src.stream().clone();
+    // SAFETY: the first n elements are written below; the rest is unused capacity.
+    let mut dst = unsafe { stream.alloc::<T>(cap.max(1)) }?;
+    if n > 0 {
+        stream.memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?;
+    }
+    Ok(dst)
+}
+
+impl Clone for CudaKvCache {
+    fn clone(&self) -> Self {
+        let copy = |s: &Option<CudaSlice<bf16>>| {
+            s.as_ref().map(|s| {
+                copy_prefix(s, self.cap * self.width, self.len * self.width)
+                    .expect("copying a KV cache on the GPU")
+            })
+        };
+        CudaKvCache {
+            shared: self.shared.clone(),
+            k: copy(&self.k),
+            v: copy(&self.v),
+            width: self.width,
+            cap: self.cap,
+            len: self.len,
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Grows the own buffers of `c` to hold `needed` rows (see `layout::kv_capacity`).
+    pub(super) fn reserve_kv(&self, c: &mut CudaKvCache, needed: usize) -> Result<()> {
+        if c.k.is_some() && needed <= c.cap {
+            return Ok(());
+        }
+        let cap = layout::kv_capacity(c.cap, needed);
+        let (n, total) = (c.len * c.width, cap * c.width);
+        let grow = |old: &Option<CudaSlice<bf16>>| -> Result<CudaSlice<bf16>> {
+            match old {
+                Some(s) => copy_prefix(s, total, n),
+                None => self.alloc_bf16(total),
+            }
+        };
+        let k = grow(&c.k)?;
+        let v = grow(&c.v)?;
+        c.k = Some(k);
+        c.v = Some(v);
+        c.cap = cap;
+        Ok(())
+    }
+
+    /// The attention kernel over the segment table `meta` (see kernels/attention.cu; `meta_host`
+    /// is the same table on the host). Passes over long caches split their keys into ranges
+    /// (`attn_fwd_q128` in split mode, then `attn_split_combine`); the rest run as one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_core(
+        &self,
+        q: &CudaSlice<bf16>,
+        meta_host: &[i64],
+        meta: &CudaSlice<i64>,
+        segments: &[Range<usize>],
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+        causal: bool,
+        gate: Option<(u64, usize, usize)>,
+        out: &CudaSlice<bf16>,
+    ) -> Result<()> {
+        let hdp =
+            layout::attention_head_dim(hd).ok_or_else(|| anyhow!("head_dim {hd} is larger than 256"))?;
+        if segments.iter().all(|s| s.is_empty()) {
+            return Ok(());
+        }
+        let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        let (gp, grow, ghead) = gate.unwrap_or((0, 0, 0));
+        let args = |table: u64| {
+            vec![
+                Arg::Ptr(self.p(q)),
+                Arg::Ptr(table),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(causal as i32),
+                Arg::F32(scale_log2),
+                Arg::Ptr(gp),
+                Arg::I64(grow as i64),
+                Arg::I32(ghead as i32),
+                Arg::Ptr(self.p(out)),
+            ]
+        };
+        let longest = |idx: &[usize]| idx.iter().map(|&si| segments[si].len()).max().unwrap_or(0);
+        // The kernel depends on the head dim and the options only, never on the batch, so a row's
+        // arithmetic is the same whatever shares the call.
+        let kernel = self.state.options.attention;
+        if !layout::attention_q128_serves(hd) || kernel == AttentionKernel::Rows64 {
+            let all: Vec<usize> = (0..segments.len()).collect();
+            let grid = (longest(&all).div_ceil(64) as u32, heads as u32, segments.len() as u32);
+            let cfg = launch_config(grid, 128, layout::attention_smem_bytes(hdp));
+            return self.launch(&format!("attn_fwd_{hdp}"), cfg, &args(self.p(meta)));
+        }
+        // Whether a sequence splits its keys depends on its own rows and cache length only.
+        let ranges: Vec<usize> = segments
+            .iter()
+            .enumerate()
+            .map(|(si, s)| {
+                let kvlen = (meta_host[8 * si + 4] + meta_host[8 * si + 7]) as usize + s.len();
+                layout::attention_key_ranges(s.len(), kvlen)
+            })
+            .collect();
+        let (split, whole): (Vec<usize>, Vec<usize>) = (0..segments.len()).partition(|&si| ranges[si] > 1);
+        let name = format!("attn_fwd_q128_{hdp}");
+        let (threads, smem) = (layout::attention_q128_threads(hdp), layout::attention_q128_smem_bytes(hdp));
+        let subset = |idx: &[usize]| -> Result<CudaSlice<i64>> {
+            self.htod(
+                &idx.iter().flat_map(|&si| meta_host[8 * si..8 * si + 8].iter().copied()).collect::<Vec<_>>(),
+            )
+        };
+        if !whole.is_empty() && longest(&whole) > 0 {
+            let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
+            let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
+            let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
+            let wgmma = matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma)
+                && self.state.info.compute_capability == (9, 0)
+                && matches!(hdp, 64 | 256);
+            if wgmma {
+                let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
+                self.launch(&format!("attn_fwd_wgmma_{hdp}"), cfg, &args(tp))?;
+            } else {
+                let mut a = args(tp);
+                a.extend([Arg::I32(0), Arg::I32(0), Arg::Ptr(0)]);
+                self.launch(&name, launch_config(grid, threads, smem), &a)?;
+            }
+        }
+        if split.is_empty() {
+            return Ok(());
+        }
+        let table = subset(&split)?;
+        let nsplit = split.iter().map(|&si| ranges[si]).max().unwrap_or(1);
+        let slot = layout::attention_split_slot_floats(hdp);
+        let part = self.alloc_f32(split.len() * heads * nsplit * slot)?;
+        let mut a = args(self.p(&table));
+        a.extend([
+            Arg::I32(layout::ATTENTION_KEY_RANGE as i32),
+            Arg::I32(nsplit as i32),
+            Arg::Ptr(self.p(&part)),
+        ]);
+        let grid = (heads as u32, nsplit as u32, split.len() as u32);
+        self.launch(&name, launch_config(grid, threads, smem), &a)?;
+        let grid = (layout::ATTENTION_SPLIT_MAX_ROWS as u32, heads as u32, split.len() as u32);
+        self.launch(
+            &format!("attn_split_combine_{hdp}"),
+            launch_config(grid, 64, 0),
+            &[
+                Arg::Ptr(self.p(&part)),
+                Arg::Ptr(self.p(&table)),
+                Arg::I32(heads as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(nsplit as i32),
+                Arg::Ptr(gp),
+                Arg::I64(grow as i64),
+                Arg::I32(ghead as i32),
+                Arg::Ptr(self.p(out)),
+            ],
+        )
+    }
+}
+
+/// `Backend::new_kv_cache` (the trait documents the contract).
+pub(super) fn new_kv_cache(dims: &AttentionDims) -> Result<CudaKvCache> {
+    Ok(CudaKvCache { shared: None, k: None, v: None, width: dims.kv_heads * dims.head_dim, cap: 0, len: 0 })
+}
+
+/// Rows in the cache: the shared prefix and the own rows.
+pub(super) fn kv_len(cache: &CudaKvCache) -> usize {
+    cache.shared_len() + cache.len
+}
+
+/// `Backend::share_kv` (the trait documents the contract).
+pub(super) fn share_kv(be: &CudaBackend, c: &mut CudaKvCache) -> Result<()> {
+    if c.len == 0 {
+        return Ok(());
+    }
+    // New shared prefix = old shared rows + own rows, exactly sized; the own buffers are
+    // dropped so forks start with none.
+    let (old, own) = (c.shared_len() * c.width, c.len * c.width);
+    let k = be.alloc_bf16(old + own)?;
+    let v = be.alloc_bf16(old + own)?;
+    for (dst, sh, mine) in
+        [(&k, c.shared.as_ref().map(|s| &s.k), &c.k), (&v, c.shared.as_ref().map(|s| &s.v), &c.v)]
+    {
+        if let Some(sh) = sh {
+            be.dtod_bytes(be.p(dst), be.p(sh), 2 * old)?;
+        }
+        let mine = mine.as_ref().ok_or_else(|| anyhow!("KV cache has rows but no buffer"))?;
+        be.dtod_bytes(be.p(dst) + 2 * old as u64, be.p(mine), 2 * own)?;
+    }
+    c.shared = Some(Arc::new(SharedKv { k, v, len: c.shared_len() + c.len }));
+    c.k = None;
+    c.v = None;
+    c.cap = 0;
+    c.len = 0;
+    Ok(())
+}
+
+/// `Backend::gated_attention` (the trait documents the contract).
+pub(super) fn gated_attention(
+    be: &CudaBackend,
+    x: &AttentionInputs<CudaTensor>,
+    dims: &AttentionDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    caches: &mut [&mut CudaKvCache],
+) -> Result<CudaTensor> {
+    attend(be, x, dims, segments, parents, caches, false)
+}
+
+/// `Backend::gated_attention_last_rows`: every row is prepared (its keys and values enter the
+/// caches), then only the last query row of each segment is attended: the segment table says
+/// one query row over all the keys (`nq` 1, the own length of the cache one short), which the
+/// attention kernel treats like any sequence (a long one splits its keys).
+pub(super) fn gated_attention_last_rows(
+    be: &CudaBackend,
+    x: &AttentionInputs<CudaTensor>,
+    dims: &AttentionDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    caches: &mut [&mut CudaKvCache],
+) -> Result<CudaTensor> {
+    let all = attend(be, x, dims, segments, parents, caches, true)?;
+    let last: Vec<usize> = segments.iter().map(|s| s.end.saturating_sub(1)).collect();
+    super::elementwise::gather_rows(be, &all, &last)
+}
+
+/// Gated attention of every row, or (`last_only`) of the last row of each segment; either way
+/// `[n, heads·head_dim]` (with `last_only` only the last rows are written).
+fn attend(
+    be: &CudaBackend,
+    x: &AttentionInputs<CudaTensor>,
+    dims: &AttentionDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    caches: &mut [&mut CudaKvCache],
+    last_only: bool,
+) -> Result<CudaTensor> {
+    let AttentionDims { heads, kv_heads: kvh, head_dim: hd, rotary_dim: rot, norm_eps } = *dims;
+    ensure!(segments.len() == caches.len(), "one cache per segment");
+    let Tree { parent, is_parent } = check_parents(parents, segments.len())?;
+    let (n, width) = x.qkv.rows_cols();
+    ensure!(width == dims.qkv_width(), "attention input width {width} != {}", dims.qkv_width());
+    ensure!(x.cos.rows_cols() == (n, rot) && x.sin.rows_cols() == (n, rot), "rotary table shapes");
+    ensure!(kvh > 0 && heads % kvh == 0, "{heads} heads do not group over {kvh} kv heads");
+    ensure!(
+        hd <= 256 && rot <= hd && rot % 2 == 0,
+        "head_dim {hd} / rotary_dim {rot} not supported (head_dim ≤ 256)"
+    );
+    ensure!(x.q_norm.numel() == hd && x.k_norm.numel() == hd, "q/k norm weights must have {hd} values");
+    check_tiling(segments, n)?;
+    for c in caches.iter() {
+        ensure!(c.width == kvh * hd, "KV cache width {} does not match {kvh}×{hd}", c.width);
+    }
+    if n == 0 {
+        return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, heads * hd]));
+    }
+    // The blocks of the fused projection [query/gate | key | value], read in place: base
+    // pointers offset by each block's first column (bf16: 2 bytes per element), row stride
+    // `width` elements.
+    let qkv = be.bf16_of(x.qkv)?;
+    let qg_ptr = be.p(qkv.s());
+    let k_ptr = qg_ptr + 2 * (heads * 2 * hd) as u64;
+    let v_ptr = k_ptr + 2 * (kvh * hd) as u64;
+    let row = width as i64;
+    let (qw, kw) = (be.f32_of(x.q_norm)?, be.f32_of(x.k_norm)?);
+    let (cos, sin) = (be.f32_of(x.cos)?, be.f32_of(x.sin)?);
+    let mut meta = Vec::with_capacity(8 * segments.len());
+    for (si, seg) in segments.iter().enumerate() {
+        if let Some(p) = parent[si] {
+            // A fork of the parent, whose rows (all of them shared, see below) the prep
+            // launch writes before the attention launch reads them.
+            let shared = caches[p].shared.clone();
+            let c = &mut *caches[si];
+            *c = CudaKvCache { shared, k: None, v: None, width: c.width, cap: 0, len: 0 };
+        }
+        let c = &mut *caches[si];
+        be.reserve_kv(c, c.len + seg.len())?;
+        if is_parent[si] {
+            // The parent's own rows, this call's included, become the immutable prefix its
+            // children read: the own buffers move into the shared part as they are (the
+            // prep launch writes this call's rows into them), so nothing is copied.
+            ensure!(c.shared.is_none(), "a parent's KV cache must not continue a shared cache");
+            let (k, v) = (c.k.take().expect("reserved"), c.v.take().expect("reserved"));
+            let (kp, vp, before) = (be.p(&k), be.p(&v), c.len);
+            c.shared = Some(Arc::new(SharedKv { k, v, len: before + seg.len() }));
+            (c.cap, c.len) = (0, 0);
+            meta.extend([seg.start as i64, seg.len() as i64, 0, 0, 0, kp as i64, vp as i64, before as i64]);
+            continue;
+        }
+        let (sk, sv, sl) = match &c.shared {
+            Some(s) => (be.p(&s.k), be.p(&s.v), s.len),
+            None => (0, 0, 0),
+        };
+        let (kc, vc) = (c.k.as_ref().expect("reserved"), c.v.as_ref().expect("reserved"));
+        meta.extend([
+            seg.start as i64,
+            seg.len() as i64,
+            sk as i64,
+            sv as i64,
+            sl as i64,
+            be.p(kc) as i64,
+            be.p(vc) as i64,
+            c.len as i64,
+        ]);
+    }
+    let meta_host = meta;
+    let meta = be.htod(&meta_host)?;
+    let q = be.alloc_bf16(n * heads * hd)?;
+    be.launch(
+        "attn_prep",
+        launch_config((n as u32, 1, 1), 128, 0),
+        &[
+            Arg::Ptr(qg_ptr),
+            Arg::I64(row),
+            Arg::I32((2 * hd) as i32),
+            Arg::Ptr(k_ptr),
+            Arg::I64(row),
+            Arg::Ptr(v_ptr),
+            Arg::I64(row),
+            Arg::Ptr(be.p(qw.s())),
+            Arg::Ptr(be.p(kw.s())),
+            Arg::I32(1),
+            Arg::F32(norm_eps),
+            Arg::Ptr(be.p(cos.s())),
+            Arg::Ptr(be.p(sin.s())),
+            Arg::I32(rot as i32),
+            Arg::Ptr(be.p(&meta)),
+            Arg::I32(segments.len() as i32),
+            Arg::Ptr(be.p(&q)),
+            Arg::I32(heads as i32),
+            Arg::I32(kvh as i32),
+            Arg::I32(hd as i32),
+        ],
+    )?;
+    for ((seg, c), parent) in segments.iter().zip(caches.iter_mut()).zip(&is_parent) {
+        if !parent {
+            c.len += seg.len();
+        }
+    }
+    let out = be.alloc_bf16(n * heads * hd)?;
+    // The gate of head h, dim c, row t is qkv[t, h·2·hd + hd + c] (offset hd elements).
+    let gate = (qg_ptr + 2 * hd as u64, width, 2 * hd);
+    if last_only {
+        // [q_start, nq, .., own_len]: the last row, over every key before it and its own.
+        let last_meta: Vec<i64> = meta_host
+            .chunks_exact(8)
+            .flat_map(|e| {
+                let rows = e[1].min(1);
+                [e[0] + e[1] - rows, rows, e[2], e[3], e[4], e[5], e[6], e[7] + e[1] - rows]
+            })
+            .collect();
+        let last_segments: Vec<Range<usize>> =
+            segments.iter().map(|s| s.end.saturating_sub(1).max(s.start)..s.end).collect();
+        let last_dev = be.htod(&last_meta)?;
+        be.attention_core(&q, &last_meta, &last_dev, &last_segments, heads, kvh, hd, true, Some(gate), &out)?;
+    } else {
+        be.attention_core(&q, &meta_host, &meta, segments, heads, kvh, hd, true, Some(gate), &out)?;
+    }
+    Ok(be.bf16_tensor(out, &[n, heads * hd]))
+}
+
+/// `Backend::vision_attention` (the trait documents the contract).
+pub(super) fn vision_attention(
+    be: &CudaBackend,
+    qkv: &CudaTensor,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+    heads: usize,
+    segments: &[Range<usize>],
+) -> Result<CudaTensor> {
+    let (n, w) = qkv.rows_cols();
+    ensure!(heads > 0 && w % (3 * heads) == 0, "vision qkv width {w} is not 3·heads·head_dim");
+    let hd = w / (3 * heads);
+    let d = heads * hd;
+    ensure!(hd <= 256 && hd % 2 == 0, "vision head_dim {hd} not supported");
+    ensure!(cos.rows_cols() == (n, hd) && sin.rows_cols() == (n, hd), "vision rotary shapes");
+    check_tiling(segments, n)?;
+    if n == 0 {
+        return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, d]));
+    }
+    let x = be.bf16_of(qkv)?;
+    let (cs, sn) = (be.f32_of(cos)?, be.f32_of(sin)?);
+    let q = be.alloc_bf16(n * d)?;
+    let kb = be.alloc_bf16(n * d)?;
+    let vb = be.alloc_bf16(n * d)?;
+    let mut meta = Vec::with_capacity(8 * segments.len());
+    for s in segments {
+        let off = 2 * (s.start * d) as u64;
+        meta.extend([
+            s.start as i64,
+            s.len() as i64,
+            0,
+            0,
+            0,
+            (be.p(&kb) + off) as i64,
+            (be.p(&vb) + off) as i64,
+            0,
+        ]);
+    }
+    let meta_host = meta;
+    let meta = be.htod(&meta_host)?;
+    let xp = be.p(x.s());
+    let row = (3 * d) as i64;
+    be.launch(
+        "attn_prep",
+        launch_config((n as u32, 1, 1), 128, 0),
+        &[
+            Arg::Ptr(xp),
+            Arg::I64(row),
+            Arg::I32(hd as i32),
+            Arg::Ptr(xp + 2 * d as u64),
+            Arg::I64(row),
+            Arg::Ptr(xp + 4 * d as u64),
+            Arg::I64(row),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(0),
+            Arg::F32(0.0),
+            Arg::Ptr(be.p(cs.s())),
+            Arg::Ptr(be.p(sn.s())),
+            Arg::I32(hd as i32),
+            Arg::Ptr(be.p(&meta)),
+            Arg::I32(segments.len() as i32),
+            Arg::Ptr(be.p(&q)),
+            Arg::I32(heads as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(hd as i32),
+        ],
+    )?;
+    let out = be.alloc_bf16(n * d)?;
+    be.attention_core(&q, &meta_host, &meta, segments, heads, heads, hd, false, None, &out)?;
+    Ok(be.bf16_tensor(out, &[n, d]))
+}

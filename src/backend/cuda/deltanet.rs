@@ -1,0 +1,497 @@
+//! Gated DeltaNet: causal conv + SiLU, β/g gates and L2-normed q/k (`gdn_conv`), the chunked
+//! gated delta rule (`gdn_chunk_prep_<dk>`, then a chunk scan walking each sequence's chunks from
+//! its state: `gdn_chunk_scan_tc_pipelined_<dk>` for launches with a long sequence,
+//! `gdn_chunk_scan_tc_<dk>` otherwise, `gdn_chunk_scan_<dk>` with `gdn_ffma`), and the gated
+//! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
+//! copy-on-write ([`CudaDeltaState`]).
+
+use super::launch::{grid1, launch_config, Arg};
+use super::layout;
+use super::tensor::CudaTensor;
+use super::{CudaBackend, CudaOptions};
+use crate::backend::{check_parents, check_tiling, DeltaNetDims, DeltaNetInputs, Tree};
+use anyhow::{ensure, Result};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Which tensor-core chunk scan runs (with `gdn_ffma` off). The two kernels give the same bits
+/// for every sequence (the same products in the same order on the same values; the device suite
+/// checks it), so this is a choice of speed only, and choosing by the batch keeps a sequence's
+/// result independent of the batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GdnScan {
+    /// `gdn_chunk_scan_tc_pipelined_<dk>` when the launch's longest sequence has at least
+    /// [`PIPELINED_MIN_CHUNKS`] chunks, else `gdn_chunk_scan_tc_<dk>`.
+    #[default]
+    ByLength,
+    /// Always `gdn_chunk_scan_tc_pipelined_<dk>`.
+    Pipelined,
+    /// Always `gdn_chunk_scan_tc_<dk>`.
+    Plain,
+}
+
+impl GdnScan {
+    pub fn describe(self) -> &'static str {
+        match self {
+            GdnScan::ByLength => "tensor cores (3xTF32), pipelined for long sequences",
+            GdnScan::Pipelined => "tensor cores (3xTF32), pipelined",
+            GdnScan::Plain => "tensor cores (3xTF32), not pipelined",
+        }
+    }
+}
+
+/// Chunks (of 64 rows) of a launch's longest sequence from which [`GdnScan::ByLength`] picks the
+/// pipelined scan. That kernel holds one block per SM (224 KB of shared memory at dk 128) where
+/// the plain one holds two, and what it gains is chunk c+1's loads hidden behind chunk c's
+/// arithmetic, which a sequence's first chunk cannot have. A launch takes about as long as its
+/// longest sequence's chain of chunks once its blocks fit the GPU, so the pipelined scan pays
+/// when that chain is long: from 8 chunks (512 tokens) the latency hidden in 7 or more chunks
+/// outweighs the halved occupancy, while a request's passes (a few chunks each, ~1,400 blocks
+/// for 11 passes at dk 128) keep the plain scan's two blocks per SM. `bench_gpu_ops --long` times
+/// both scans at 2K, 4K and 16K tokens and on 11 forks × 73 tokens to check this threshold.
+pub const PIPELINED_MIN_CHUNKS: usize = 8;
+
+/// The chunk-scan kernel of one launch and its dynamic shared memory, for key dim `dk` and the
+/// chunk count of the launch's longest sequence.
+pub fn scan_kernel(options: &CudaOptions, dk: usize, longest_chunks: usize) -> (String, usize) {
+    if options.gdn_ffma {
+        return (format!("gdn_chunk_scan_{dk}"), layout::delta_scan_smem_bytes(dk));
+    }
+    let pipelined = match options.gdn_scan {
+        GdnScan::Pipelined => true,
+        GdnScan::Plain => false,
+        GdnScan::ByLength => longest_chunks >= PIPELINED_MIN_CHUNKS,
+    };
+    if pipelined {
+        (format!("gdn_chunk_scan_tc_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
+    } else {
+        (format!("gdn_chunk_scan_tc_{dk}"), layout::delta_tc_smem_bytes(dk))
+    }
+}
+
+/// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
+/// one DeltaNet layer of one sequence, f32, copy-on-write: `clone()` (a fork) shares the buffers,
+/// and the next `gated_delta_net` on a state whose buffers are shared reads them and writes its
+/// result to fresh buffers (one allocation for all such states of a call) instead of copying
+/// first. A state that owns its buffers alone is updated in place.
+#[derive(Clone)]
+pub struct CudaDeltaState {
+    cur: Arc<DeltaBufs>,
+}
+
+/// Where a state's two arrays live: offsets (in f32 elements) into a device allocation that may
+/// hold other states' arrays too.
+struct DeltaBufs {
+    buf: Arc<CudaSlice<f32>>,
+    conv: usize,
+    recurrent: usize,
+    conv_len: usize,
+    recurrent_len: usize,
+}
+
+impl DeltaBufs {
+    fn ptrs(&self, stream: &CudaStream) -> (u64, u64) {
+        let base = self.buf.device_ptr(stream).0;
+        (base + 4 * self.conv as u64, base + 4 * self.recurrent as u64)
+    }
+    fn read(&self, off: usize, len: usize) -> Result<Vec<f32>> {
+        let stream = self.buf.stream();
+        Ok(stream.clone_dtoh(&self.buf.slice(off..off + len))?)
+    }
+}
+
+impl CudaDeltaState {
+    /// The recurrent state `[value_heads, key_dim, value_dim]` (for tests).
+    pub fn recurrent(&self) -> Result<Vec<f32>> {
+        self.cur.read(self.cur.recurrent, self.cur.recurrent_len)
+    }
+    /// The conv history `[kernel−1, channels]` (for tests).
+    pub fn conv_history(&self) -> Result<Vec<f32>> {
+        self.cur.read(self.cur.conv, self.cur.conv_len)
+    }
+}
+
+/// `Backend::new_delta_state`: zero conv history and recurrent state in one allocation.
+pub(super) fn new_delta_state(be: &CudaBackend, dims: &DeltaNetDims) -> Result<CudaDeltaState> {
+    let conv_len = dims.conv_kernel.saturating_sub(1) * dims.conv_channels();
+    let recurrent_len = dims.value_heads * dims.key_dim * dims.value_dim;
+    Ok(CudaDeltaState {
+        cur: Arc::new(DeltaBufs {
+            buf: Arc::new(be.zeros_f32(conv_len + recurrent_len)?),
+            conv: 0,
+            recurrent: conv_len,
+            conv_len,
+            recurrent_len,
+        }),
+    })
+}
+
+/// `Backend::gated_delta_net`: the states are planned (copy-on-write buffers, the order of the
+/// per-sequence tables), then three stages run: the conv with the gates, the chunked delta rule,
+/// the gated output norm.
+pub(super) fn gated_delta_net(
+    be: &CudaBackend,
+    x: &DeltaNetInputs<CudaTensor>,
+    dims: &DeltaNetDims,
+    segments: &[Range<usize>],
+    parents: &[Option<usize>],
+    states: &mut [&mut CudaDeltaState],
+) -> Result<CudaTensor> {
+    check_inputs(x, dims, segments, states.len())?;
+    let tree = check_parents(parents, segments.len())?;
+    let n = x.proj.rows_cols().0;
+    let (vh, dv) = (dims.value_heads, dims.value_dim);
+    if n == 0 {
+        return Ok(be.bf16_tensor(be.alloc_bf16(0)?, &[0, vh * dv]));
+    }
+    let proj = be.bf16_of(x.proj)?;
+    let blocks = ProjectionBlocks::new(be.p(proj.s()), dims);
+    let plan = plan_states(be, dims, segments, &tree, states)?;
+    let mixed = conv(be, x, dims, &blocks, &plan, n)?;
+    let core = delta_rule(be, dims, &mixed, &plan, n)?;
+    let normw = be.f32_of(x.norm_weight)?;
+    let y = be.gated_norm(&core, blocks.z, blocks.ld, vh, normw.s(), n, dv, dims.norm_eps);
+    // The arrays the plan replaced were read by the launches above; they may be freed now.
+    drop(plan.replaced);
+    y
+}
+
+fn check_inputs(
+    x: &DeltaNetInputs<CudaTensor>,
+    dims: &DeltaNetDims,
+    segments: &[Range<usize>],
+    states: usize,
+) -> Result<()> {
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, .. } =
+        *dims;
+    ensure!(segments.len() == states, "one state per segment");
+    let (n, pw) = x.proj.rows_cols();
+    ensure!(pw == dims.proj_width(), "DeltaNet input width {pw} != {}", dims.proj_width());
+    ensure!(x.conv_weight.numel() == dims.conv_channels() * kw && kw >= 1, "conv weight shape");
+    ensure!(kh > 0 && vh % kh == 0, "{vh} value heads do not group over {kh} key heads");
+    ensure!(
+        [16, 32, 64, 128].contains(&dk) && dv % 4 == 0,
+        "DeltaNet key_dim {dk} / value_dim {dv}: the CUDA kernels support key_dim 16, 32, 64 or 128 and value_dim a multiple of 4"
+    );
+    ensure!(
+        x.a_log.numel() == vh && x.dt_bias.numel() == vh && x.norm_weight.numel() == dv,
+        "A_log/dt_bias/norm shapes"
+    );
+    check_tiling(segments, n)
+}
+
+/// The blocks of the fused input projection `[q | k | v | z | b | a]`, read in place: device
+/// addresses of each block's first column (bf16: 2 bytes per element), row stride `ld`.
+struct ProjectionBlocks {
+    qkv: u64,
+    z: u64,
+    b: u64,
+    a: u64,
+    ld: i64,
+}
+
+impl ProjectionBlocks {
+    fn new(base: u64, dims: &DeltaNetDims) -> Self {
+        let z = base + 2 * dims.conv_channels() as u64;
+        let b = z + 2 * (dims.value_heads * dims.value_dim) as u64;
+        let a = b + 2 * dims.value_heads as u64;
+        ProjectionBlocks { qkv: base, z, b, a, ld: dims.proj_width() as i64 }
+    }
+}
+
+/// Where every sequence reads and writes its state, and in which order the per-sequence launches
+/// take them: the device tables of the conv (`[row_start, len, hist_in, hist_out]` per sequence)
+/// and of the scan (`[first_chunk, n_chunks, state_in, state_out]`), in launch order (parents,
+/// then the other independent sequences, then the children), and the chunk table.
+struct StatePlan {
+    conv_meta: CudaSlice<i64>,
+    scan_meta: CudaSlice<i64>,
+    /// Chunks of each sequence, in launch order (the scan kernel is chosen per launch by them).
+    scan_chunks: Vec<usize>,
+    chunks: CudaSlice<i32>,
+    chunk_count: usize,
+    sequences: usize,
+    /// Table entries `0..parents`: the parents; `0..roots`: every sequence without a parent.
+    parents: usize,
+    roots: usize,
+    /// Arrays replaced by copy-on-write, still read by this call's kernels: they must outlive
+    /// the launches (dropping the last reference frees the memory in stream order).
+    replaced: Vec<Arc<DeltaBufs>>,
+}
+
+impl StatePlan {
+    /// Entries `range` of a table in launch order: a pointer to the first and the count.
+    fn entries(&self, be: &CudaBackend, meta: &CudaSlice<i64>, range: Range<usize>) -> (u64, usize) {
+        (be.p(meta) + 32 * range.start as u64, range.len())
+    }
+}
+
+/// Copy-on-write: states sharing their buffers (forks) get fresh ones, all from one allocation;
+/// the kernels read the old arrays and write the new. Parents and the children that fork them
+/// always get fresh ones (a parent's arrays before and after its rows are both read during the
+/// call). A child starts from its parent's state as it stands after the parent's rows.
+fn plan_states(
+    be: &CudaBackend,
+    dims: &DeltaNetDims,
+    segments: &[Range<usize>],
+    tree: &Tree,
+    states: &mut [&mut CudaDeltaState],
+) -> Result<StatePlan> {
+    let Tree { parent, is_parent } = tree;
+    let table = layout::chunk_table(segments, layout::DELTA_CHUNK);
+    let conv_len = dims.conv_kernel.saturating_sub(1) * dims.conv_channels();
+    let rec_len = dims.value_heads * dims.key_dim * dims.value_dim;
+    let needs_fresh: Vec<bool> = (0..segments.len())
+        .map(|si| is_parent[si] || parent[si].is_some() || Arc::get_mut(&mut states[si].cur).is_none())
+        .collect();
+    let shared = needs_fresh.iter().filter(|&&f| f).count();
+    let fresh = if shared == 0 { None } else { Some(Arc::new(be.alloc_f32(shared * (conv_len + rec_len))?)) };
+    let stream = &be.state.stream;
+    // The conv history of the parents is written before the conv (their children read it),
+    // everyone else's after it (an in-place history is read by the conv); the scan of the
+    // children runs after everyone else's (they start from their parents' states).
+    let rank = |si: usize| {
+        if is_parent[si] {
+            0
+        } else if parent[si].is_none() {
+            1
+        } else {
+            2
+        }
+    };
+    let mut order: Vec<usize> = (0..segments.len()).collect();
+    order.sort_by_key(|&si| rank(si));
+    let mut entries = Vec::with_capacity(segments.len());
+    let mut replaced: Vec<Arc<DeltaBufs>> = Vec::new();
+    let mut slot = 0;
+    for si in 0..segments.len() {
+        if let Some(p) = parent[si] {
+            // The parent comes first, so its state already points at its output arrays.
+            let fork = states[p].clone();
+            replaced.push(std::mem::replace(&mut *states[si], fork).cur);
+        }
+        let st = &mut *states[si];
+        ensure!(
+            st.cur.conv_len == conv_len && st.cur.recurrent_len == rec_len,
+            "DeltaNet state of another shape"
+        );
+        let (conv_in, rec_in) = st.cur.ptrs(stream);
+        if needs_fresh[si] {
+            let off = slot * (conv_len + rec_len);
+            slot += 1;
+            let new = Arc::new(DeltaBufs {
+                buf: fresh.clone().expect("allocated above"),
+                conv: off,
+                recurrent: off + conv_len,
+                conv_len,
+                recurrent_len: rec_len,
+            });
+            replaced.push(std::mem::replace(&mut st.cur, new));
+        }
+        let (conv_out, rec_out) = st.cur.ptrs(stream);
+        let (seg, (first, count)) = (&segments[si], table.per_segment[si]);
+        entries.push((
+            [seg.start as i64, seg.len() as i64, conv_in as i64, conv_out as i64],
+            [first as i64, count as i64, rec_in as i64, rec_out as i64],
+        ));
+    }
+    let conv_meta: Vec<i64> = order.iter().flat_map(|&si| entries[si].0).collect();
+    let scan_meta: Vec<i64> = order.iter().flat_map(|&si| entries[si].1).collect();
+    Ok(StatePlan {
+        conv_meta: be.htod(&conv_meta)?,
+        scan_meta: be.htod(&scan_meta)?,
+        scan_chunks: order.iter().map(|&si| table.per_segment[si].1).collect(),
+        chunks: be.htod(&table.chunks)?,
+        chunk_count: table.len(),
+        sequences: segments.len(),
+        parents: is_parent.iter().filter(|&&p| p).count(),
+        roots: order.iter().filter(|&&si| rank(si) < 2).count(),
+        replaced,
+    })
+}
+
+/// What the conv stage hands the delta rule, f32: L2-normed q and k per key head `[n, kh·dk]`,
+/// v `[n, vh·dv]`, and β and the log-decay g per value head `[n, vh]`.
+struct ConvOutputs {
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+}
+
+/// `gdn_conv` (causal conv + SiLU from each sequence's history, the gates, the L2 norms) with the
+/// history updates around it (`gdn_conv_hist`: the parents' before, everyone else's after).
+fn conv(
+    be: &CudaBackend,
+    x: &DeltaNetInputs<CudaTensor>,
+    dims: &DeltaNetDims,
+    blocks: &ProjectionBlocks,
+    plan: &StatePlan,
+    n: usize,
+) -> Result<ConvOutputs> {
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel: kw, .. } =
+        *dims;
+    let c = dims.conv_channels();
+    let convw = be.bf16_of(x.conv_weight)?;
+    let (alog, dtb) = (be.f32_of(x.a_log)?, be.f32_of(x.dt_bias)?);
+    let out = ConvOutputs {
+        q: be.alloc_f32(n * kh * dk)?,
+        k: be.alloc_f32(n * kh * dk)?,
+        v: be.alloc_f32(n * vh * dv)?,
+        beta: be.alloc_f32(n * vh)?,
+        g: be.alloc_f32(n * vh)?,
+    };
+    // gdn_conv: a thread owns 4 channels (C % 4 == 0 as dk % 16 == 0 and dv % 4 == 0) and
+    // CONV_ROWS rows; it stores 4 f32 at once (16-byte aligned: fresh buffers, offsets in
+    // multiples of 4 elements), and loads 4 bf16 at once when the projection allows it.
+    const CONV_ROWS: usize = 8; // = CONV_ROWS in kernels/deltanet.cu
+    for o in [&out.q, &out.k, &out.v] {
+        ensure!(be.p(o) % 16 == 0, "gdn_conv output buffers must be 16-byte aligned");
+    }
+    let vec = blocks.ld % 4 == 0 && blocks.qkv % 8 == 0;
+    let groups = c / 4;
+    let threads = groups.next_multiple_of(32).min(256);
+    let history = |range: Range<usize>| -> Result<()> {
+        let (meta, count) = plan.entries(be, &plan.conv_meta, range);
+        if count == 0 {
+            return Ok(());
+        }
+        be.launch(
+            "gdn_conv_hist",
+            launch_config((grid1(c, 256), count as u32, 1), 256, 0),
+            &[
+                Arg::Ptr(blocks.qkv),
+                Arg::I64(blocks.ld),
+                Arg::Ptr(meta),
+                Arg::I32(c as i32),
+                Arg::I32(kw as i32),
+            ],
+        )
+    };
+    history(0..plan.parents)?;
+    be.launch(
+        "gdn_conv",
+        launch_config((n.div_ceil(CONV_ROWS) as u32, groups.div_ceil(threads) as u32, 1), threads as u32, 0),
+        &[
+            Arg::Ptr(blocks.qkv),
+            Arg::I64(blocks.ld),
+            Arg::I32(vec as i32),
+            Arg::Ptr(be.p(convw.s())),
+            Arg::I32(kw as i32),
+            Arg::Ptr(be.p(&plan.conv_meta)),
+            Arg::I32(plan.sequences as i32),
+            Arg::I64(n as i64),
+            Arg::Ptr(blocks.b),
+            Arg::Ptr(blocks.a),
+            Arg::Ptr(be.p(alog.s())),
+            Arg::Ptr(be.p(dtb.s())),
+            Arg::Ptr(be.p(&out.q)),
+            Arg::Ptr(be.p(&out.k)),
+            Arg::Ptr(be.p(&out.v)),
+            Arg::Ptr(be.p(&out.beta)),
+            Arg::Ptr(be.p(&out.g)),
+            Arg::I32(kh as i32),
+            Arg::I32(vh as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+        ],
+    )?;
+    history(plan.parents..plan.sequences)?;
+    Ok(out)
+}
+
+/// The chunked gated delta rule: `gdn_chunk_prep_<dk>` (per chunk and key head, the chunk's
+/// triangular systems), then a chunk scan ([`scan_kernel`], chosen per launch) walking each
+/// sequence's chunks from its state, the roots first and then the children from their parents'
+/// new states. Returns the f32 output `[n·vh, dv]`.
+fn delta_rule(
+    be: &CudaBackend,
+    dims: &DeltaNetDims,
+    x: &ConvOutputs,
+    plan: &StatePlan,
+    n: usize,
+) -> Result<CudaSlice<f32>> {
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, .. } = *dims;
+    let core = be.alloc_f32(n * vh * dv)?;
+    if plan.chunk_count == 0 {
+        return Ok(core);
+    }
+    let chunk = layout::DELTA_CHUNK;
+    let tp = be.alloc_f32(plan.chunk_count * vh * 2 * chunk * chunk)?;
+    be.launch(
+        &format!("gdn_chunk_prep_{dk}"),
+        launch_config((plan.chunk_count as u32, kh as u32, 1), 256, layout::delta_prep_smem_bytes(dk)),
+        &[
+            Arg::Ptr(be.p(&x.q)),
+            Arg::Ptr(be.p(&x.k)),
+            Arg::Ptr(be.p(&x.beta)),
+            Arg::Ptr(be.p(&x.g)),
+            Arg::Ptr(be.p(&plan.chunks)),
+            Arg::I32(kh as i32),
+            Arg::I32(vh as i32),
+            Arg::Ptr(be.p(&tp)),
+        ],
+    )?;
+    for range in [0..plan.roots, plan.roots..plan.sequences] {
+        let longest = plan.scan_chunks[range.clone()].iter().copied().max().unwrap_or(0);
+        let (meta, count) = plan.entries(be, &plan.scan_meta, range);
+        if count == 0 {
+            continue;
+        }
+        let (scan, smem) = scan_kernel(&be.state.options, dk, longest);
+        be.launch(
+            &scan,
+            launch_config((count as u32, vh as u32, dv.div_ceil(32) as u32), 256, smem),
+            &[
+                Arg::Ptr(be.p(&x.q)),
+                Arg::Ptr(be.p(&x.k)),
+                Arg::Ptr(be.p(&x.v)),
+                Arg::Ptr(be.p(&x.beta)),
+                Arg::Ptr(be.p(&x.g)),
+                Arg::Ptr(be.p(&tp)),
+                Arg::Ptr(be.p(&plan.chunks)),
+                Arg::Ptr(meta),
+                Arg::I32(kh as i32),
+                Arg::I32(vh as i32),
+                Arg::I32(dv as i32),
+                Arg::Ptr(be.p(&core)),
+            ],
+        )?;
+    }
+    Ok(core)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::launch::KERNELS;
+
+    #[test]
+    fn scan_kernel_follows_options_and_the_longest_sequence() {
+        let by_length = CudaOptions::default();
+        assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
+        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS - 1).0, "gdn_chunk_scan_tc_128");
+        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS).0, "gdn_chunk_scan_tc_pipelined_128");
+        let forced = |gdn_scan| CudaOptions { gdn_scan, ..CudaOptions::default() };
+        assert_eq!(scan_kernel(&forced(GdnScan::Pipelined), 64, 1).0, "gdn_chunk_scan_tc_pipelined_64");
+        assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 1000).0, "gdn_chunk_scan_tc_64");
+        let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };
+        assert_eq!(scan_kernel(&ffma, 32, 1000).0, "gdn_chunk_scan_32");
+        // Every choice is a kernel of the table, launched with the shared memory it is allowed.
+        let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
+        for o in [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma] {
+            for dk in [16, 32, 64, 128] {
+                for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
+                    let (name, smem) = scan_kernel(&o, dk, longest);
+                    let f = table
+                        .iter()
+                        .find(|f| f.name == name)
+                        .unwrap_or_else(|| panic!("{name} is not in KERNELS"));
+                    assert_eq!(f.max_dynamic_smem, smem, "{name}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! How the backend starts work on the GPU: the one table of kernels (which `.cu` file, which
+//! functions, how much dynamic shared memory each may use), kernel arguments, launch shapes,
+//! and the launch and GEMM calls (timed per kernel when `IMAJEV_PROFILE=kernels`).
+//!
+//! Adding a kernel means one row here and its code in `kernels/`; [`super::compile`] builds and
+//! loads every file of the table and sets each function's shared-memory limit from it.
+
+use super::gemm::Gemm;
+use super::layout;
+use super::CudaBackend;
+use anyhow::{anyhow, Result};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+/// One `.cu` file of `kernels/` (embedded in the binary) and the functions loaded from it.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFile {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub functions: &'static [KernelFn],
+}
+
+/// A kernel function and the dynamic shared memory it is allowed (0: the 48 KiB default).
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFn {
+    pub name: &'static str,
+    pub max_dynamic_smem: usize,
+}
+
+const fn k(name: &'static str) -> KernelFn {
+    KernelFn { name, max_dynamic_smem: 0 }
+}
+
+const fn k_smem(name: &'static str, bytes: usize) -> KernelFn {
+    KernelFn { name, max_dynamic_smem: bytes }
+}
+
+/// Every kernel the backend launches.
+pub const KERNELS: &[KernelFile] = &[
+    KernelFile {
+        name: "elementwise",
+        source: include_str!("../../../kernels/elementwise.cu"),
+        functions: &[
+            k("cast_f32_bf16"),
+            k("cast_bf16_f32"),
+            k("gather_rows"),
+            k("scatter_rows"),
+            k("copy_cols"),
+            k("embed_bag"),
+            k("add_bf16"),
+            k("add_bias"),
+            k("swiglu"),
+            k("gelu"),
+            k("readout_f32"),
+        ],
+    },
+    KernelFile {
+        name: "norm",
+        source: include_str!("../../../kernels/norm.cu"),
+        functions: &[
+            k("rms_norm"),
+            k("rms_norm_quant"),
+            k("add_rms_norm"),
+            k("add_rms_norm_quant"),
+            k("layer_norm"),
+            k("rms_norm_gated"),
+            k("rms_norm_gated_quant"),
+        ],
+    },
+    KernelFile {
+        name: "quant",
+        source: include_str!("../../../kernels/quant.cu"),
+        functions: &[k("quant_act_1x128"), k("swiglu_quant_1x128")],
+    },
+    KernelFile {
+        name: "attention",
+        source: include_str!("../../../kernels/attention.cu"),
+        functions: &[
+            k("attn_prep"),
+            k_smem("attn_fwd_16", layout::attention_smem_bytes(16)),
+            k_smem("attn_fwd_32", layout::attention_smem_bytes(32)),
+            k_smem("attn_fwd_64", layout::attention_smem_bytes(64)),
+            k_smem("attn_fwd_128", layout::attention_smem_bytes(128)),
+            k_smem("attn_fwd_256", layout::attention_smem_bytes(256)),
+            k_smem("attn_fwd_q128_64", layout::attention_q128_smem_bytes(64)),
+            k_smem("attn_fwd_q128_128", layout::attention_q128_smem_bytes(128)),
+            k_smem("attn_fwd_q128_256", layout::attention_q128_smem_bytes(256)),
+            k_smem("attn_fwd_wgmma_64", layout::attention_wgmma_smem_bytes(64)),
+            k_smem("attn_fwd_wgmma_256", layout::attention_wgmma_smem_bytes(256)),
+            k("attn_split_combine_64"),
+            k("attn_split_combine_128"),
+            k("attn_split_combine_256"),
+        ],
+    },
+    KernelFile {
+        name: "deltanet",
+        source: include_str!("../../../kernels/deltanet.cu"),
+        functions: &[
+            k("gdn_conv"),
+            k("gdn_conv_hist"),
+            k_smem("gdn_chunk_prep_16", layout::delta_prep_smem_bytes(16)),
+            k_smem("gdn_chunk_prep_32", layout::delta_prep_smem_bytes(32)),
+            k_smem("gdn_chunk_prep_64", layout::delta_prep_smem_bytes(64)),
+            k_smem("gdn_chunk_prep_128", layout::delta_prep_smem_bytes(128)),
+            k_smem("gdn_chunk_scan_16", layout::delta_scan_smem_bytes(16)),
+            k_smem("gdn_chunk_scan_32", layout::delta_scan_smem_bytes(32)),
+            k_smem("gdn_chunk_scan_64", layout::delta_scan_smem_bytes(64)),
+            k_smem("gdn_chunk_scan_128", layout::delta_scan_smem_bytes(128)),
+            k_smem("gdn_chunk_scan_tc_16", layout::delta_tc_smem_bytes(16)),
+            k_smem("gdn_chunk_scan_tc_32", layout::delta_tc_smem_bytes(32)),
+            k_smem("gdn_chunk_scan_tc_64", layout::delta_tc_smem_bytes(64)),
+            k_smem("gdn_chunk_scan_tc_128", layout::delta_tc_smem_bytes(128)),
+            k_smem("gdn_chunk_scan_tc_pipelined_16", layout::delta_tc_pipelined_smem_bytes(16)),
+            k_smem("gdn_chunk_scan_tc_pipelined_32", layout::delta_tc_pipelined_smem_bytes(32)),
+            k_smem("gdn_chunk_scan_tc_pipelined_64", layout::delta_tc_pipelined_smem_bytes(64)),
+            k_smem("gdn_chunk_scan_tc_pipelined_128", layout::delta_tc_pipelined_smem_bytes(128)),
+        ],
+    },
+];
+
+/// One kernel argument, typed as the kernel's parameter: a device address (`T*`), `long long`,
+/// `int` or `float`.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Arg {
+    Ptr(u64),
+    I64(i64),
+    I32(i32),
+    F32(f32),
+}
+
+/// Blocks of a 1-D grid-stride launch over `n` items, `per_block` per block.
+pub(super) fn grid1(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block).clamp(1, 1 << 20) as u32
+}
+
+/// A launch of `grid` blocks of `block` threads with `smem` bytes of dynamic shared memory.
+pub(super) fn launch_config(grid: (u32, u32, u32), block: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+impl CudaBackend {
+    fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.state.funcs.get(name).ok_or_else(|| anyhow!("kernel {name} is not loaded"))
+    }
+
+    /// Queues kernel `name` on the backend's stream.
+    pub(super) fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let f = self.func(name)?;
+        let mut b = self.state.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: every kernel's parameter list matches the argument list its caller builds
+        // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and the buffers
+        // behind the pointers outlive the launch in stream order.
+        let mut go =
+            move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));
+        match &self.state.profiler {
+            Some(p) => p.time(name, go),
+            None => go(),
+        }
+    }
+
+    /// One cuBLASLt GEMM, timed under its kind and shape when kernel profiling is on.
+    pub(super) fn gemm(&self, g: &Gemm) -> Result<()> {
+        match &self.state.profiler {
+            Some(p) => p.time(format!("gemm.{:?} N={} K={}", g.kind, g.n, g.k), || self.state.blas.run(g)),
+            None => self.state.blas.run(g),
+        }
+    }
+
+    /// One cuBLASLt GEMM, timed under `name` when kernel profiling is on.
+    pub(super) fn gemm_named(&self, g: &Gemm, name: &str) -> Result<()> {
+        match &self.state.profiler {
+            Some(p) => p.time(name, || self.state.blas.run(g)),
+            None => self.state.blas.run(g),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_function_is_listed_once_and_big_smem_only_where_needed() {
+        let mut seen = std::collections::HashSet::new();
+        for f in KERNELS {
+            for kf in f.functions {
+                assert!(seen.insert(kf.name), "{} listed twice", kf.name);
+                assert!(kf.max_dynamic_smem <= 227 * 1024, "{} asks for more than an SM has", kf.name);
+                // Each function name (or its macro stem) occurs in its file.
+                let stem = kf.name.trim_end_matches(|c: char| c.is_ascii_digit() || c == '_');
+                assert!(f.source.contains(stem), "{} not found in kernels/{}.cu", kf.name, f.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! Layout planning of the CUDA backend that needs no GPU: how a fused projection's parts map to
+//! FP8 and BF16 GEMMs, the delta-rule chunk table, KV-cache growth, the kernels' shared-memory
+//! sizes, and the NVRTC target name. All of it is unit-tested on CPU-only machines; the kernels
+//! that consume these layouts are tested on the GPU (`tests/gpu/`).
+
+use crate::weights::fp8::FP8_BLOCK;
+use crate::weights::StoredDtype;
+use std::ops::Range;
+
+/// Tokens per chunk of the chunked gated delta rule (the kernels are written for 64).
+pub const DELTA_CHUNK: usize = 64;
+
+/// How one row block of a projection is stored on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartFormat {
+    /// E4M3 with `[out/128][in/128]` f32 multipliers; block-scaled cuBLASLt GEMM.
+    Fp8,
+    /// BF16; BF16 cuBLASLt GEMM with f32 accumulation.
+    Bf16,
+}
+
+/// What a checkpoint tensor looks like, for choosing its GPU format.
+#[derive(Debug, Clone, Copy)]
+pub struct PartInfo {
+    pub dtype: StoredDtype,
+    pub out: usize,
+    pub inp: usize,
+    /// For an FP8 tensor: its scale grid is exactly `[out/128, in/128]` with 128×128 blocks.
+    pub scales_are_128x128: bool,
+}
+
+/// FP8 checkpoint weights with 128×128 scales stay FP8; with `quantize`, other weights whose dims
+/// are multiples of 128 are quantised at load; everything else (ragged dims such as in_proj_a/b
+/// or small test models, FP8 tensors with other block sizes) is BF16.
+/// With `dequantize`, everything is BF16 (FP8 checkpoints dequantised at load).
+pub fn part_format(p: &PartInfo, quantize: bool, dequantize: bool) -> PartFormat {
+    let aligned = p.out % FP8_BLOCK == 0 && p.inp % FP8_BLOCK == 0 && p.out > 0 && p.inp > 0;
+    match p.dtype {
+        _ if dequantize => PartFormat::Bf16,
+        StoredDtype::F8E4M3 if aligned && p.scales_are_128x128 => PartFormat::Fp8,
+        _ if aligned && quantize => PartFormat::Fp8,
+        _ => PartFormat::Bf16,
+    }
+}
+
+/// A run of consecutive parts with the same format, computed by one GEMM into output columns
+/// `cols` (the projection's parts are concatenated along the output dim).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartGroup {
+    pub format: PartFormat,
+    pub parts: Range<usize>,
+    pub cols: Range<usize>,
+}
+
+/// Groups consecutive parts of equal format. `parts[i] = (format, out_i)`.
+pub fn group_parts(parts: &[(PartFormat, usize)]) -> Vec<PartGroup> {
+    let mut groups: Vec<PartGroup> = Vec::new();
+    let mut col = 0;
+    for (i, &(f, out)) in parts.iter().enumerate() {
+        match groups.last_mut() {
+            Some(g) if g.format == f => {
+                g.parts.end = i + 1;
+                g.cols.end = col + out;
+            }
+            _ => groups.push(PartGroup { format: f, parts: i..i + 1, cols: col..col + out }),
+        }
+        col += out;
+    }
+    groups
+}
+
+/// Chunks of the delta rule for a packed batch: `chunks` holds `[row_start, len]` pairs (chunks
+/// start at each sequence's first row and never cross sequences), `per_segment[s]` is
+/// `(first chunk, chunk count)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkTable {
+    pub chunks: Vec<i32>,
+    pub per_segment: Vec<(usize, usize)>,
+}
+
+impl ChunkTable {
+    pub fn len(&self) -> usize {
+        self.chunks.len() / 2
+    }
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+}
+
+pub fn chunk_table(segments: &[Range<usize>], chunk: usize) -> ChunkTable {
+    let mut chunks = Vec::new();
+    let mut per_segment = Vec::with_capacity(segments.len());
+    for seg in segments {
+        let first = chunks.len() / 2;
+        let mut start = seg.start;
+        while start < seg.end {
+            let len = chunk.min(seg.end - start);
+            chunks.push(start as i32);
+            chunks.push(len as i32);
+            start += len;
+        }
+        per_segment.push((first, chunks.len() / 2 - first));
+    }
+    ChunkTable { chunks, per_segment }
+}
+
+/// Capacity (rows) of a KV cache that holds `current` rows and must hold `needed`: at least 1.5×
+/// the old capacity (amortised O(1) appends), rounded up to 256 rows.
+pub fn kv_capacity(current: usize, needed: usize) -> usize {
+    let want = needed.max(current + current / 2).max(1);
+    want.div_ceil(256) * 256
+}
+
+/// The NVRTC `--gpu-architecture` for a compute capability: `sm_90a` on Hopper (the arch-specific
+/// target that also enables wgmma/setmaxnreg), `sm_XY` elsewhere.
+pub fn gpu_arch(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// The padded head dim the attention kernel is instantiated for (`attn_fwd_<HDP>`).
+pub fn attention_head_dim(hd: usize) -> Option<usize> {
+    [16, 32, 64, 128, 256].into_iter().find(|&p| hd <= p)
+}
+
+/// Dynamic shared memory of `attn_fwd_<hdp>`: Q, K and V tiles of 64 rows, row stride hdp + 8.
+pub const fn attention_smem_bytes(hdp: usize) -> usize {
+    3 * 64 * (hdp + 8) * 2
+}
+
+/// Key/value rows per tile of `attn_fwd_q128_<hdp>` (kernels/attention.cu).
+pub const fn attention_q128_key_tile(hdp: usize) -> usize {
+    if hdp > 128 {
+        32
+    } else {
+        64
+    }
+}
+
+/// Keys per range when a short sequence splits its keys (`attn_fwd_q128` in split mode; a multiple
+/// of every key tile).
+pub const ATTENTION_KEY_RANGE: usize = 4096;
+/// Sequences of at most this many query rows (one query tile) may split their keys.
+pub const ATTENTION_SPLIT_MAX_ROWS: usize = 128;
+
+/// Key ranges of a sequence of `rows` query rows over `kvlen` keys: more than one only for short
+/// sequences over long caches (passes over a long prefix). Depends on the sequence alone, so a
+/// row's arithmetic never depends on the batch.
+pub fn attention_key_ranges(rows: usize, kvlen: usize) -> usize {
+    if rows > 0 && rows <= ATTENTION_SPLIT_MAX_ROWS && kvlen > ATTENTION_KEY_RANGE {
+        kvlen.div_ceil(ATTENTION_KEY_RANGE)
+    } else {
+        1
+    }
+}
+
+/// f32 values of one (sequence, head, key range) slot of split attention: the unnormalised
+/// output `[128][hdp]`, then the row maxima and sums `[128]` each.
+pub const fn attention_split_slot_floats(hdp: usize) -> usize {
+    ATTENTION_SPLIT_MAX_ROWS * hdp + 2 * ATTENTION_SPLIT_MAX_ROWS
+}
+
+/// Dynamic shared memory of `attn_fwd_wgmma_<hdp>` (head dims 64 and 256): 1024 bytes of slack
+/// to align the swizzled tiles, a Q tile of 128 rows and double-buffered K and V tiles of 64 rows,
+/// unpadded (the 128-byte swizzle spreads the banks).
+pub const fn attention_wgmma_smem_bytes(hdp: usize) -> usize {
+    1024 + (128 + 4 * 64) * hdp * 2
+}
+
+/// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows (`MT` = 1 in kernels/attention.cu).
+pub const fn attention_q128_threads(_hdp: usize) -> u32 {
+    256
+}
+
+/// Dynamic shared memory of `attn_fwd_q128_<hdp>`: a Q tile of 128 rows and double-buffered K and
+/// V tiles, row stride hdp + 8.
+pub const fn attention_q128_smem_bytes(hdp: usize) -> usize {
+    (128 + 4 * attention_q128_key_tile(hdp)) * (hdp + 8) * 2
+}
+
+/// Whether `attn_fwd_q128` serves a head dim: instantiated for 64, 128 and 256, and its 16-byte
+/// copies need head dims that are multiples of 8.
+pub fn attention_q128_serves(hd: usize) -> bool {
+    hd % 8 == 0 && matches!(attention_head_dim(hd), Some(64 | 128 | 256))
+}
+
+const fn max(a: usize, b: usize) -> usize {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// Dynamic shared memory of `gdn_chunk_scan_tc_<dk>` (kernels/deltanet.cu): k [dk][68], q [dk][68]
+/// reused for T and P [2][64][68], S [dk][40], R and Vn [64][40], gamma, beta, decay factors [64].
+pub const fn delta_tc_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (dk * (c + 4) + max(dk * (c + 4), 2 * c * (c + 4)) + dk * 40 + 2 * c * 40 + 3 * c) * 4
+}
+
+/// Dynamic shared memory of `gdn_chunk_scan_tc_pipelined_<dk>` (kernels/deltanet.cu): k and q
+/// row-major [2][64][dk+4] each and v/R [2][64][40] (two chunks' inputs: the next one is copied
+/// while the current one computes), T and P [64][72], S [dk][40], Vn [64][40], and the gates
+/// (e^gamma, decay factors, beta) [2][3][64]. 224,768 bytes at dk 128: one block per SM.
+pub const fn delta_tc_pipelined_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (4 * c * (dk + 4) + 2 * c * 40 + 2 * c * (c + 8) + dk * 40 + c * 40 + 6 * c) * 4
+}
+
+/// Dynamic shared memory of `gdn_chunk_prep_<dk>` (kernels/deltanet.cu): max(q and k staged
+/// [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
+pub const fn delta_prep_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (max(2 * dk * (c + 4), 2 * c * (c + 1)) + 4 * c) * 4
+}
+
+/// Dynamic shared memory of `gdn_chunk_scan_<dk>` (kernels/deltanet.cu): k [dk][68], q [dk][68]
+/// reused for T and P [2][64][64], S [dk][32], R and Vn [64][32], gamma, beta, decay factors [64].
+pub const fn delta_scan_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (dk * (c + 4) + max(dk * (c + 4), 2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4
+}
+
+/// Largest power of two (≤ 256) dividing a device address: the alignment cuBLASLt is told about.
+pub fn ptr_alignment(addr: u64) -> u32 {
+    if addr == 0 {
+        return 256;
+    }
+    (1u64 << addr.trailing_zeros().min(8)) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_follow_dtype_alignment_and_option() {
+        let p = |dtype, out, inp, sc| PartInfo { dtype, out, inp, scales_are_128x128: sc };
+        use StoredDtype::*;
+        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, true), false, false), PartFormat::Fp8);
+        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, false), false, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(F8E4M3, 32, 2560, true), false, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(BF16, 8192, 2560, false), false, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(BF16, 8192, 2560, false), true, false), PartFormat::Fp8);
+        assert_eq!(part_format(&p(F32, 32, 2560, false), true, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(BF16, 64, 64, false), true, false), PartFormat::Bf16);
+        assert_eq!(part_format(&p(F8E4M3, 8192, 2560, true), false, true), PartFormat::Bf16);
+    }
+
+    #[test]
+    fn parts_group_by_format_in_order() {
+        use PartFormat::*;
+        // Qwen3.5-4B in_proj: qkv 8192 (fp8) + z 4096 (fp8) + b 32 + a 32 (bf16).
+        let g = group_parts(&[(Fp8, 8192), (Fp8, 4096), (Bf16, 32), (Bf16, 32)]);
+        assert_eq!(
+            g,
+            vec![
+                PartGroup { format: Fp8, parts: 0..2, cols: 0..12288 },
+                PartGroup { format: Bf16, parts: 2..4, cols: 12288..12352 },
+            ]
+        );
+        let g = group_parts(&[(Bf16, 10), (Fp8, 128), (Bf16, 5)]);
+        assert_eq!(g.len(), 3);
+        assert_eq!(g[2].cols, 138..143);
+        assert!(group_parts(&[]).is_empty());
+    }
+
+    #[test]
+    fn chunk_table_splits_each_sequence() {
+        let t = chunk_table(&[0..130, 130..131, 131..131, 131..195], 64);
+        assert_eq!(t.chunks, vec![0, 64, 64, 64, 128, 2, 130, 1, 131, 64]);
+        assert_eq!(t.per_segment, vec![(0, 3), (3, 1), (4, 0), (4, 1)]);
+        assert_eq!(t.len(), 5);
+    }
+
+    #[test]
+    fn kv_capacity_grows_geometrically() {
+        assert_eq!(kv_capacity(0, 1), 256);
+        assert_eq!(kv_capacity(0, 3000), 3072);
+        assert_eq!(kv_capacity(3072, 3073), 4608);
+        assert_eq!(kv_capacity(256, 10_000), 10_240);
+        // Appending one row at a time reallocates O(log n) times.
+        let (mut cap, mut reallocs) = (0, 0);
+        for len in 1..=100_000 {
+            if len > cap {
+                cap = kv_capacity(cap, len);
+                reallocs += 1;
+            }
+        }
+        assert!(reallocs < 25, "{reallocs} reallocations");
+    }
+
+    #[test]
+    fn arch_names() {
+        assert_eq!(gpu_arch(9, 0), "sm_90a");
+        assert_eq!(gpu_arch(8, 9), "sm_89");
+        assert_eq!(gpu_arch(12, 0), "sm_120");
+    }
+
+    #[test]
+    fn attention_instances_and_smem() {
+        assert_eq!(attention_head_dim(16), Some(16));
+        assert_eq!(attention_head_dim(24), Some(32));
+        assert_eq!(attention_head_dim(256), Some(256));
+        assert_eq!(attention_head_dim(257), None);
+        assert_eq!(attention_smem_bytes(256), 101_376);
+        // The 128-row kernel: one block per SM at head dim 256, two at 64.
+        assert_eq!(attention_q128_smem_bytes(256), 135_168);
+        assert!(attention_q128_smem_bytes(256) + 1024 <= 228 * 1024);
+        assert!(2 * (attention_q128_smem_bytes(64) + 1024) <= 228 * 1024);
+        assert!(attention_q128_serves(256) && attention_q128_serves(64) && attention_q128_serves(120));
+        assert_eq!(attention_wgmma_smem_bytes(256), 197_632);
+        assert!(attention_wgmma_smem_bytes(256) + 1024 <= 228 * 1024);
+        assert_eq!(attention_key_ranges(73, 16_457), 5);
+        assert_eq!(attention_key_ranges(73, 4096), 1);
+        assert_eq!(attention_key_ranges(129, 50_000), 1);
+        assert!(
+            ATTENTION_KEY_RANGE % attention_q128_key_tile(64) == 0
+                && ATTENTION_KEY_RANGE % attention_q128_key_tile(256) == 0
+        );
+        assert!(!attention_q128_serves(32) && !attention_q128_serves(250) && !attention_q128_serves(16));
+        let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
+        assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
+        // Two scan blocks per SM (228 KiB, 1 KiB reserved per block) for either kernel.
+        assert!(2 * (scan + 1024) <= 228 * 1024, "{scan}");
+        let tc = delta_tc_smem_bytes(128);
+        assert_eq!(tc, 111_360);
+        assert!(2 * (tc + 1024) <= 228 * 1024, "{tc}");
+        // The pipelined scan: 56,192 f32 at dk 128, within the 227 KiB a block may have (one per SM).
+        let tcp = delta_tc_pipelined_smem_bytes(128);
+        assert_eq!(tcp, 224_768);
+        assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
+        assert_eq!(
+            delta_tc_pipelined_smem_bytes(16),
+            (4 * 64 * 20 + 3 * 64 * 40 + 2 * 64 * 72 + 16 * 40 + 6 * 64) * 4
+        );
+    }
+
+    #[test]
+    fn alignment_of_addresses() {
+        assert_eq!(ptr_alignment(0x7f00_0000_0000), 256);
+        assert_eq!(ptr_alignment(0x7f00_0000_0008), 8);
+        assert_eq!(ptr_alignment(0x7f00_0000_0082), 2);
+    }
+}

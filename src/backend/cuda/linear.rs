@@ -1,0 +1,389 @@
+//! Projections: a [`CudaLinear`] holds a projection's parts concatenated along the output dim,
+//! one FP8 or BF16 cuBLASLt GEMM per run of equal format, an f32 bias and the LoRA pairs fused
+//! into one unmerged BF16 pair; `matmul` runs them; `readout` is the f32 readout head.
+//! Which format a part gets is decided in [`super::layout`] (no GPU needed); the GEMMs themselves
+//! are [`super::gemm`]'s. Kernels: `add_bias`, `readout_f32` (kernels/elementwise.cu); CPU twin:
+//! `matmul` / `readout` of src/backend/cpu/linear.rs.
+
+use super::gemm::{Gemm, GemmKind};
+use super::launch::{grid1, launch_config, Arg};
+use super::layout::{self, PartFormat, PartInfo};
+use super::tensor::{bf16_values, ActFp8, CudaTensor};
+use super::CudaBackend;
+use crate::backend::LinearPart;
+use crate::weights::fp8::{fp8_rows, quantize_fp8_blocks};
+use crate::weights::{StoredDtype, TensorRef};
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use rayon::prelude::*;
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+
+enum GroupWeight {
+    Bf16(CudaSlice<bf16>),
+    Fp8 { w: CudaSlice<u8>, scales: CudaSlice<f32> },
+}
+
+struct LinearGroup {
+    cols: Range<usize>,
+    weight: GroupWeight,
+}
+
+/// The LoRA pairs of a projection's parts, fused into one pair: `a` stacks every part's A
+/// (`[Σr, in]`), `b` is block-diagonal over the output columns `cols` (`[cols, Σr]`, part i's B
+/// in its own rows and rank columns, exact zeros elsewhere), so two GEMMs serve all parts. Zeros
+/// add nothing to the f32 sums, so each column's result is the unfused one.
+struct CudaLora {
+    cols: Range<usize>,
+    rank: usize,
+    parts: usize,
+    a: CudaSlice<bf16>,
+    b: CudaSlice<bf16>,
+    scale: f32,
+}
+
+/// A projection: its parts concatenated along the output dim and grouped into one FP8 or BF16
+/// GEMM per run of equal format; bias in f32; LoRA pairs unmerged in BF16.
+pub struct CudaLinear {
+    pub(super) in_dim: usize,
+    pub(super) out_dim: usize,
+    groups: Vec<LinearGroup>,
+    bias: Option<CudaSlice<f32>>,
+    loras: Vec<CudaLora>,
+}
+
+impl CudaLinear {
+    /// E.g. `fp8[0..12288] bf16[12288..12352] lora×2`.
+    pub fn summary(&self) -> String {
+        let mut s: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let f = match g.weight {
+                    GroupWeight::Bf16(_) => "bf16",
+                    GroupWeight::Fp8 { .. } => "fp8",
+                };
+                format!("{f}[{}..{}]", g.cols.start, g.cols.end)
+            })
+            .collect();
+        if !self.loras.is_empty() {
+            s.push(format!("lora×{}", self.loras.iter().map(|l| l.parts).sum::<usize>()));
+        }
+        s.join(" ")
+    }
+    pub fn has_fp8(&self) -> bool {
+        self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
+    }
+}
+
+fn check_2d(t: &TensorRef) -> Result<(usize, usize)> {
+    match t.shape {
+        [r, c] => Ok((*r, *c)),
+        s => bail!("{} must be 2-D, has shape {s:?}", t.name),
+    }
+}
+
+/// FP8 bytes + `[out/128][in/128]` multipliers of one part: the checkpoint's own when they are
+/// 128×128 blocks, else the RTN recipe applied to its values (in 128-row stripes, in parallel;
+/// blocks are independent so this equals `quantize_fp8_blocks` on the whole matrix).
+fn fp8_part(t: &TensorRef) -> Result<(Vec<u8>, Vec<f32>)> {
+    let (o, i) = check_2d(t)?;
+    if t.dtype == StoredDtype::F8E4M3 && scales_are_128(t) {
+        let s = t.scale_inv.expect("checked");
+        let scales = s.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        return Ok((t.bytes.to_vec(), scales));
+    }
+    let w = t.to_f32()?;
+    let stripes: Vec<(Vec<u8>, Vec<f32>)> =
+        w.par_chunks(128 * i).map(|s| quantize_fp8_blocks(s, s.len() / i, i)).collect();
+    let mut q = Vec::with_capacity(o * i);
+    let mut sc = Vec::with_capacity(o / 128 * (i / 128));
+    for (a, b) in stripes {
+        q.extend(a);
+        sc.extend(b);
+    }
+    Ok((q, sc))
+}
+
+fn scales_are_128(t: &TensorRef) -> bool {
+    match (t.scale_inv, t.shape) {
+        (Some(s), [o, i]) => {
+            s.shape == [o / 128, i / 128]
+                && o % 128 == 0
+                && i % 128 == 0
+                && s.block.is_none_or(|b| b == [128, 128])
+        }
+        _ => false,
+    }
+}
+
+impl CudaBackend {
+    /// The GEMMs of `matmul` (FP8 and BF16 groups, bias, LoRA) on the BF16 input `xs` `[m, k]`
+    /// and, when the projection has FP8 groups, its quantisation (what `quantize` makes from
+    /// `xs`).
+    pub(super) fn matmul_quantised(
+        &self,
+        xs: &CudaSlice<bf16>,
+        fp8: Option<&ActFp8>,
+        m: usize,
+        k: usize,
+        w: &CudaLinear,
+    ) -> Result<CudaTensor> {
+        let n = w.out_dim;
+        let rows_alloc = fp8.map(|f| f.mpad).unwrap_or(m);
+        let y = self.alloc_bf16(rows_alloc * n)?;
+        let yp = self.p(&y);
+        for g in &w.groups {
+            let yg = yp + 2 * g.cols.start as u64;
+            let gemm = match &g.weight {
+                GroupWeight::Fp8 { w: wq, scales } => {
+                    let a = fp8.expect("quantised by the caller");
+                    Gemm {
+                        kind: GemmKind::Fp8Block,
+                        n: g.cols.len(),
+                        m: a.mpad,
+                        k,
+                        w: self.p(wq),
+                        ldw: k,
+                        x: self.p(&a.q),
+                        ldx: k,
+                        y: yg,
+                        ldy: n,
+                        alpha: 1.0,
+                        beta: 0.0,
+                        w_scale: self.p(scales),
+                        x_scale: self.p(&a.s),
+                    }
+                }
+                GroupWeight::Bf16(wb) => Gemm {
+                    kind: GemmKind::Bf16,
+                    n: g.cols.len(),
+                    m,
+                    k,
+                    w: self.p(wb),
+                    ldw: k,
+                    x: self.p(xs),
+                    ldx: k,
+                    y: yg,
+                    ldy: n,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    w_scale: 0,
+                    x_scale: 0,
+                },
+            };
+            self.gemm(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+        }
+        if let Some(b) = &w.bias {
+            if m > 0 {
+                self.launch(
+                    "add_bias",
+                    launch_config((grid1(m * n, 256), 1, 1), 256, 0),
+                    &[Arg::Ptr(yp), Arg::Ptr(self.p(b)), Arg::I64(m as i64), Arg::I32(n as i32)],
+                )?;
+            }
+        }
+        for l in &w.loras {
+            if m == 0 {
+                break;
+            }
+            // y[:, cols] += scale · (x·Aᵀ)·Bᵀ, two BF16 GEMMs; the second accumulates (β = 1).
+            let t = self.alloc_bf16(m * l.rank)?;
+            let g1 = Gemm {
+                kind: GemmKind::Bf16,
+                n: l.rank,
+                m,
+                k,
+                w: self.p(&l.a),
+                ldw: k,
+                x: self.p(xs),
+                ldx: k,
+                y: self.p(&t),
+                ldy: l.rank,
+                alpha: 1.0,
+                beta: 0.0,
+                w_scale: 0,
+                x_scale: 0,
+            };
+            self.gemm_named(&g1, "gemm.lora_a").context("LoRA A GEMM")?;
+            let g2 = Gemm {
+                kind: GemmKind::Bf16,
+                n: l.cols.len(),
+                m,
+                k: l.rank,
+                w: self.p(&l.b),
+                ldw: l.rank,
+                x: self.p(&t),
+                ldx: l.rank,
+                y: yp + 2 * l.cols.start as u64,
+                ldy: n,
+                alpha: l.scale,
+                beta: 1.0,
+                w_scale: 0,
+                x_scale: 0,
+            };
+            self.gemm_named(&g2, "gemm.lora_b").context("LoRA B GEMM")?;
+        }
+        Ok(self.bf16_tensor(y, &[m, n]))
+    }
+}
+
+/// `Backend::linear` (the trait documents the contract).
+pub(super) fn linear(be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinear> {
+    ensure!(!parts.is_empty(), "a projection needs at least one block");
+    let in_dim = check_2d(&parts[0].weight)?.1;
+    let mut formats = Vec::with_capacity(parts.len());
+    for p in parts {
+        let (o, i) = check_2d(&p.weight)?;
+        ensure!(i == in_dim, "{} has {} inputs, expected {}", p.weight.name, i, in_dim);
+        let info =
+            PartInfo { dtype: p.weight.dtype, out: o, inp: i, scales_are_128x128: scales_are_128(&p.weight) };
+        formats.push((
+            layout::part_format(&info, be.state.options.quantize_fp8, be.state.options.dequantize_fp8),
+            o,
+        ));
+    }
+    let out_dim: usize = formats.iter().map(|f| f.1).sum();
+    let mut groups = Vec::new();
+    for g in layout::group_parts(&formats) {
+        let weight = match g.format {
+            PartFormat::Fp8 => {
+                let mut q = Vec::with_capacity(g.cols.len() * in_dim);
+                let mut s = Vec::new();
+                for p in &parts[g.parts.clone()] {
+                    let (a, b) =
+                        fp8_part(&p.weight).with_context(|| format!("FP8 weights of {}", p.weight.name))?;
+                    q.extend(a);
+                    s.extend(b);
+                }
+                GroupWeight::Fp8 { w: be.htod(&q)?, scales: be.htod(&s)? }
+            }
+            PartFormat::Bf16 => {
+                let mut w = Vec::with_capacity(g.cols.len() * in_dim);
+                for p in &parts[g.parts.clone()] {
+                    w.extend(bf16_values(&p.weight)?);
+                }
+                GroupWeight::Bf16(be.htod(&w)?)
+            }
+        };
+        groups.push(LinearGroup { cols: g.cols, weight });
+    }
+    let mut bias = None;
+    if parts.iter().any(|p| p.bias.is_some()) {
+        let mut b = Vec::with_capacity(out_dim);
+        for p in parts {
+            let o = p.weight.shape[0];
+            match &p.bias {
+                Some(t) => {
+                    ensure!(t.shape == [o], "{} must have shape [{o}]", t.name);
+                    b.extend(t.to_f32()?);
+                }
+                None => b.extend(std::iter::repeat_n(0f32, o)),
+            }
+        }
+        bias = Some(be.htod(&b)?);
+    }
+    // (columns, A [r, in], B [out, r], scale) of every adapted part, fused into one pair.
+    let mut found = Vec::new();
+    let mut col = 0;
+    for p in parts {
+        let o = p.weight.shape[0];
+        if let Some(l) = &p.lora {
+            let (r, ai) = check_2d(&l.a)?;
+            let (bo, br) = check_2d(&l.b)?;
+            ensure!(
+                ai == in_dim && bo == o && br == r,
+                "LoRA {} / {} shapes do not fit {}",
+                l.a.name,
+                l.b.name,
+                p.weight.name
+            );
+            found.push((col..col + o, bf16_values(&l.a)?, l.b.to_f32()?, r, l.scale));
+        }
+        col += o;
+    }
+    let mut loras = Vec::new();
+    if !found.is_empty() {
+        let span = found[0].0.start..found[found.len() - 1].0.end;
+        let rank: usize = found.iter().map(|f| f.3).sum();
+        // One GEMM scale when the parts agree (PEFT: alpha/r per module), else folded into B.
+        let common = found[0].4;
+        let same = found.iter().all(|f| f.4 == common);
+        let mut a = Vec::with_capacity(rank * in_dim);
+        let mut b = vec![bf16::ZERO; span.len() * rank];
+        let mut r0 = 0;
+        for (cols, fa, fb, r, scale) in &found {
+            a.extend_from_slice(fa);
+            let k = if same { 1.0 } else { *scale };
+            for (i, row) in fb.chunks_exact(*r).enumerate() {
+                let dst = (cols.start - span.start + i) * rank + r0;
+                for (j, v) in row.iter().enumerate() {
+                    b[dst + j] = bf16::from_f32(v * k);
+                }
+            }
+            r0 += r;
+        }
+        loras.push(CudaLora {
+            cols: span,
+            rank,
+            parts: found.len(),
+            a: be.htod(&a)?,
+            b: be.htod(&b)?,
+            scale: if same { common } else { 1.0 },
+        });
+    }
+    let linear = CudaLinear { in_dim, out_dim, groups, bias, loras };
+    if linear.has_fp8() {
+        be.state.fp8_linears.store(true, Ordering::Relaxed);
+    }
+    Ok(linear)
+}
+
+/// `Backend::matmul` (the trait documents the contract).
+pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
+    let (m, k) = x.rows_cols();
+    ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
+    let xs = be.bf16_of(x)?;
+    if !w.has_fp8() || m == 0 {
+        return be.matmul_quantised(xs.s(), None, m, k, w);
+    }
+    // The quantisation a fused norm attached to x, else quant_act_1x128 (the same bits).
+    let own;
+    let fp8 = match &x.fp8 {
+        Some(a) => {
+            ensure!(a.mpad == fp8_rows(m), "attached FP8 activations of another row count");
+            a
+        }
+        None => {
+            own = be.quantize(xs.s(), m, k)?;
+            &own
+        }
+    };
+    be.matmul_quantised(xs.s(), Some(fp8), m, k, w)
+}
+
+/// `Backend::readout` (the trait documents the contract).
+pub(super) fn readout(be: &CudaBackend, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {
+    let (m, k) = h.rows_cols();
+    let (rows, wk) = w.rows_cols();
+    ensure!(k == wk, "readout: hidden {k} vs weight width {wk}");
+    if m * rows == 0 {
+        return Ok(vec![0.0; m * rows]);
+    }
+    let (hs, ws) = (be.bf16_of(h)?, be.f32_of(w)?);
+    let y = be.alloc_f32(m * rows)?;
+    be.launch(
+        "readout_f32",
+        launch_config((grid1(m * rows * 32, 256), 1, 1), 256, 0),
+        &[
+            Arg::Ptr(be.p(hs.s())),
+            Arg::Ptr(be.p(ws.s())),
+            Arg::Ptr(be.p(&y)),
+            Arg::I32(m as i32),
+            Arg::I32(rows as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    Ok(be.state.stream.clone_dtoh(&y.slice(0..m * rows))?)
+}

@@ -1,0 +1,93 @@
+//! Per-token 1×128 FP8 activations for the FP8 projections: `quant_act_1x128` (kernels/quant.cu)
+//! when no fused kernel attached them, SwiGLU fused with that quantisation for the MLP's down
+//! projection (`swiglu_quant_1x128`), and whether the row norms attach it. CPU twin:
+//! [`crate::weights::fp8::quantize_act_1x128`] (the fused kernels: their plain op's twin, then
+//! that quantiser).
+
+use super::launch::{grid1, launch_config, Arg};
+use super::linear::CudaLinear;
+use super::tensor::{ActFp8, CudaTensor};
+use super::{elementwise, linear, CudaBackend};
+use crate::weights::fp8::FP8_BLOCK;
+use anyhow::Result;
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use std::sync::atomic::Ordering;
+
+impl CudaBackend {
+    /// The FP8 activations `[Mpad, K]` and `[K/128][Mpad]` scales the FP8 GEMM path uses for `x`
+    /// (padding rows included): the quantisation attached to `x` when a fused kernel wrote one,
+    /// else `quant_act_1x128`'s. A diagnostic for tests: the CPU twin is
+    /// `layout::quantize_act_1x128`.
+    pub fn quantize_activations(&self, x: &CudaTensor) -> Result<(Vec<u8>, Vec<f32>)> {
+        let (m, k) = x.rows_cols();
+        let xv = self.bf16_of(x)?;
+        let own;
+        let a = match &x.fp8 {
+            Some(a) => a,
+            None => {
+                own = self.quantize(xv.s(), m, k)?;
+                &own
+            }
+        };
+        Ok((self.state.stream.clone_dtoh(&a.q)?, self.state.stream.clone_dtoh(&a.s)?))
+    }
+
+    /// Whether a row norm writing rows of width `k` also writes their FP8 quantisation: only once
+    /// an FP8 projection exists (else no GEMM would read it), when `k` is whole 128-blocks, and
+    /// unless `unfused_act_quant` is set.
+    pub(super) fn fuse_act_quant(&self, k: usize) -> bool {
+        k > 0
+            && k % FP8_BLOCK == 0
+            && !self.state.options.unfused_act_quant
+            && self.state.fp8_linears.load(Ordering::Relaxed)
+    }
+
+    /// Per-token 1×128 FP8 quantisation of `x` `[m, k]` (`quant_act_1x128`).
+    pub(super) fn quantize(&self, x: &CudaSlice<bf16>, m: usize, k: usize) -> Result<ActFp8> {
+        let a = self.alloc_act_fp8(m, k)?;
+        let warps = a.mpad * (k / FP8_BLOCK);
+        self.launch(
+            "quant_act_1x128",
+            launch_config((grid1(warps * 32, 256), 1, 1), 256, 0),
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(self.p(&a.q)),
+                Arg::Ptr(self.p(&a.s)),
+                Arg::I32(m as i32),
+                Arg::I32(a.mpad as i32),
+                Arg::I32(k as i32),
+            ],
+        )?;
+        Ok(a)
+    }
+}
+
+/// `Backend::swiglu_matmul` (the trait documents the contract).
+pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
+    let (m, d2) = gate_up.rows_cols();
+    let k = d2 / 2;
+    if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || k % FP8_BLOCK != 0 {
+        // Nothing to fuse (BF16 projection), or a shape the unfused path reports.
+        return linear::matmul(be, &elementwise::swiglu(be, gate_up)?, w);
+    }
+    let gs = be.bf16_of(gate_up)?;
+    let xs = be.alloc_bf16(m * k)?;
+    // The kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
+    let a = be.alloc_act_fp8(m, k)?;
+    let warps = a.mpad * (k / FP8_BLOCK);
+    be.launch(
+        "swiglu_quant_1x128",
+        launch_config((grid1(warps * 32, 256), 1, 1), 256, 0),
+        &[
+            Arg::Ptr(be.p(gs.s())),
+            Arg::Ptr(be.p(&xs)),
+            Arg::Ptr(be.p(&a.q)),
+            Arg::Ptr(be.p(&a.s)),
+            Arg::I32(m as i32),
+            Arg::I32(a.mpad as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    be.matmul_quantised(&xs, Some(&a), m, k, w)
+}

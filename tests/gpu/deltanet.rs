@@ -1,0 +1,323 @@
+//! Gated DeltaNet (kernels/deltanet.cu) against the CPU: conv, gates, the chunk scans (tensor
+//! cores plain and pipelined, CUDA cores), states that continue across calls and fork (also
+//! inside one call: a prefix and its continuations, a 2-token parent), and the final recurrent
+//! states; the pipelined scan also bit for bit against the plain one, and a sequence's bits do
+//! not depend on which of the two its batch made run.
+
+use super::harness::{bit_diff, cat_cols, rel, tiling, tree_note, variant, Report};
+use anyhow::Result;
+use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::backend::cuda::deltanet::{scan_kernel, PIPELINED_MIN_CHUNKS};
+use imajev_serve::backend::cuda::{CudaBackend, CudaTensor, GdnScan};
+use imajev_serve::backend::{Backend, DeltaNetDims, DeltaNetInputs};
+use imajev_serve::synth::memory::MemoryTensor;
+use imajev_serve::synth::rng::SplitMix;
+use std::ops::Range;
+
+/// The cases: Qwen3.5-4B shapes, a tree call, a small value_dim; then the other scan.
+pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let d4b = DELTANET_4B;
+    delta_case(g, c, rep, rng, "4B", d4b, &[&[70, 1, 130], &[3, 64, 65]], &[])?;
+    // Prefixes and their continuations in one call (a 2-token parent: its children's conv
+    // history reaches into the parent's old history), beside an independent sequence whose
+    // state is updated in place.
+    let tree = [None, Some(0), Some(0), None, None, Some(4)];
+    delta_case(g, c, rep, rng, "4B", d4b, &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]], &tree)?;
+    let alt = DELTANET_SMALL_VALUE_DIM;
+    delta_case(g, c, rep, rng, "alt", alt, &[&[100, 5], &[1, 70]], &[])?;
+    // The other chunk scan (CUDA cores when the default is tensor cores), same checks.
+    let other = !g.options().gdn_ffma;
+    let gf = variant(g, |o| o.gdn_ffma = other)?;
+    let tag = if gf.options().gdn_ffma { "FMA scan" } else { "tensor-core scan" };
+    delta_case(&gf, c, rep, rng, &format!("4B, {tag}"), d4b, &[&[70, 1, 130], &[3, 64, 65]], &[])?;
+    delta_case(
+        &gf,
+        c,
+        rep,
+        rng,
+        &format!("4B, {tag}"),
+        d4b,
+        &[&[130, 1, 70, 66, 2, 5], &[3, 64, 65, 1, 2, 9]],
+        &tree,
+    )?;
+    delta_case(&gf, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5], &[1, 70]], &[])?;
+    pipelined_cases(g, c, rep, rng)
+}
+
+/// The pipelined tensor-core scan (`GdnScan::Pipelined`, forced) where its pipeline changes shape
+/// (1, 63, 64, 65 and 127 rows; 4,097 and 16,384 rows = 65 and 256 chunks) and in a tree (a
+/// 2-token parent and a 4,097-token parent with children, one of them 600 tokens long), each
+/// continued by a second call: against the CPU twin, and BITWISE against the plain tensor-core
+/// scan (`GdnScan::Plain`) on the same inputs (outputs and final states after every call). Then
+/// batch invariance under the default choice by length.
+pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let tc = |scan| {
+        variant(g, |o| {
+            o.gdn_ffma = false;
+            o.gdn_scan = scan;
+        })
+    };
+    let (piped, plain) = (tc(GdnScan::Pipelined)?, tc(GdnScan::Plain)?);
+    let forced = |be: &CudaBackend, scan| !be.options().gdn_ffma && be.options().gdn_scan == scan;
+    if !(forced(&piped, GdnScan::Pipelined) && forced(&plain, GdnScan::Plain)) {
+        rep.flag(
+            "gdn",
+            "pipelined vs plain tensor-core scan",
+            false,
+            "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it",
+        );
+        return Ok(());
+    }
+    let twin = Some(("plain tc scan", &plain));
+    let (d4b, alt) = (DELTANET_4B, DELTANET_SMALL_VALUE_DIM);
+    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
+    delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined scan", d4b, lens, &[])?;
+    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+    delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined scan", d4b, lens, &tree)?;
+    delta_case_vs(
+        &piped,
+        twin,
+        c,
+        rep,
+        rng,
+        "alt, pipelined scan",
+        alt,
+        &[&[100, 5, 700], &[1, 70, 64]],
+        &[],
+    )?;
+    batch_invariance_across_scans(g, rep, rng)
+}
+
+/// Under `GdnScan::ByLength` a sequence of `PIPELINED_MIN_CHUNKS − 1` chunks runs the plain scan
+/// alone and the pipelined one beside a 16,384-token sequence: both runs (from the same state, a
+/// fork of one that has seen 100 tokens) must give its output rows and final state bit for bit.
+fn batch_invariance_across_scans(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let be = variant(g, |o| {
+        o.gdn_ffma = false;
+        o.gdn_scan = GdnScan::ByLength;
+    })?;
+    if be.options().gdn_ffma || be.options().gdn_scan != GdnScan::ByLength {
+        rep.flag(
+            "gdn",
+            "batch invariance across the scans",
+            false,
+            "IMAJEV_GDN_FFMA / IMAJEV_GDN_SCAN force one scan: unset them",
+        );
+        return Ok(());
+    }
+    let dims = DELTANET_4B;
+    let (short, long): (usize, usize) = ((PIPELINED_MIN_CHUNKS - 1) * 64 - 1, 16384);
+    let (alone, _) = scan_kernel(be.options(), dims.key_dim, short.div_ceil(64));
+    let (beside, _) = scan_kernel(be.options(), dims.key_dim, long.div_ceil(64));
+    rep.flag(
+        "gdn",
+        format!("scan by length: {short} tokens alone run {alone}, beside {long} {beside}"),
+        alone != beside,
+        "",
+    );
+    let wts = DeltaWeights::random(rng, dims);
+    let pw = dims.proj_width();
+    let mut base = vec![be.new_delta_state(&dims)?];
+    wts.run(&be, &rng.bf16_normals(100 * pw, 1.0), dims, &tiling(&[100]), &[], &mut base)?;
+    let xs = rng.bf16_normals(short * pw, 1.0);
+    let xl = rng.bf16_normals(long * pw, 1.0);
+    let mut s_alone = vec![base[0].clone()];
+    let o_alone = be.download(&wts.run(&be, &xs, dims, &tiling(&[short]), &[], &mut s_alone)?)?;
+    let mut s_beside = vec![be.new_delta_state(&dims)?, base[0].clone()];
+    let both = [xl.as_slice(), xs.as_slice()].concat();
+    let o_beside = be.download(&wts.run(&be, &both, dims, &tiling(&[long, short]), &[], &mut s_beside)?)?;
+    let w = dims.value_heads * dims.value_dim;
+    let diff = bit_diff(&o_alone, &o_beside[long * w..])
+        + bit_diff(&s_alone[0].recurrent()?, &s_beside[1].recurrent()?);
+    rep.check(
+        "gdn",
+        format!("batch invariance: {short} tokens alone vs beside {long}: output and state values whose bits differ"),
+        diff as f64,
+        0.0,
+    );
+    Ok(())
+}
+
+/// The Gated DeltaNet shapes of Qwen3.5-4B.
+pub const DELTANET_4B: DeltaNetDims = DeltaNetDims {
+    key_heads: 16,
+    value_heads: 32,
+    key_dim: 128,
+    value_dim: 128,
+    conv_kernel: 4,
+    norm_eps: 1e-6,
+};
+
+/// Small Gated DeltaNet shapes whose value_dim is not a multiple of 32 (nor 128).
+pub const DELTANET_SMALL_VALUE_DIM: DeltaNetDims =
+    DeltaNetDims { key_heads: 2, value_heads: 6, key_dim: 32, value_dim: 24, conv_kernel: 4, norm_eps: 1e-6 };
+
+/// The parameters of a Gated DeltaNet layer besides its projections, random (conv taps, A_log,
+/// dt_bias, the gated-norm weight), and one mixer call with them.
+pub struct DeltaWeights {
+    conv: MemoryTensor,
+    alog: MemoryTensor,
+    dtb: MemoryTensor,
+    nw: MemoryTensor,
+}
+
+impl DeltaWeights {
+    pub fn random(rng: &mut SplitMix, dims: DeltaNetDims) -> Self {
+        let (ch, kw, vh, dv) = (dims.conv_channels(), dims.conv_kernel, dims.value_heads, dims.value_dim);
+        let conv = MemoryTensor::bf16("conv", &[ch, kw], &rng.bf16_normals(ch * kw, 0.5));
+        let alog = (0..vh).map(|_| (1.0 + 15.0 * rng.uniform()).ln()).collect::<Vec<_>>();
+        let alog = MemoryTensor::f32("A_log", &[vh], &alog);
+        let dtb = MemoryTensor::f32("dt_bias", &[vh], &rng.bf16_normals(vh, 0.5));
+        let nw = rng.bf16_normals(dv, 0.1).iter().map(|v| 1.0 + v).collect::<Vec<_>>();
+        let nw = MemoryTensor::f32("norm", &[dv], &nw);
+        DeltaWeights { conv, alog, dtb, nw }
+    }
+
+    /// `gated_delta_net` on the fused projection `proj` (`[n, proj_width]`).
+    pub fn run<B: Backend>(
+        &self,
+        be: &B,
+        proj: &[f32],
+        dims: DeltaNetDims,
+        segs: &[Range<usize>],
+        parents: &[Option<usize>],
+        states: &mut [B::DeltaState],
+    ) -> Result<B::Tensor> {
+        let pw = dims.proj_width();
+        let t = (
+            be.upload(proj, &[proj.len() / pw, pw])?,
+            be.param(&self.conv.r())?,
+            be.param(&self.alog.r())?,
+            be.param(&self.dtb.r())?,
+            be.param(&self.nw.r())?,
+        );
+        let inputs =
+            DeltaNetInputs { proj: &t.0, conv_weight: &t.1, a_log: &t.2, dt_bias: &t.3, norm_weight: &t.4 };
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        be.gated_delta_net(&inputs, &dims, segs, parents, &mut refs)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn delta_case(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    name: &str,
+    dims: DeltaNetDims,
+    calls: &[&[usize]],
+    tree: &[Option<usize>],
+) -> Result<()> {
+    delta_case_vs(g, None, c, rep, rng, name, dims, calls, tree)
+}
+
+/// [`delta_case`], and with `twin` (a name and a second CUDA backend) the same calls on the same
+/// inputs also on the twin, whose outputs and final states must equal `g`'s bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_case_vs(
+    g: &CudaBackend,
+    twin: Option<(&str, &CudaBackend)>,
+    c: &CpuBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    name: &str,
+    dims: DeltaNetDims,
+    calls: &[&[usize]],
+    tree: &[Option<usize>],
+) -> Result<()> {
+    let DeltaNetDims { value_heads: vh, value_dim: dv, .. } = dims;
+    let ch = dims.conv_channels();
+    let nseq = calls[0].len();
+    let mut gs = (0..nseq).map(|_| g.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+    let mut cs = (0..nseq).map(|_| c.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+    let mut ts = match twin {
+        Some((_, t)) => (0..nseq).map(|_| t.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
+    let wts = DeltaWeights::random(rng, dims);
+    for (ci, lens) in calls.iter().enumerate() {
+        let n: usize = lens.iter().sum();
+        let segs = tiling(lens);
+        // The first call may run a tree (children continue their parent within the call).
+        let parents = if ci == 0 { tree } else { &[] };
+        let qkv = rng.bf16_normals(n * ch, 1.0);
+        let z = rng.bf16_normals(n * vh * dv, 1.0);
+        let b = rng.bf16_normals(n * vh, 1.0);
+        let a = rng.bf16_normals(n * vh, 1.0);
+        // The fused projection [q | k | v | z | b | a].
+        let (proj, pw) = cat_cols(n, &[&qkv, &z, &b, &a]);
+        assert_eq!(pw, dims.proj_width());
+        let og = g.download(&wts.run(g, &proj, dims, &segs, parents, &mut gs)?)?;
+        let oc = c.download(&wts.run(c, &proj, dims, &segs, parents, &mut cs)?)?;
+        rep.check(
+            "gdn",
+            format!("gated_delta_net {name} call {ci} lens {lens:?}{}: output", tree_note(parents)),
+            rel(&og, &oc),
+            2e-2,
+        );
+        let mut worst = 0f64;
+        for (a, b) in gs.iter().zip(&cs) {
+            worst = worst.max(rel(&a.recurrent()?, b.recurrent()));
+        }
+        rep.check(
+            "gdn",
+            format!("gated_delta_net {name} call {ci}: final recurrent states (f32)"),
+            worst,
+            1e-3,
+        );
+        if let Some((tname, t)) = twin {
+            let ot = t.download(&wts.run(t, &proj, dims, &segs, parents, &mut ts)?)?;
+            let mut diff = bit_diff(&og, &ot);
+            for (a, b) in gs.iter().zip(&ts) {
+                diff += bit_diff(&a.recurrent()?, &b.recurrent()?);
+            }
+            rep.check(
+                "gdn",
+                format!("gated_delta_net {name} call {ci}: output and state values whose bits differ from the {tname}"),
+                diff as f64,
+                0.0,
+            );
+        }
+    }
+    // A fork (clone) is a deep copy: changing the original leaves it alone.
+    let before = gs[0].recurrent()?;
+    let fork = gs[0].clone();
+    let x = rng.bf16_normals(dims.proj_width(), 1.0);
+    wts.run(g, &x, dims, &tiling(&[1]), &[], &mut gs[..1])?;
+    let same = fork.recurrent()? == before && gs[0].recurrent()? != before;
+    rep.flag("gdn", format!("gated_delta_net {name}: cloned state independent of the original"), same, "");
+    Ok(())
+}
+
+/// One `gated_delta_net` call on `g` and on `u` with the same random inputs and fresh states;
+/// with `zero_head`, one (token, head) gate is driven to silu(z) = −0, a 128-block of zeros.
+pub fn delta_pair(
+    g: &CudaBackend,
+    u: &CudaBackend,
+    rng: &mut SplitMix,
+    dims: DeltaNetDims,
+    lens: &[usize],
+    zero_head: bool,
+) -> Result<(CudaTensor, CudaTensor)> {
+    let DeltaNetDims { value_heads: vh, value_dim: dv, .. } = dims;
+    let ch = dims.conv_channels();
+    let n: usize = lens.iter().sum();
+    let wts = DeltaWeights::random(rng, dims);
+    let qkv = rng.bf16_normals(n * ch, 1.0);
+    let mut z = rng.bf16_normals(n * vh * dv, 1.0);
+    if zero_head {
+        let h = vh / 2;
+        z[h * dv..(h + 1) * dv].fill(-30000.0);
+    }
+    let b = rng.bf16_normals(n * vh, 1.0);
+    let a = rng.bf16_normals(n * vh, 1.0);
+    let (proj, _) = cat_cols(n, &[&qkv, &z, &b, &a]);
+    let segs = tiling(lens);
+    let run = |be: &CudaBackend| -> Result<CudaTensor> {
+        let mut states = (0..lens.len()).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+        wts.run(be, &proj, dims, &segs, &[], &mut states)
+    };
+    Ok((run(g)?, run(u)?))
+}

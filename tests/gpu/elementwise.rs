@@ -1,0 +1,87 @@
+//! Data movement and elementwise ops (kernels/elementwise.cu) against the CPU: embeddings, row
+//! gathers and scatters, column splits, concatenation (all exact), residual adds, SwiGLU, GELU.
+
+use super::harness::{rel, Report};
+use anyhow::Result;
+use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::backend::cuda::CudaBackend;
+use imajev_serve::backend::{Backend, Gelu};
+use imajev_serve::synth::memory::MemoryTensor;
+use imajev_serve::synth::rng::SplitMix;
+
+const P: &str = "elem";
+
+pub fn data_movement(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = P;
+    let (v, d) = (4096, 2560);
+    let table = MemoryTensor::bf16("embed", &[v, d], &rng.bf16_normals(v * d, 1.0));
+    let (tg, tc) = (g.param(&table.r())?, c.param(&table.r())?);
+    let ids: Vec<u32> = (0..300).map(|_| rng.below(v) as u32).collect();
+    rep.check(
+        p,
+        "embed 300 ids of [4096, 2560]",
+        rel(&g.download(&g.embed(&tg, &ids)?)?, &c.embed(&tc, &ids)?.data),
+        0.0,
+    );
+    let pos = MemoryTensor::bf16("pos", &[2304, 1024], &rng.bf16_normals(2304 * 1024, 1.0));
+    let (pg, pc) = (g.param(&pos.r())?, c.param(&pos.r())?);
+    let idx: Vec<u32> = (0..4 * 256).map(|_| rng.below(2304) as u32).collect();
+    let w: Vec<f32> = (0..4 * 256).map(|_| rng.uniform()).collect();
+    let e = rel(&g.download(&g.embed_bag(&pg, &idx, &w, 4)?)?, &c.embed_bag(&pc, &idx, &w, 4)?.data);
+    rep.check(p, "embed_bag 256×4 taps of [2304, 1024]", e, 1e-2);
+    let (n, d) = (37, 12352);
+    let x = rng.bf16_normals(n * d, 1.0);
+    let (xg, xc) = (g.upload(&x, &[n, d])?, c.upload(&x, &[n, d])?);
+    let widths = [8192, 4096, 32, 32];
+    let (sg, sc) = (g.split_cols(&xg, &widths)?, c.split_cols(&xc, &widths)?);
+    let mut worst = 0f64;
+    for (a, b) in sg.iter().zip(&sc) {
+        worst = worst.max(rel(&g.download(a)?, &b.data));
+    }
+    rep.check(p, "split_cols [37, 12352] → 8192|4096|32|32", worst, 0.0);
+    let rows = [36usize, 0, 5, 5, 17];
+    let e = rel(&g.download(&g.gather_rows(&sg[2], &rows)?)?, &c.gather_rows(&sc[2], &rows)?.data);
+    rep.check(p, "gather_rows 5 of [37, 32]", e, 0.0);
+    let src = rng.bf16_normals(3 * 4096, 1.0);
+    let (mut dg, mut dc) = (
+        g.gather_rows(&sg[1], &(0..37).collect::<Vec<_>>())?,
+        c.gather_rows(&sc[1], &(0..37).collect::<Vec<_>>())?,
+    );
+    g.scatter_rows(&mut dg, &[3, 30, 11], &g.upload(&src, &[3, 4096])?)?;
+    c.scatter_rows(&mut dc, &[3, 30, 11], &c.upload(&src, &[3, 4096])?)?;
+    rep.check(p, "scatter_rows 3 into [37, 4096]", rel(&g.download(&dg)?, &dc.data), 0.0);
+    let e = rel(
+        &g.download(&g.concat_rows(&[
+            &sg[0],
+            &g.upload(&SplitMix::new(3).bf16_normals(5 * 8192, 1.0), &[5, 8192])?,
+        ])?)?,
+        &c.concat_rows(&[&sc[0], &c.upload(&SplitMix::new(3).bf16_normals(5 * 8192, 1.0), &[5, 8192])?])?
+            .data,
+    );
+    rep.check(p, "concat_rows [37, 8192] + [5, 8192]", e, 0.0);
+    Ok(())
+}
+
+pub fn activations(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = P;
+    let (m, d) = (300, 2560);
+    let x = rng.bf16_normals(m * d, 2.0);
+    let y = rng.bf16_normals(m * d, 1.0);
+    let (mut ag, mut ac) = (g.upload(&x, &[m, d])?, c.upload(&x, &[m, d])?);
+    g.add_assign(&mut ag, &g.upload(&y, &[m, d])?)?;
+    c.add_assign(&mut ac, &c.upload(&y, &[m, d])?)?;
+    rep.check(p, "add_assign [300, 2560]", rel(&g.download(&ag)?, &ac.data), 1e-2);
+    let gu = rng.bf16_normals(64 * 2 * 9216, 2.0);
+    let e = rel(
+        &g.download(&g.swiglu(&g.upload(&gu, &[64, 2 * 9216])?)?)?,
+        &c.swiglu(&c.upload(&gu, &[64, 2 * 9216])?)?.data,
+    );
+    rep.check(p, "swiglu [64, 2×9216]", e, 1e-2);
+    for (kind, name) in [(Gelu::Tanh, "gelu tanh [300, 2560]"), (Gelu::Erf, "gelu erf [300, 2560]")] {
+        let (mut hg, mut hc) = (g.upload(&x, &[m, d])?, c.upload(&x, &[m, d])?);
+        g.gelu(&mut hg, kind)?;
+        c.gelu(&mut hc, kind)?;
+        rep.check(p, name, rel(&g.download(&hg)?, &hc.data), 1e-2);
+    }
+    Ok(())
+}

@@ -1,0 +1,322 @@
+//! Projections (src/backend/cuda/linear.rs, cuBLASLt) against the CPU: BF16 and block-FP8 GEMMs,
+//! bias and LoRA, the FP8 activation quantiser against its CPU twin, the FP8 GEMM against an f32
+//! GEMM of its own dequantised operands, bitwise batch invariance, SwiGLU fused with the FP8
+//! quantisation, and the f32 readout.
+
+use super::harness::{lora_part, part, rel, rms_rel, variant, Report};
+use anyhow::{ensure, Result};
+use imajev_serve::backend::cpu::linear::matmul_xwt;
+use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::backend::cuda::CudaBackend;
+use imajev_serve::backend::{Backend, LinearPart, LoraPair};
+use imajev_serve::synth::memory::MemoryTensor;
+use imajev_serve::synth::rng::SplitMix;
+use imajev_serve::weights::fp8::{dequantize_act_1x128, dequantize_fp8_blocks, fp8_rows, quantize_act_1x128};
+
+pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = "gemm";
+
+    // BF16 GEMM, out_proj shape.
+    let (n, k, m) = (2560, 4096, 300);
+    let w = MemoryTensor::bf16("bf16.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
+    let x = rng.bf16_normals(m * k, 1.0);
+    let (lg, lc) = (g.linear(&[part(&w)])?, c.linear(&[part(&w)])?);
+    let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
+    let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
+    rep.check(p, "bf16 N=2560 K=4096 M=300", rel(&yg, &yc), 1e-2);
+    invariance(g, rep, "bf16 N=2560 K=4096", &lg, &x, k, &yg)?;
+
+    // Bias + LoRA on two of three parts (vision qkv-like), ragged M.
+    let (k2, m2) = (1024, 201);
+    let parts_w: Vec<MemoryTensor> = [1024usize, 1024, 1024]
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| {
+            MemoryTensor::bf16(&format!("qkv{i}.weight"), &[o, k2], &rng.bf16_normals(o * k2, 0.03))
+        })
+        .collect();
+    let bias: Vec<MemoryTensor> = (0..3)
+        .map(|i| MemoryTensor::f32(&format!("qkv{i}.bias"), &[1024], &rng.bf16_normals(1024, 0.5)))
+        .collect();
+    let la: Vec<MemoryTensor> = (0..2)
+        .map(|i| MemoryTensor::bf16(&format!("l{i}.A"), &[16, k2], &rng.bf16_normals(16 * k2, 0.05)))
+        .collect();
+    let lb: Vec<MemoryTensor> = (0..2)
+        .map(|i| MemoryTensor::bf16(&format!("l{i}.B"), &[1024, 16], &rng.bf16_normals(1024 * 16, 0.05)))
+        .collect();
+    let parts: Vec<LinearPart> = (0..3)
+        .map(|i| LinearPart {
+            weight: parts_w[i].r(),
+            bias: Some(bias[i].r()),
+            lora: match i {
+                0 => Some(LoraPair { a: la[0].r(), b: lb[0].r(), scale: 2.0 }),
+                2 => Some(LoraPair { a: la[1].r(), b: lb[1].r(), scale: 0.5 }),
+                _ => None,
+            },
+        })
+        .collect();
+    let (lg, lc) = (g.linear(&parts)?, c.linear(&parts)?);
+    let x2 = rng.bf16_normals(m2 * k2, 1.0);
+    let e = rel(
+        &g.download(&g.matmul(&g.upload(&x2, &[m2, k2])?, &lg)?)?,
+        &c.matmul(&c.upload(&x2, &[m2, k2])?, &lc)?.data,
+    );
+    rep.check(p, format!("bf16 + bias + LoRA r16 on parts 0,2 [{}] M=201", lg.summary()), e, 1e-2);
+
+    // Block FP8, activation magnitudes varying per (row, 128-block), weight magnitudes per block.
+    let (n, k, m) = (2560, 4096, 300);
+    let wv: Vec<f32> = (0..n * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            rng.gaussian() * 0.05 * 2f32.powi((((r / 128) * 5 + (c / 128) * 3) % 9) as i32 - 4)
+        })
+        .collect();
+    let w8 = MemoryTensor::fp8("fp8.weight", &[n, k], &wv);
+    let x: Vec<f32> = (0..m * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            half::bf16::from_f32(rng.gaussian() * 2f32.powi(((r * 7 + (c / 128) * 3) % 9) as i32 - 4))
+                .to_f32()
+        })
+        .collect();
+    let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
+    ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
+    let xg = g.upload(&x, &[m, k])?;
+    let yg = g.download(&g.matmul(&xg, &lg)?)?;
+    // The quantiser against its CPU twin.
+    let (qg, sg) = g.quantize_activations(&xg)?;
+    let (qh, sh) = quantize_act_1x128(&x, m, k);
+    let byte_diff = qg.iter().zip(&qh).filter(|(a, b)| a != b).count();
+    rep.check(
+        p,
+        "fp8 act quant [300, 4096]: bytes ≠ CPU twin (fraction)",
+        byte_diff as f64 / qh.len() as f64,
+        1e-4,
+    );
+    rep.check(p, "fp8 act quant: scales [K/128][M] vs CPU twin", rel(&sg, &sh), 1e-6);
+    // The GEMM against an f32 GEMM of exactly its dequantised operands.
+    let mpad = fp8_rows(m);
+    let xd = dequantize_act_1x128(&qg, &sg, m, mpad, k);
+    let wd = dequantize_fp8_blocks(
+        &w8.bytes,
+        &[n, k],
+        &w8.scale.as_ref().unwrap().1,
+        &w8.scale.as_ref().unwrap().0,
+        Some([128, 128]),
+    )?;
+    let mut yref = vec![0f32; m * n];
+    matmul_xwt(&xd, m, k, &wd, n, &mut yref, false);
+    rep.check(p, "fp8 N=2560 K=4096 M=300 vs dequantised operands (max)", rel(&yg, &yref), 1e-2);
+    rep.check(p, "fp8 … same (rms, probe measured 1.7e-3)", rms_rel(&yg, &yref), 3e-3);
+    rep.check(
+        p,
+        "fp8 … vs CPU f32 activations (quantisation error)",
+        rel(&yg, &c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data),
+        8e-2,
+    );
+    invariance(g, rep, "fp8 N=2560 K=4096", &lg, &x, k, &yg)?;
+
+    // A fused GDN in_proj of the 4B model: FP8 qkv+z, BF16 b+a (N not a multiple of 128), LoRA.
+    let (k, m) = (2560, 70);
+    let outs = [8192usize, 4096, 32, 32];
+    let ws: Vec<MemoryTensor> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| {
+            let v = rng.bf16_normals(o * k, 0.02);
+            if i < 2 {
+                MemoryTensor::fp8(&format!("in{i}.weight"), &[o, k], &v)
+            } else {
+                MemoryTensor::bf16(&format!("in{i}.weight"), &[o, k], &v)
+            }
+        })
+        .collect();
+    let la = [
+        MemoryTensor::bf16("a0", &[8, k], &rng.bf16_normals(8 * k, 0.05)),
+        MemoryTensor::bf16("a2", &[8, k], &rng.bf16_normals(8 * k, 0.05)),
+    ];
+    let lb = [
+        MemoryTensor::bf16("b0", &[8192, 8], &rng.bf16_normals(8192 * 8, 0.05)),
+        MemoryTensor::bf16("b2", &[32, 8], &rng.bf16_normals(32 * 8, 0.05)),
+    ];
+    let parts: Vec<LinearPart> = (0..4)
+        .map(|i| LinearPart {
+            weight: ws[i].r(),
+            bias: None,
+            lora: match i {
+                0 => Some(LoraPair { a: la[0].r(), b: lb[0].r(), scale: 2.0 }),
+                2 => Some(LoraPair { a: la[1].r(), b: lb[1].r(), scale: 2.0 }),
+                _ => None,
+            },
+        })
+        .collect();
+    let (lg, lc) = (g.linear(&parts)?, c.linear(&parts)?);
+    let x = rng.bf16_normals(m * k, 1.0);
+    let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
+    let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
+    let n = 12352;
+    let fp8_cols: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..m).map(|r| (yg[r * n..r * n + 12288].to_vec(), yc[r * n..r * n + 12288].to_vec())).collect();
+    let bf_cols: Vec<(Vec<f32>, Vec<f32>)> = (0..m)
+        .map(|r| (yg[r * n + 12288..(r + 1) * n].to_vec(), yc[r * n + 12288..(r + 1) * n].to_vec()))
+        .collect();
+    let cat = |v: &[(Vec<f32>, Vec<f32>)], first: bool| -> Vec<f32> {
+        v.iter().flat_map(|p| if first { p.0.clone() } else { p.1.clone() }).collect()
+    };
+    rep.check(
+        p,
+        format!("4B in_proj [{}] M=70: fp8 columns vs CPU", lg.summary()),
+        rel(&cat(&fp8_cols, true), &cat(&fp8_cols, false)),
+        8e-2,
+    );
+    rep.check(
+        p,
+        "4B in_proj: bf16 columns (b, a + LoRA) vs CPU",
+        rel(&cat(&bf_cols, true), &cat(&bf_cols, false)),
+        1e-2,
+    );
+
+    // quantize_fp8: a BF16 checkpoint projection quantised at load.
+    let gq = variant(g, |o| o.quantize_fp8 = true)?;
+    let (n, k, m) = (1024, 2560, 33);
+    let w = MemoryTensor::bf16("q.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
+    let lq = gq.linear(&[part(&w)])?;
+    ensure!(lq.summary() == "fp8[0..1024]", "quantize_fp8 placed {}", lq.summary());
+    let x = rng.bf16_normals(m * k, 1.0);
+    let e = rel(
+        &gq.download(&gq.matmul(&gq.upload(&x, &[m, k])?, &lq)?)?,
+        &c.matmul(&c.upload(&x, &[m, k])?, &c.linear(&[part(&w)])?)?.data,
+    );
+    rep.check(p, "quantize_fp8 at load: N=1024 K=2560 M=33 vs CPU bf16 weights", e, 1e-1);
+    Ok(())
+}
+
+/// Rows of a GEMM must not depend on how many rows share the call: bitwise.
+pub fn invariance(
+    g: &CudaBackend,
+    rep: &mut Report,
+    name: &str,
+    w: &<CudaBackend as Backend>::Linear,
+    x: &[f32],
+    k: usize,
+    full: &[f32],
+) -> Result<()> {
+    let n = g.linear_out(w);
+    let mut bad = 0usize;
+    let mut worst = 0f64;
+    for mm in [1usize, 7, 64, 129] {
+        let y = g.download(&g.matmul(&g.upload(&x[..mm * k], &[mm, k])?, w)?)?;
+        bad += y.iter().zip(&full[..mm * n]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        worst = worst.max(rel(&y, &full[..mm * n]));
+    }
+    rep.check(
+        "gemm",
+        format!("{name}: rows of M∈{{1,7,64,129}} ≠ rows of M=300 (bitwise count)"),
+        bad as f64,
+        0.0,
+    );
+    if bad > 0 {
+        rep.info("gemm", format!("{name}: … max rel difference"), worst, "");
+    }
+    Ok(())
+}
+
+/// Rows of the GEMMs a 46K-token request runs (past the 30K rows where cuBLASLt once rejected a
+/// fixed algorithm) equal the rows of small batches, bitwise: the LoRA A shape (BF16, N = 64,
+/// split K), in_proj b/a (BF16, N = 32) and the FP8 down projection; no GEMM left its algorithm.
+pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let m = 46_000;
+    let before = g.gemm_fallbacks();
+    for (name, n, k, fp8) in [
+        ("bf16 LoRA A", 64usize, 2560usize, false),
+        ("bf16 in_proj b", 32, 2560, false),
+        ("fp8 down", 2560, 9216, true),
+    ] {
+        let v = rng.bf16_normals(n * k, 0.02);
+        let w = if fp8 { MemoryTensor::fp8("w", &[n, k], &v) } else { MemoryTensor::bf16("w", &[n, k], &v) };
+        let l = g.linear(&[part(&w)])?;
+        let x = rng.bf16_normals(m * k, 1.0);
+        let full = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &l)?)?;
+        let mut bad = 0usize;
+        // The first rows alone, and the last rows alone (they sit in the last row block).
+        for (first, rows) in [(0usize, 1usize), (0, 129), (m - 77, 77)] {
+            let y = g.download(&g.matmul(&g.upload(&x[first * k..(first + rows) * k], &[rows, k])?, &l)?)?;
+            bad += y
+                .iter()
+                .zip(&full[first * n..(first + rows) * n])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+        }
+        rep.check(
+            "gemm",
+            format!("{name} N={n} K={k}: rows of M=46000 ≠ the same rows alone (bitwise count)"),
+            bad as f64,
+            0.0,
+        );
+    }
+    rep.check(
+        "gemm",
+        "GEMM calls that left their fixed algorithm at M=46000",
+        (g.gemm_fallbacks() - before) as f64,
+        0.0,
+    );
+    Ok(())
+}
+
+/// SwiGLU fused with the FP8 activation quantisation, bitwise against the unfused path.
+pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = "gemm";
+    // SwiGLU fused with the FP8 activation quantisation, 4B down_proj shape: bitwise equal to
+    // the GPU's unfused swiglu + matmul (plain and with a LoRA that reads the BF16 rows).
+    let (n, k) = (2560, 9216);
+    let w8 = MemoryTensor::fp8("down.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
+    let la = MemoryTensor::bf16("down.A", &[8, k], &rng.bf16_normals(8 * k, 0.05));
+    let lb = MemoryTensor::bf16("down.B", &[n, 8], &rng.bf16_normals(n * 8, 0.05));
+    let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
+    let lora = [lora_part(&w8, &la, &lb, 2.0)];
+    let lgl = g.linear(&lora)?;
+    ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
+    for m in [1usize, 37, 130] {
+        let gu = rng.bf16_normals(m * 2 * k, 2.0);
+        let gug = g.upload(&gu, &[m, 2 * k])?;
+        let fused = g.download(&g.swiglu_matmul(&gug, &lg)?)?;
+        let plain = g.download(&g.matmul(&g.swiglu(&gug)?, &lg)?)?;
+        rep.check(
+            p,
+            format!("swiglu_matmul fp8 N={n} K={k} M={m} vs GPU swiglu + matmul (bitwise)"),
+            rel(&fused, &plain),
+            0.0,
+        );
+        if m == 37 {
+            let want = c.swiglu_matmul(&c.upload(&gu, &[m, 2 * k])?, &lc)?.data;
+            rep.check(
+                p,
+                format!("swiglu_matmul fp8 N={n} K={k} M={m} vs CPU f32 (quantisation error)"),
+                rel(&fused, &want),
+                8e-2,
+            );
+            let fused = g.download(&g.swiglu_matmul(&gug, &lgl)?)?;
+            let plain = g.download(&g.matmul(&g.swiglu(&gug)?, &lgl)?)?;
+            rep.check(
+                p,
+                format!("swiglu_matmul [{}] M={m} vs GPU swiglu + matmul (bitwise)", lgl.summary()),
+                rel(&fused, &plain),
+                0.0,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The f32 readout head.
+pub fn readout(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let (p, d) = ("gemm", 2560);
+    let h = rng.bf16_normals(5 * d, 1.0);
+    let rw = MemoryTensor::f32("readout", &[12, d], &rng.bf16_normals(12 * d, 0.05));
+    let e = rel(
+        &g.readout(&g.upload(&h, &[5, d])?, &g.param_f32(&rw.r())?)?,
+        &c.readout(&c.upload(&h, &[5, d])?, &c.param_f32(&rw.r())?)?,
+    );
+    rep.check(p, "readout f32 [5, 2560] × [12, 2560]ᵀ", e, 1e-5);
+    Ok(())
+}

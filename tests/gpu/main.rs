@@ -1,0 +1,101 @@
+//! The device suite: the CUDA backend against the CPU reference (which matches transformers fp32,
+//! `tests/golden.rs`), one test per operation family, each in the file named after it
+//! (`gemm.rs` checks src/backend/cuda/linear.rs and quant.rs; the others mirror their names).
+//!
+//! Runs on a machine with an NVIDIA GPU; elsewhere each test prints `skipped: no CUDA device
+//! (...)` and passes. Each test prints its table of checks and fails if any row failed:
+//! * elementwise, norms (with the FP8 quantisation of their output fused in, bitwise against the
+//!   norm + `quant_act_1x128`), projections (BF16 and block-FP8 GEMMs, LoRA, the activation
+//!   quantiser against its CPU twin, bitwise batch invariance), attention, DeltaNet (both chunk
+//!   scans), on random inputs of Qwen3.5-4B and ragged shapes;
+//! * the whole engine (vision + decoder + LoRA + readout) on the golden tiny models, and a
+//!   4B-wide 4-layer FP8 model with and without the fused norm quantisation (bitwise);
+//! * prefix + forks on the GPU (separately and inside one forward) equal full GPU forwards, forks
+//!   are independent, and a sequence's result does not depend on what else is in the batch.
+//!
+//! Errors are `max |gpu − cpu| / max |cpu|`; BF16 activations give ~4e-3 per rounding, so op
+//! tolerances are 1e-2..2e-2 and the engine's 3e-2. Op timings are not here: they are
+//! `bench/gpu_ops.rs` (`cargo run --release --example bench_gpu_ops`).
+
+mod attention;
+mod deltanet;
+mod elementwise;
+mod engine;
+mod gemm;
+mod harness;
+mod norm;
+
+use harness::{gpu, Report};
+use imajev_serve::synth::rng::SplitMix;
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(d) = gpu("elementwise") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(7));
+    rep.guard("elem", "data movement", |rep| elementwise::data_movement(&d.g, &d.c, rep, &mut rng));
+    rep.guard("elem", "activations", |rep| elementwise::activations(&d.g, &d.c, rep, &mut rng));
+    rep.finish("elementwise");
+}
+
+#[test]
+fn norms_match_cpu_and_fused_fp8_quantisation_is_bitwise() {
+    let Some(d) = gpu("norm") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(8));
+    rep.guard("norm", "row norms", |rep| norm::row_norms(&d.g, &d.c, rep, &mut rng));
+    rep.guard("norm", "fused norm quantisation", |rep| norm::fused_norm_quant(&d.g, rep, &mut rng));
+    rep.finish("norm");
+}
+
+#[test]
+fn projections_match_cpu_and_are_batch_invariant() {
+    let Some(d) = gpu("gemm") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(9));
+    rep.guard("gemm", "matmul", |rep| gemm::gemm_checks(&d.g, &d.c, rep, &mut rng));
+    rep.guard("gemm", "swiglu_matmul", |rep| gemm::swiglu_matmul(&d.g, &d.c, rep, &mut rng));
+    rep.guard("gemm", "readout", |rep| gemm::readout(&d.g, &d.c, rep, &mut rng));
+    rep.guard("gemm", "46K-row batches", |rep| gemm::large_batches(&d.g, rep, &mut rng));
+    rep.finish("gemm");
+}
+
+#[test]
+fn attention_matches_cpu() {
+    let Some(d) = gpu("attention") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(10));
+    rep.guard("attn", "attention", |rep| attention::cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("attention");
+}
+
+/// The warpgroup-MMA attention (Hopper only; elsewhere it is never launched).
+#[test]
+fn wgmma_attention_matches_cpu() {
+    let Some(d) = gpu("attention (wgmma)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(12));
+    rep.guard("attn", "attention (wgmma)", |rep| attention::wgmma_cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("attention (wgmma)");
+}
+
+#[test]
+fn deltanet_matches_cpu_with_both_scans() {
+    let Some(d) = gpu("deltanet") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(11));
+    rep.guard("gdn", "deltanet", |rep| deltanet::cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("deltanet");
+}
+
+#[test]
+fn engine_matches_cpu_and_goldens() {
+    let Some(d) = gpu("engine") else { return };
+    let mut rep = Report::default();
+    rep.guard("engine", "golden models", |rep| engine::engine(&d.g, rep));
+    rep.guard("engine", "fused norm quant, 4B-wide 4-layer FP8 model", |rep| engine::fused_engine(&d.g, rep));
+    rep.finish("engine");
+}
+
+#[test]
+fn forks_and_one_forward_trees_match_full_forwards() {
+    let Some(d) = gpu("extend") else { return };
+    let mut rep = Report::default();
+    rep.guard("extend", "prefix + extend", |rep| engine::prefix_extend(&d.g, rep));
+    rep.guard("extend", "final synchronize", |_| imajev_serve::backend::Backend::synchronize(&d.g));
+    rep.finish("extend");
+}
