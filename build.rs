@@ -17,7 +17,8 @@ fn git(args: &[&str]) -> Option<String> {
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=IMAJEV_GIT_COMMIT");
-    let given = std::env::var("IMAJEV_GIT_COMMIT").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    let given =
+        std::env::var("IMAJEV_GIT_COMMIT").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
     let commit = given.or_else(|| {
         let sha = git(&["rev-parse", "--short=12", "HEAD"])?;
         // Rebuild when HEAD moves: HEAD itself, the branch it points to, and packed refs. Only

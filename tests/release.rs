@@ -27,7 +27,11 @@ fn synth_release(root: &Path, seed: u64, readout_rows: usize) -> ReleaseDirs {
         .status()
         .unwrap();
     assert!(st.success());
-    std::fs::copy(fixtures().join("release/calibration-rot4.json"), dirs.adapter.join("calibration-rot4.json")).unwrap();
+    std::fs::copy(
+        fixtures().join("release/calibration-rot4.json"),
+        dirs.adapter.join("calibration-rot4.json"),
+    )
+    .unwrap();
     dirs
 }
 
@@ -50,7 +54,11 @@ fn refused(report: &Report) -> (BTreeSet<String>, BTreeSet<&'static str>) {
 }
 
 fn detail<'a>(report: &'a Report, check: &str) -> &'a str {
-    &report.failures().find(|r| r.check == check).unwrap_or_else(|| panic!("no failed {check} row:\n{report}")).detail
+    &report
+        .failures()
+        .find(|r| r.check == check)
+        .unwrap_or_else(|| panic!("no failed {check} row:\n{report}"))
+        .detail
 }
 
 fn set<const N: usize>(items: [&str; N]) -> BTreeSet<String> {
@@ -61,7 +69,8 @@ fn set<const N: usize>(items: [&str; N]) -> BTreeSet<String> {
 fn drop_tensor(path: &Path, drop: &str) {
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let kept: Vec<(String, safetensors::tensor::TensorView)> = st.tensors().into_iter().filter(|(n, _)| n != drop).collect();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| n != drop).collect();
     assert_eq!(kept.len() + 1, st.len(), "{drop} was in the file");
     let out = safetensors::serialize(kept, None).unwrap();
     std::fs::write(path, out).unwrap();
@@ -84,7 +93,8 @@ fn verify_passes_a_pinned_synth_release_and_refuses_each_tampering_by_file() {
     // Without a lock: every content check passes, every file is listed unpinned.
     let report = verify(&m, &dirs, None);
     assert!(report.passed(), "{report}");
-    let unpinned: Vec<&str> = report.rows.iter().filter(|r| r.status == Status::NotPinned).map(|r| r.file.as_str()).collect();
+    let unpinned: Vec<&str> =
+        report.rows.iter().filter(|r| r.status == Status::NotPinned).map(|r| r.file.as_str()).collect();
     assert_eq!(unpinned.len(), 3 + 1 + 3 + 2, "{report}");
     assert!(report.to_string().contains("file hashes NOT checked"), "{report}");
     for check in ["config", "tensors", "lora", "codebook", "calibration"] {
@@ -124,32 +134,45 @@ fn verify_passes_a_pinned_synth_release_and_refuses_each_tampering_by_file() {
     drop_tensor(&dirs.model.join("model.safetensors"), "model.language_model.layers.1.linear_attn.A_log");
     let report = check("tensor dropped");
     assert_eq!(refused(&report), (set(["model/model.safetensors"]), ["sha256", "tensors"].into()));
-    assert!(detail(&report, "tensors").contains("model.language_model.layers.1.linear_attn.A_log is missing"), "{report}");
+    assert!(
+        detail(&report, "tensors").contains("model.language_model.layers.1.linear_attn.A_log is missing"),
+        "{report}"
+    );
     let (pin_report, none) = pin(&m, &dirs);
     assert!(none.is_none(), "pin must refuse a release that fails its content checks:\n{pin_report}");
     reset();
 
     // The readout swapped for another of the same shape (another seed): only the hash tells.
     let other = synth_release(&tmp.path().join("other"), 8, 256);
-    std::fs::copy(other.adapter.join("decision_readout.safetensors"), dirs.adapter.join("decision_readout.safetensors")).unwrap();
+    std::fs::copy(
+        other.adapter.join("decision_readout.safetensors"),
+        dirs.adapter.join("decision_readout.safetensors"),
+    )
+    .unwrap();
     let report = check("readout swapped, same shape");
     assert_eq!(refused(&report), (set(["adapter/decision_readout.safetensors"]), ["sha256"].into()));
     reset();
 
     // The readout swapped for a 255-row one: hash, tensors and codebook all name it.
     let short = synth_release(&tmp.path().join("short"), 7, 255);
-    std::fs::copy(short.adapter.join("decision_readout.safetensors"), dirs.adapter.join("decision_readout.safetensors")).unwrap();
+    std::fs::copy(
+        short.adapter.join("decision_readout.safetensors"),
+        dirs.adapter.join("decision_readout.safetensors"),
+    )
+    .unwrap();
     let report = check("readout swapped, 255 rows");
     let (files, checks) = refused(&report);
     assert_eq!(checks, ["sha256", "tensors", "codebook"].into());
     assert!(files.contains("adapter/decision_readout.safetensors"), "{report}");
-    assert!(detail(&report, "tensors").contains("weight in decision_readout.safetensors has shape [255, 64], the manifest says [256, 64]"));
+    assert!(detail(&report, "tensors")
+        .contains("weight in decision_readout.safetensors has shape [255, 64], the manifest says [256, 64]"));
     assert!(detail(&report, "codebook").contains("the readout has 255 rows"), "{report}");
     reset();
 
     // The codebook edited: one token id changed.
     let cb_path = dirs.adapter.join("decision_readout.json");
-    let mut cb: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cb_path).unwrap()).unwrap();
+    let mut cb: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cb_path).unwrap()).unwrap();
     cb["codes"][3]["token_id"] = serde_json::json!(cb["codes"][4]["token_id"].as_u64().unwrap());
     std::fs::write(&cb_path, serde_json::to_string_pretty(&cb).unwrap()).unwrap();
     let report = check("codebook edited");
@@ -160,16 +183,26 @@ fn verify_passes_a_pinned_synth_release_and_refuses_each_tampering_by_file() {
     // A LoRA pair removed: the tensor table and the coverage both say which module.
     let module = "model.language_model.layers.2.mlp.down_proj";
     for part in ["lora_A", "lora_B"] {
-        drop_tensor(&dirs.adapter.join("adapter_model.safetensors"), &format!("base_model.model.{module}.{part}.weight"));
+        drop_tensor(
+            &dirs.adapter.join("adapter_model.safetensors"),
+            &format!("base_model.model.{module}.{part}.weight"),
+        );
     }
     let report = check("LoRA pair removed");
-    assert_eq!(refused(&report), (set(["adapter/adapter_model.safetensors"]), ["sha256", "tensors", "lora"].into()));
-    assert!(detail(&report, "lora").contains(&format!("{module} is a target the LoRA does not cover")), "{report}");
+    assert_eq!(
+        refused(&report),
+        (set(["adapter/adapter_model.safetensors"]), ["sha256", "tensors", "lora"].into())
+    );
+    assert!(
+        detail(&report, "lora").contains(&format!("{module} is a target the LoRA does not cover")),
+        "{report}"
+    );
     reset();
 
     // The calibration file of another fit.
     let cal_path = dirs.adapter.join("calibration-rot4.json");
-    let text = std::fs::read_to_string(&cal_path).unwrap().replace("\"boolean:2\": 1.25", "\"boolean:2\": 1.5");
+    let text =
+        std::fs::read_to_string(&cal_path).unwrap().replace("\"boolean:2\": 1.25", "\"boolean:2\": 1.5");
     std::fs::write(&cal_path, text).unwrap();
     let report = check("calibration edited");
     assert_eq!(refused(&report), (set(["adapter/calibration-rot4.json"]), ["sha256", "calibration"].into()));
@@ -202,5 +235,8 @@ fn a_changed_architecture_is_refused_by_the_config_check() {
     let report = verify(&tiny_manifest(), &dirs, None);
     let (files, checks) = refused(&report);
     assert_eq!((files, checks), (set(["model/config.json"]), ["config"].into()));
-    assert!(detail(&report, "config").starts_with("text_config.layer_types is [\"linear_attention\""), "{report}");
+    assert!(
+        detail(&report, "config").starts_with("text_config.layer_types is [\"linear_attention\""),
+        "{report}"
+    );
 }

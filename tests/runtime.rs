@@ -152,7 +152,11 @@ impl Running {
             if let Some(s) = self.child.try_wait().unwrap() {
                 return s;
             }
-            assert!(started.elapsed() < Duration::from_secs(30), "no exit 30 s after SIGTERM:\n{}", self.log());
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "no exit 30 s after SIGTERM:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -177,7 +181,8 @@ fn pinned_synth_release(root: &Path) -> (PathBuf, PathBuf, PathBuf) {
         .status()
         .unwrap();
     assert!(st.success());
-    std::fs::copy(fixtures().join("release/calibration-rot4.json"), adapter.join("calibration-rot4.json")).unwrap();
+    std::fs::copy(fixtures().join("release/calibration-rot4.json"), adapter.join("calibration-rot4.json"))
+        .unwrap();
     let out = bin()
         .arg("verify")
         .arg("--pin")
@@ -195,7 +200,14 @@ fn pinned_synth_release(root: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (model, adapter, lock)
 }
 
-fn synth_env<'a>(model: &'a str, adapter: &'a str, calibration: &'a str, lock: &'a str, manifest: &'a str, port: &'a str) -> Vec<(&'static str, &'a str)> {
+fn synth_env<'a>(
+    model: &'a str,
+    adapter: &'a str,
+    calibration: &'a str,
+    lock: &'a str,
+    manifest: &'a str,
+    port: &'a str,
+) -> Vec<(&'static str, &'a str)> {
     vec![
         ("IMAJEV_MODEL", model),
         ("IMAJEV_ADAPTER", adapter),
@@ -242,10 +254,18 @@ fn the_entrypoint_verifies_a_pinned_release_then_serves_it_and_refuses_it_once_t
     assert_eq!(models["models"][0]["release_date"], fixture.release.release_date.as_str());
     assert_eq!(get(port, "/livez").map(|r| r.0), Some(200));
     // The image's HEALTHCHECK.
-    let hc = Command::new("bash").arg(repo().join("runtime/healthcheck.sh")).env("IMAJEV_PORT", &p).status().unwrap();
+    let hc = Command::new("bash")
+        .arg(repo().join("runtime/healthcheck.sh"))
+        .env("IMAJEV_PORT", &p)
+        .status()
+        .unwrap();
     assert!(hc.success());
     assert!(server.stop().success(), "SIGTERM must drain and exit 0");
-    let hc = Command::new("bash").arg(repo().join("runtime/healthcheck.sh")).env("IMAJEV_PORT", &p).status().unwrap();
+    let hc = Command::new("bash")
+        .arg(repo().join("runtime/healthcheck.sh"))
+        .env("IMAJEV_PORT", &p)
+        .status()
+        .unwrap();
     assert!(!hc.success(), "nothing listens any more");
 
     // One byte of the LoRA flipped: the entrypoint stops before the server starts.
@@ -270,7 +290,11 @@ fn the_entrypoint_without_a_release_exits_with_the_download_commands() {
     let (base, adapter) = (models.join("Qwen3.5-4B"), models.join("imajev-4b"));
     // The image's defaults (serve.env: cuda, fp8) with the empty mount: refused before any device
     // is touched, with the commands that fetch the release.
-    let env = [("IMAJEV_MODEL", base.to_str().unwrap()), ("IMAJEV_ADAPTER", adapter.to_str().unwrap()), ("IMAJEV_PORT", "0")];
+    let env = [
+        ("IMAJEV_MODEL", base.to_str().unwrap()),
+        ("IMAJEV_ADAPTER", adapter.to_str().unwrap()),
+        ("IMAJEV_PORT", "0"),
+    ];
     let (out, took) = run_within(entrypoint(&env, &[]), Duration::from_secs(30));
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
@@ -288,7 +312,8 @@ fn the_entrypoint_serves_the_demo_only_when_asked_and_without_the_released_flags
     let p = port.to_string();
     // serve.env's IMAJEV_DEVICE=cuda would fail here: --demo must not get it.
     let env = [("IMAJEV_HOST", "127.0.0.1"), ("IMAJEV_PORT", p.as_str())];
-    let mut server = Running::start(entrypoint(&env, &["serve", "--demo"]), port, tmp.path().join("demo.log"));
+    let mut server =
+        Running::start(entrypoint(&env, &["serve", "--demo"]), port, tmp.path().join("demo.log"));
     server.wait_ready(Duration::from_secs(120));
     let (_, body) = get(port, "/v1/models").unwrap();
     let models: serde_json::Value = serde_json::from_str(&body).unwrap();

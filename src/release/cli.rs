@@ -73,13 +73,21 @@ pub fn run(args: &VerifyArgs) -> Result<()> {
             bail!("{}", missing_release_help(&m, what, dir));
         }
     }
-    println!("release {} — base {}, adapter {}", m.release.name, dirs.model.display(), dirs.adapter.display());
+    println!(
+        "release {} — base {}, adapter {}",
+        m.release.name,
+        dirs.model.display(),
+        dirs.adapter.display()
+    );
     if args.pin {
         let Some(lock_path) = &args.lock else { bail!("--pin needs --lock PATH: where to write the hashes") };
         let (report, lock) = pin(&m, &dirs);
         print!("{report}");
         let Some(lock) = lock else {
-            bail!("not pinned: the release fails the checks above, so {} was not written", lock_path.display())
+            bail!(
+                "not pinned: the release fails the checks above, so {} was not written",
+                lock_path.display()
+            )
         };
         lock.write(lock_path)?;
         let files = lock.base.files.len() + lock.adapter.files.len();
@@ -102,7 +110,11 @@ pub fn run(args: &VerifyArgs) -> Result<()> {
                 files.push(&r.file);
             }
         }
-        bail!("the release does not match the manifest{}: {}", if lock.is_some() { " and the lock" } else { "" }, files.join(", "));
+        bail!(
+            "the release does not match the manifest{}: {}",
+            if lock.is_some() { " and the lock" } else { "" },
+            files.join(", ")
+        );
     }
     Ok(())
 }

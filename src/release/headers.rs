@@ -34,7 +34,11 @@ pub fn read_header(path: &Path) -> Result<BTreeMap<String, (String, Vec<usize>)>
     let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
     let (_, meta) = safetensors::SafeTensors::read_metadata(&map)
         .map_err(|e| anyhow::anyhow!("{} is not a valid safetensors file: {e}", path.display()))?;
-    Ok(meta.tensors().into_iter().map(|(name, info)| (name, (info.dtype.to_string(), info.shape.clone()))).collect())
+    Ok(meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, (info.dtype.to_string(), info.shape.clone())))
+        .collect())
 }
 
 /// Reads the headers of `set` inside `dir`: one safetensors file, or an index and its shards
@@ -48,14 +52,18 @@ pub fn read_weight_set(dir: &Path, set: &WeightSet) -> Result<WeightFiles> {
         return Ok(out);
     }
     let index_path = dir.join(&set.file);
-    let text = std::fs::read_to_string(&index_path).with_context(|| format!("reading {}", index_path.display()))?;
-    let index: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
+    let text =
+        std::fs::read_to_string(&index_path).with_context(|| format!("reading {}", index_path.display()))?;
+    let index: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
     let Some(map) = index.get("weight_map").and_then(|m| m.as_object()) else {
         bail!("{} has no weight_map object", index_path.display());
     };
     let mut by_shard: BTreeMap<String, Vec<&str>> = BTreeMap::new();
     for (name, shard) in map {
-        let Some(shard) = shard.as_str() else { bail!("{}: the shard of {name} is not a string", index_path.display()) };
+        let Some(shard) = shard.as_str() else {
+            bail!("{}: the shard of {name} is not a string", index_path.display())
+        };
         if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." {
             bail!("{}: shard {shard:?} must be a file name inside the folder", index_path.display());
         }
@@ -65,12 +73,20 @@ pub fn read_weight_set(dir: &Path, set: &WeightSet) -> Result<WeightFiles> {
         let header = read_header(&dir.join(shard))?;
         for name in names {
             if !header.contains_key(*name) {
-                bail!("{}: {} names {shard} for {name}, which that shard does not hold", index_path.display(), set.file);
+                bail!(
+                    "{}: {} names {shard} for {name}, which that shard does not hold",
+                    index_path.display(),
+                    set.file
+                );
             }
         }
         for (name, (dtype, shape)) in header {
             if map.get(&name).and_then(|s| s.as_str()) != Some(shard.as_str()) {
-                bail!("{}: tensor {name} is not indexed to this shard in {}", dir.join(shard).display(), set.file);
+                bail!(
+                    "{}: tensor {name} is not indexed to this shard in {}",
+                    dir.join(shard).display(),
+                    set.file
+                );
             }
             out.tensors.insert(name, TensorHeader { dtype, shape, file: shard.clone() });
         }

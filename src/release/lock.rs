@@ -38,10 +38,16 @@ pub struct FileHash {
 
 impl Lock {
     pub fn read(path: &Path) -> Result<Lock> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading the lock {}", path.display()))?;
-        let lock: Lock = serde_json::from_str(&text).with_context(|| format!("parsing the lock {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading the lock {}", path.display()))?;
+        let lock: Lock =
+            serde_json::from_str(&text).with_context(|| format!("parsing the lock {}", path.display()))?;
         if lock.lock_version != 1 {
-            bail!("{}: lock_version {} is not supported (this binary reads 1)", path.display(), lock.lock_version);
+            bail!(
+                "{}: lock_version {} is not supported (this binary reads 1)",
+                path.display(),
+                lock.lock_version
+            );
         }
         for c in [&lock.base, &lock.adapter] {
             for (f, h) in &c.files {
@@ -91,8 +97,18 @@ mod tests {
         std::fs::write(&p, b"abc").unwrap();
         let h = hash_file(&p).unwrap();
         // FIPS 180-2, appendix B.1.
-        assert_eq!(h, FileHash { bytes: 3, sha256: "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad".into() });
-        let c = ComponentLock { repo: "r".into(), revision: "0".repeat(40), files: [("x".to_string(), h)].into() };
+        assert_eq!(
+            h,
+            FileHash {
+                bytes: 3,
+                sha256: "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad".into()
+            }
+        );
+        let c = ComponentLock {
+            repo: "r".into(),
+            revision: "0".repeat(40),
+            files: [("x".to_string(), h)].into(),
+        };
         let lock = Lock { lock_version: 1, release: "t".into(), base: c.clone(), adapter: c };
         let path = dir.path().join("sub/lock.json");
         lock.write(&path).unwrap();

@@ -184,11 +184,14 @@ impl Manifest {
     pub fn builtin() -> &'static Manifest {
         static M: OnceLock<Manifest> = OnceLock::new();
         // A test parses and validates the same text, so this cannot fail in a released binary.
-        M.get_or_init(|| Manifest::from_json(BUILTIN).expect("adapter/manifest.json is valid (its unit tests parse it)"))
+        M.get_or_init(|| {
+            Manifest::from_json(BUILTIN).expect("adapter/manifest.json is valid (its unit tests parse it)")
+        })
     }
 
     pub fn load(path: &Path) -> Result<Manifest> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading the manifest {}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the manifest {}", path.display()))?;
         Manifest::from_json(&text).with_context(|| format!("manifest {}", path.display()))
     }
 
@@ -256,7 +259,10 @@ impl Manifest {
         [&self.base, &self.adapter]
             .iter()
             .map(|c| {
-                let mut cmd = format!("hf download {} --revision {} --local-dir {root}/{}", c.repo, c.revision, c.folder);
+                let mut cmd = format!(
+                    "hf download {} --revision {} --local-dir {root}/{}",
+                    c.repo, c.revision, c.folder
+                );
                 for x in &c.download_exclude {
                     cmd.push_str(&format!(" --exclude '{x}'"));
                 }
@@ -300,7 +306,11 @@ impl Component {
 
     /// Every file named by `files` and `weights` (shards of an index are not named here).
     pub fn all_named_files(&self) -> BTreeSet<&str> {
-        self.files.iter().map(|f| f.path.as_str()).chain(self.weights.iter().map(|w| w.file.as_str())).collect()
+        self.files
+            .iter()
+            .map(|f| f.path.as_str())
+            .chain(self.weights.iter().map(|w| w.file.as_str()))
+            .collect()
     }
 
     /// The tensors of `set`, placeholders expanded, in manifest order.
@@ -315,13 +325,23 @@ impl Component {
                 bail!("{}: tensor {} allows no dtype", set.file, rule.name);
             }
             match placeholder(&rule.name)? {
-                None => out.push(ExpectedTensor { name: rule.name.clone(), dtypes, shape: rule.shape.clone() }),
+                None => {
+                    out.push(ExpectedTensor { name: rule.name.clone(), dtypes, shape: rule.shape.clone() })
+                }
                 Some((before, key, after)) => {
                     let Some(indices) = self.index_sets.get(key) else {
-                        bail!("{}: tensor {} names the index set {{{key}}}, which index_sets lacks", set.file, rule.name);
+                        bail!(
+                            "{}: tensor {} names the index set {{{key}}}, which index_sets lacks",
+                            set.file,
+                            rule.name
+                        );
                     };
                     for i in indices {
-                        out.push(ExpectedTensor { name: format!("{before}{i}{after}"), dtypes: dtypes.clone(), shape: rule.shape.clone() });
+                        out.push(ExpectedTensor {
+                            name: format!("{before}{i}{after}"),
+                            dtypes: dtypes.clone(),
+                            shape: rule.shape.clone(),
+                        });
                     }
                 }
             }
@@ -389,7 +409,8 @@ mod tests {
             assert!(placeholder(bad).is_err(), "{bad}");
         }
         let mut m: serde_json::Value = serde_json::from_str(BUILTIN).unwrap();
-        m["base"]["weights"][0]["tensors"][2]["name"] = "model.language_model.layers.{nope}.input_layernorm.weight".into();
+        m["base"]["weights"][0]["tensors"][2]["name"] =
+            "model.language_model.layers.{nope}.input_layernorm.weight".into();
         let e = Manifest::from_json(&m.to_string()).unwrap_err();
         assert!(format!("{e:#}").contains("{nope}"), "{e:#}");
     }

@@ -37,7 +37,13 @@ pub struct Report {
 }
 
 impl Report {
-    pub fn push(&mut self, check: &'static str, file: impl Into<String>, status: Status, detail: impl Into<String>) {
+    pub fn push(
+        &mut self,
+        check: &'static str,
+        file: impl Into<String>,
+        status: Status,
+        detail: impl Into<String>,
+    ) {
         self.rows.push(Row { check, file: file.into(), status, detail: detail.into() });
     }
 
@@ -62,7 +68,14 @@ impl fmt::Display for Report {
         let w_status = "unpinned".len();
         writeln!(f, "{:<w_check$}  {:<w_file$}  {:<w_status$}  DETAIL", "CHECK", "FILE", "RESULT")?;
         for r in &self.rows {
-            writeln!(f, "{:<w_check$}  {:<w_file$}  {:<w_status$}  {}", r.check, r.file, r.status.label(), r.detail)?;
+            writeln!(
+                f,
+                "{:<w_check$}  {:<w_file$}  {:<w_status$}  {}",
+                r.check,
+                r.file,
+                r.status.label(),
+                r.detail
+            )?;
         }
         let failed: Vec<&Row> = self.failures().collect();
         if failed.is_empty() {
@@ -78,7 +91,13 @@ impl fmt::Display for Report {
                     files.push(&r.file);
                 }
             }
-            writeln!(f, "verify: REFUSED: {} of {} checks failed: {}", failed.len(), self.rows.len(), files.join(", "))
+            writeln!(
+                f,
+                "verify: REFUSED: {} of {} checks failed: {}",
+                failed.len(),
+                self.rows.len(),
+                files.join(", ")
+            )
         }
     }
 }
@@ -91,7 +110,12 @@ mod tests {
     fn the_table_aligns_and_the_last_line_names_the_failed_files() {
         let mut r = Report::default();
         r.push("sha256", "m/config.json", Status::Ok, "matches the lock");
-        r.push("tensors", "a/decision_readout.safetensors", Status::Failed, "weight: shape [255, 64], manifest [256, 64]");
+        r.push(
+            "tensors",
+            "a/decision_readout.safetensors",
+            Status::Failed,
+            "weight: shape [255, 64], manifest [256, 64]",
+        );
         let text = r.to_string();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0].find("FILE"), lines[1].find("m/config.json"));

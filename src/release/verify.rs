@@ -54,7 +54,9 @@ impl Side<'_> {
 }
 
 fn sides<'a>(m: &'a Manifest, dirs: &'a ReleaseDirs) -> [Side<'a>; 2] {
-    let label = |d: &Path| d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| d.display().to_string());
+    let label = |d: &Path| {
+        d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| d.display().to_string())
+    };
     [
         Side { component: &m.base, dir: &dirs.model, label: label(&dirs.model) },
         Side { component: &m.adapter, dir: &dirs.adapter, label: label(&dirs.adapter) },
@@ -92,8 +94,12 @@ pub fn verify(manifest: &Manifest, dirs: &ReleaseDirs, lock: Option<(&Path, &Loc
         for (rel, hash) in files[i].iter().zip(&hashes[i]) {
             let (status, detail) = match (hash, locked.map(|l| l.files.get(rel))) {
                 (Err(e), _) => (Status::Failed, e.clone()),
-                (Ok(h), None) => (Status::NotPinned, format!("{} bytes, sha256 {}", h.bytes, short(&h.sha256))),
-                (Ok(_), Some(None)) => (Status::Failed, "not in the lock (the lock was pinned from other files)".to_string()),
+                (Ok(h), None) => {
+                    (Status::NotPinned, format!("{} bytes, sha256 {}", h.bytes, short(&h.sha256)))
+                }
+                (Ok(_), Some(None)) => {
+                    (Status::Failed, "not in the lock (the lock was pinned from other files)".to_string())
+                }
                 (Ok(h), Some(Some(want))) if h == want => {
                     (Status::Ok, format!("{} bytes, sha256 {} as locked", h.bytes, short(&h.sha256)))
                 }
@@ -118,7 +124,12 @@ pub fn pin(manifest: &Manifest, dirs: &ReleaseDirs) -> (Report, Option<Lock>) {
         for (rel, hash) in contents.files[i].iter().zip(&hashes[i]) {
             match hash {
                 Ok(h) => {
-                    report.push("sha256", side.file(rel), Status::Ok, format!("{} bytes, sha256 {} pinned", h.bytes, short(&h.sha256)));
+                    report.push(
+                        "sha256",
+                        side.file(rel),
+                        Status::Ok,
+                        format!("{} bytes, sha256 {} pinned", h.bytes, short(&h.sha256)),
+                    );
                     locked[i].insert(rel.clone(), h.clone());
                 }
                 Err(e) => report.push("sha256", side.file(rel), Status::Failed, e.clone()),
@@ -130,7 +141,8 @@ pub fn pin(manifest: &Manifest, dirs: &ReleaseDirs) -> (Report, Option<Lock>) {
         return (report, None);
     }
     let [base_files, adapter_files] = locked;
-    let component = |c: &Component, files| ComponentLock { repo: c.repo.clone(), revision: c.revision.clone(), files };
+    let component =
+        |c: &Component, files| ComponentLock { repo: c.repo.clone(), revision: c.revision.clone(), files };
     let lock = Lock {
         lock_version: 1,
         release: manifest.release.name.clone(),
@@ -159,11 +171,23 @@ fn check_lock_header(m: &Manifest, path: &Path, lock: &Lock) -> super::report::R
     }
     for (what, l, c) in [("base", &lock.base, &m.base), ("adapter", &lock.adapter, &m.adapter)] {
         if l.repo != c.repo || l.revision != c.revision {
-            problems.push(format!("{what} pinned from {}@{}, the manifest pins {}@{}", l.repo, l.revision, c.repo, c.revision));
+            problems.push(format!(
+                "{what} pinned from {}@{}, the manifest pins {}@{}",
+                l.repo, l.revision, c.repo, c.revision
+            ));
         }
     }
     let (status, detail) = if problems.is_empty() {
-        (Status::Ok, format!("{} @ {} + {} @ {}", m.base.repo, &m.base.revision[..12], m.adapter.repo, &m.adapter.revision[..12]))
+        (
+            Status::Ok,
+            format!(
+                "{} @ {} + {} @ {}",
+                m.base.repo,
+                &m.base.revision[..12],
+                m.adapter.repo,
+                &m.adapter.revision[..12]
+            ),
+        )
     } else {
         (Status::Failed, problems.join("; "))
     };
@@ -244,7 +268,9 @@ fn json_equal(a: &serde_json::Value, b: &serde_json::Value) -> bool {
     match (a, b) {
         (Number(x), Number(y)) => x.as_f64() == y.as_f64() && x.as_f64().is_some(),
         (Array(x), Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(p, q)| json_equal(p, q)),
-        (Object(x), Object(y)) => x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| json_equal(v, w))),
+        (Object(x), Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| json_equal(v, w)))
+        }
         _ => a == b,
     }
 }
@@ -256,7 +282,9 @@ fn check_config(side: &Side) -> Result<String> {
         let got = key.split('.').try_fold(&config, |v, k| v.get(k));
         match got {
             None => problems.push(format!("{key} is missing (the manifest says {want})")),
-            Some(got) if !json_equal(got, want) => problems.push(format!("{key} is {got}, the manifest says {want}")),
+            Some(got) if !json_equal(got, want) => {
+                problems.push(format!("{key} is {got}, the manifest says {want}"))
+            }
             Some(_) => {}
         }
     }
@@ -286,10 +314,19 @@ fn compare_tensors(c: &Component, set: &super::manifest::WeightSet, found: &Weig
             None => problems.push(format!("{} is missing", t.name)),
             Some(h) => {
                 if !t.dtypes.contains(&h.dtype) {
-                    problems.push(format!("{} in {} is {}, the manifest says {}", t.name, h.file, h.dtype, t.dtypes.join(" or ")));
+                    problems.push(format!(
+                        "{} in {} is {}, the manifest says {}",
+                        t.name,
+                        h.file,
+                        h.dtype,
+                        t.dtypes.join(" or ")
+                    ));
                 }
                 if h.shape != t.shape {
-                    problems.push(format!("{} in {} has shape {:?}, the manifest says {:?}", t.name, h.file, h.shape, t.shape));
+                    problems.push(format!(
+                        "{} in {} has shape {:?}, the manifest says {:?}",
+                        t.name, h.file, h.shape, t.shape
+                    ));
                 }
             }
         }
@@ -352,7 +389,9 @@ fn check_lora(
     };
     let mut base_tensors: BTreeMap<&str, &TensorHeader> = BTreeMap::new();
     for (file, set) in base_weights {
-        let Some(set) = set else { return Err(anyhow!("{} could not be read (see its tensors row)", base.file(file))) };
+        let Some(set) = set else {
+            return Err(anyhow!("{} could not be read (see its tensors row)", base.file(file)));
+        };
         base_tensors.extend(set.tensors.iter().map(|(n, h)| (n.as_str(), h)));
     }
     // Module path → (A, B) from the adapter file.
@@ -403,7 +442,11 @@ fn check_lora(
         problems.push(format!("{module} is adapted but is not one of the manifest's targets"));
     }
     if pairs.len() != facts.modules {
-        problems.push(format!("{} modules carry a LoRA pair, the manifest says {}", pairs.len(), facts.modules));
+        problems.push(format!(
+            "{} modules carry a LoRA pair, the manifest says {}",
+            pairs.len(),
+            facts.modules
+        ));
     }
     if !problems.is_empty() {
         return Err(anyhow!("{}", list(&problems)));
@@ -416,7 +459,12 @@ fn check_lora(
     ))
 }
 
-fn check_codebook(m: &Manifest, base: &Side, adapter: &Side, adapter_weights: &BTreeMap<String, Option<WeightFiles>>) -> Result<String> {
+fn check_codebook(
+    m: &Manifest,
+    base: &Side,
+    adapter: &Side,
+    adapter_weights: &BTreeMap<String, Option<WeightFiles>>,
+) -> Result<String> {
     let facts = &m.codebook;
     let Some(Some(readout)) = adapter_weights.get(&facts.readout) else {
         return Err(anyhow!("{} could not be read (see its tensors row)", adapter.file(&facts.readout)));
