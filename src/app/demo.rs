@@ -1,4 +1,4 @@
-//! The demo bundle `serve` runs without `--model`: the tiny synthetic Qwen3.5 (the real
+//! The demo bundle `serve --demo` runs: the tiny synthetic Qwen3.5 (the real
 //! tokenizer, random weights) and an imajev-style adapter, written to a temporary folder, so the
 //! whole API can be tried on a fresh machine with nothing downloaded. Its answers are
 //! meaningless, and the server says so when it starts.
@@ -22,10 +22,30 @@ pub fn demo_bundle() -> Result<(tempfile::TempDir, PathBuf, PathBuf)> {
     Ok((dir, model, adapter))
 }
 
-/// Printed on stderr when the demo starts.
-pub const DEMO_NOTICE: &str = "\n\
+/// The name the demo answers under.
+pub const MODEL_NAME: &str = "imajev-demo";
+
+/// `GET /v1/models` → `models[].description` of the demo.
+pub const DESCRIPTION: &str = "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless";
+
+/// Printed on stderr when the demo starts (text logs).
+const NOTICE: &str = "\n\
 ==============================================================================\n\
-  DEMO MODE: no --model given. Serving a tiny RANDOM-WEIGHT Qwen3.5 with the\n\
-  real tokenizer. The API is real; the ANSWERS ARE MEANINGLESS. Point --model\n\
-  at Qwen/Qwen3.5-4B and --adapter at mohit67890/imajev-4b to serve decisions.\n\
+  DEMO MODE (--demo): serving a tiny RANDOM-WEIGHT Qwen3.5 with the real\n\
+  tokenizer. The API is real; the ANSWERS ARE MEANINGLESS. To serve decisions,\n\
+  give --model (Qwen/Qwen3.5-4B) and --adapter (mohit67890/imajev-4b) instead.\n\
 ==============================================================================";
+
+/// Says loudly that the answers are meaningless: a banner on stderr, or, when the logs are JSON
+/// (`IMAJEV_LOG_FORMAT=json`), one warning line in that format so collectors can parse it.
+pub fn announce() {
+    if std::env::var("IMAJEV_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        tracing::warn!(
+            demo = true,
+            "DEMO MODE (--demo): a tiny random-weight Qwen3.5 with the real tokenizer; the answers are meaningless"
+        );
+    } else {
+        eprintln!("{NOTICE}");
+        tracing::warn!("demo mode: random weights, meaningless answers");
+    }
+}

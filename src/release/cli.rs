@@ -43,21 +43,24 @@ pub fn is_missing(dir: &Path) -> bool {
     std::fs::read_dir(dir).map_or(true, |mut entries| entries.next().is_none())
 }
 
-/// What to do when `path` (the base model or adapter folder) is missing: the download commands
-/// of the release, how to point the server at it, and the demo.
-pub fn missing_release_help(m: &Manifest, what: &str, path: &Path) -> String {
+/// How to get the release and serve it: the download commands, the flags that point at the
+/// folders they write, and the demo.
+pub fn download_help(m: &Manifest) -> String {
     let downloads: Vec<String> = m.download_commands("models").iter().map(|c| format!("  {c}")).collect();
     format!(
-        "the {what} folder {} does not exist or is empty.\n\
-         Download the release {} into a folder models/ (pip install -U huggingface_hub for `hf`):\n{}\n\
+        "Download the release {} into a folder models/ (pip install -U huggingface_hub for `hf`):\n{}\n\
          then pass --model models/{} --adapter models/{} (Docker: -v \"$PWD/models:/models:ro\").\n\
          To try the API without it: imajev-serve serve --demo (random weights, meaningless answers).",
-        path.display(),
         m.release.name,
         downloads.join("\n"),
         m.base.folder,
         m.adapter.folder
     )
+}
+
+/// What to do when `path` (the base model or adapter folder) is missing or empty.
+pub fn missing_release_help(m: &Manifest, what: &str, path: &Path) -> String {
+    format!("the {what} folder {} does not exist or is empty.\n{}", path.display(), download_help(m))
 }
 
 /// Runs `verify`; `Ok(())` only when every check passed (the table is on stdout either way).
