@@ -428,11 +428,18 @@ async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 /// `GET /livez`: 200 while the process can serve or is loading the model (restarting it would
 /// not help), 503 once the model failed to load (the process is stopping).
 async fn livez(st: web::Data<AppState>) -> HttpResponse {
-    match st.shared.worker.status() {
-        EngineStatus::Failed(e) => json_response(503, &json!({"status": "failed", "error": e})),
-        EngineStatus::Loading => json_response(200, &json!({"status": "alive", "model": "loading"})),
-        EngineStatus::Ready { .. } => json_response(200, &json!({"status": "alive", "model": "ready"})),
-    }
+    let (code, body) = match st.shared.worker.status() {
+        EngineStatus::Failed(e) => {
+            (503, schema::Liveness { status: "failed".into(), model: None, error: Some(e) })
+        }
+        EngineStatus::Loading => {
+            (200, schema::Liveness { status: "alive".into(), model: Some("loading".into()), error: None })
+        }
+        EngineStatus::Ready { .. } => {
+            (200, schema::Liveness { status: "alive".into(), model: Some("ready".into()), error: None })
+        }
+    };
+    json_response(code, &serde_json::to_value(body).unwrap_or_default())
 }
 
 /// `GET /healthz`: readiness, 200 once the model is loaded.
@@ -584,7 +591,9 @@ pub async fn run_http_server(
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
-                web::resource("/livez").route(web::get().to(livez)).default_service(web::to(method_not_allowed)),
+                web::resource("/livez")
+                    .route(web::get().to(livez))
+                    .default_service(web::to(method_not_allowed)),
             )
             .service(
                 web::resource("/metrics")

@@ -59,7 +59,8 @@ impl Quantize {
 }
 
 /// What to do when no GPU is usable.
-const NO_GPU_FIX: &str = "run where an NVIDIA driver and GPU are visible (Docker: --gpus all), or serve on the \
+const NO_GPU_FIX: &str =
+    "run where an NVIDIA driver and GPU are visible (Docker: --gpus all), or serve on the \
                           CPU with --device cpu and no --quantize (f32: correct, slow for a 4B model)";
 
 /// The CUDA backend on GPU 0, or why there is none.
@@ -97,13 +98,18 @@ pub fn load_engine(
     match device {
         Device::Cuda => {
             let backend = gpu()?;
-            loaded(Qwen35::load(backend, model, Some(adapter)).map(|m| Box::new(m) as Box<dyn DecisionEngine>))
+            loaded(
+                Qwen35::load(backend, model, Some(adapter)).map(|m| Box::new(m) as Box<dyn DecisionEngine>),
+            )
         }
         Device::Cpu => loaded(
-            Qwen35::load(CpuBackend::default(), model, Some(adapter)).map(|m| Box::new(m) as Box<dyn DecisionEngine>),
+            Qwen35::load(CpuBackend::default(), model, Some(adapter))
+                .map(|m| Box::new(m) as Box<dyn DecisionEngine>),
         ),
         Device::Auto => match cuda_backend(quantize) {
-            Ok(b) => loaded(Qwen35::load(b, model, Some(adapter)).map(|m| Box::new(m) as Box<dyn DecisionEngine>)),
+            Ok(b) => {
+                loaded(Qwen35::load(b, model, Some(adapter)).map(|m| Box::new(m) as Box<dyn DecisionEngine>))
+            }
             Err(e) if quantize != Quantize::None => Err(e).with_context(|| {
                 format!("--quantize {} needs a GPU and none is usable; {NO_GPU_FIX}", quantize.name())
             }),

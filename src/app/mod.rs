@@ -125,15 +125,17 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
     let (demo, model_dir, adapter_dir) = match (opts.demo, &opts.model, &opts.adapter) {
         (true, _, _) => {
             let (d, m, a) = demo::demo_bundle().context("building the demo model")?;
-            demo::announce();
+            demo::announce(release);
             (Some(d), m, a)
         }
         (false, Some(m), Some(a)) => (None, m.clone(), a.clone()),
         (false, None, Some(_)) => bail!("--adapter needs --model (the base checkpoint it adapts)"),
-        (false, Some(_), None) => bail!(
-            "--adapter is required: decisions are read by the adapter's decision_readout.safetensors"
-        ),
-        (false, None, None) => bail!("no model to serve: give --model and --adapter, or --demo.\n{}", download_help(release)),
+        (false, Some(_), None) => {
+            bail!("--adapter is required: decisions are read by the adapter's decision_readout.safetensors")
+        }
+        (false, None, None) => {
+            bail!("no model to serve: give --model and --adapter, or --demo.\n{}", download_help(release))
+        }
     };
     if demo.is_none() {
         for (what, dir) in [("base model", &model_dir), ("adapter", &adapter_dir)] {
@@ -214,7 +216,10 @@ fn check_weight_files(model: &Path, adapter: &Path) -> Result<()> {
     }
     let lora = adapter.join("adapter_model.safetensors");
     if !lora.is_file() {
-        bail!("{} is missing: the adapter download is incomplete; check it with `imajev-serve verify`", lora.display());
+        bail!(
+            "{} is missing: the adapter download is incomplete; check it with `imajev-serve verify`",
+            lora.display()
+        );
     }
     Ok(())
 }
@@ -226,7 +231,10 @@ fn check_weight_files(model: &Path, adapter: &Path) -> Result<()> {
 /// is answered and the engine thread has stopped.
 pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
     let listener = std::net::TcpListener::bind((http.host.as_str(), http.port)).with_context(|| {
-        format!("binding {}:{} (is another server on that port? choose another with --port)", http.host, http.port)
+        format!(
+            "binding {}:{} (is another server on that port? choose another with --port)",
+            http.host, http.port
+        )
     })?;
     let addr = listener.local_addr()?;
     let service = start(opts)?;
@@ -253,7 +261,8 @@ pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
     app.set_decider(decider);
     let load_failure = Arc::new(std::sync::Mutex::new(None::<String>));
     let stop = stop_on_signal_or_load_failure(watched, load_failure.clone());
-    let result = actix_web::rt::System::new().block_on(crate::api::run_http_server(listener, http, app, stop));
+    let result =
+        actix_web::rt::System::new().block_on(crate::api::run_http_server(listener, http, app, stop));
     // Every worker handle is gone once the server returns: the engine thread drains and stops.
     let _ = engine_thread.join();
     result?;
@@ -266,7 +275,10 @@ pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
 
 /// Resolves on SIGINT/SIGTERM, or when the engine reports that the model failed to load (then
 /// the cause is left in `failure`).
-async fn stop_on_signal_or_load_failure(worker: WorkerHandle, failure: Arc<std::sync::Mutex<Option<String>>>) {
+async fn stop_on_signal_or_load_failure(
+    worker: WorkerHandle,
+    failure: Arc<std::sync::Mutex<Option<String>>>,
+) {
     let load_failed = async move {
         loop {
             match worker.status() {
@@ -289,7 +301,8 @@ async fn stop_on_signal_or_load_failure(worker: WorkerHandle, failure: Arc<std::
 /// another way is allowed, but its answers are not the released ones.
 fn warn_off_recipe(opts: &ServeOptions) {
     let r = &opts.release.recipe;
-    let calibration = opts.calibration.as_deref().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned());
+    let calibration =
+        opts.calibration.as_deref().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned());
     let differences: Vec<String> = [
         ("--rotations", opts.rotations.to_string(), r.rotations.to_string()),
         ("--quantize", opts.quantize.name().to_string(), r.quantize.clone()),
