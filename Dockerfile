@@ -3,8 +3,11 @@
 #
 #   docker build --build-arg IMAJEV_GIT_COMMIT="$(git rev-parse --short=12 HEAD)" -t imajev-serve .
 #   docker run --gpus all --stop-timeout 130 -p 8765:8765 -v "$PWD/models:/models:ro" \
-#       -v imajev-cache:/home/imajev/.cache imajev-serve
-#   docker run --rm -p 8765:8765 imajev-serve serve --demo     # random weights, CPU: the API only
+#     -v imajev-cache:/home/imajev/.cache imajev-serve
+#   docker run --rm -p 8765:8765 imajev-serve serve --demo
+#
+# (the README's Docker section, word for word: tests/readme.rs keeps them equal; the last command
+# serves the random-weight demo on the CPU, the API only)
 #
 # * runtime/serve.env holds the released flags; runtime/entrypoint.sh applies those not set with
 #   `-e` (never to --demo), runs `imajev-serve verify` first when a hash lock exists
