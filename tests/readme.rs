@@ -1,7 +1,8 @@
 //! The README says what a user types, so it is checked against what answers: its "Serving the
 //! real model" commands are the manifest's downloads and the released recipe of
 //! `runtime/serve.env`, and run here on a synthetic release in the same layout; its Docker
-//! commands are the Dockerfile's and fit the image (port, mounts, cache, stop timeout); its flag
+//! commands are the Dockerfile's and fit the image (port, mounts, cache, stop timeout, build
+//! context); its flag
 //! table is `serve --help`'s (every flag, its environment variable, its default); and every flag of
 //! every command has a description.
 
@@ -107,12 +108,17 @@ fn serving_the_real_model_is_the_manifest_and_the_recipe_and_runs_as_written() {
     // The serve command passes exactly the released flags of serve.env (models/ for /models/).
     let serve = cmds.iter().find(|c| c.starts_with(&format!("{bin_prefix}serve "))).expect("a serve command");
     let words: Vec<&str> = serve.split_whitespace().skip(2).collect();
-    let flags: BTreeMap<&str, &str> = words.chunks(2).map(|p| (p[0], p.get(1).copied().unwrap_or(""))).collect();
+    let flags: BTreeMap<&str, &str> =
+        words.chunks(2).map(|p| (p[0], p.get(1).copied().unwrap_or(""))).collect();
     let serve_cmd = subcommand("serve");
     for (var, value) in serve_env() {
         let flag = flag_of_env(&serve_cmd, &var);
         let want = value.strip_prefix('/').unwrap_or(&value);
-        assert_eq!(flags.get(flag.as_str()).copied(), Some(want), "{flag} ({var}={value} in serve.env): {serve}");
+        assert_eq!(
+            flags.get(flag.as_str()).copied(),
+            Some(want),
+            "{flag} ({var}={value} in serve.env): {serve}"
+        );
     }
 
     // Run the README's commands, as written, on a synthetic release in the layout the downloads
@@ -130,7 +136,8 @@ fn serving_the_real_model_is_the_manifest_and_the_recipe_and_runs_as_written() {
         .status()
         .unwrap();
     assert!(st.success());
-    std::fs::copy(fixtures().join("release/calibration-rot4.json"), adapter.join(&m.recipe.calibration)).unwrap();
+    std::fs::copy(fixtures().join("release/calibration-rot4.json"), adapter.join(&m.recipe.calibration))
+        .unwrap();
     let bin_dir = tmp.path().join("target/release");
     std::fs::create_dir_all(&bin_dir).unwrap();
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_imajev-serve"), bin_dir.join("imajev-serve")).unwrap();
@@ -153,7 +160,8 @@ fn serving_the_real_model_is_the_manifest_and_the_recipe_and_runs_as_written() {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         (out.status.code(), text(&out.stdout), text(&out.stderr))
     };
-    let verify = cmds.iter().find(|c| c.starts_with(&format!("{bin_prefix}verify "))).expect("a verify command");
+    let verify =
+        cmds.iter().find(|c| c.starts_with(&format!("{bin_prefix}verify "))).expect("a verify command");
     let (code, out, err) = run(verify);
     assert_eq!(code, Some(1), "{verify}: the synthetic model is not the release\n{out}{err}");
     assert!(out.contains(&format!("release {}", m.release.name)), "{out}");
@@ -253,6 +261,13 @@ fn the_docker_commands_are_the_dockerfiles_and_fit_the_image() {
     assert!(user.len() == 1 && !user[0].starts_with("root") && !user[0].starts_with("0"), "{user:?}");
     for from in instr("FROM") {
         assert!(from.contains("@sha256:"), "FROM {from} is not pinned by digest");
+    }
+    // The build: nasm for mozjpeg's SIMD decoders; no build outputs or models in the context.
+    let build_stage = &dockerfile[..dockerfile.rfind("\nFROM ").unwrap()];
+    assert!(build_stage.contains("nasm="), "the build stage installs no (pinned) nasm");
+    let ignored = std::fs::read_to_string(repo().join(".dockerignore")).unwrap();
+    for dir in ["target/", "models/", ".git/"] {
+        assert!(ignored.lines().any(|l| l.trim() == dir), ".dockerignore lacks {dir}");
     }
     // The demo: an explicit --demo.
     assert!(readme_cmds.iter().any(|c| c.ends_with("imajev-serve serve --demo")), "{readme_cmds:?}");

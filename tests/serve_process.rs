@@ -317,10 +317,17 @@ fn the_demo_runs_only_when_asked_and_says_so_in_the_log_format_asked_for() {
     let listening =
         lines.iter().find(|l| l["fields"]["message"].as_str().is_some_and(|m| m.starts_with("listening")));
     assert!(listening.is_some_and(|l| l["fields"]["contract"] == "imajev"), "{err}");
-    for l in lines.iter().filter(|l| l["fields"]["ms"].is_number()) {
-        let ms = l["fields"]["ms"].to_string();
-        assert!(ms.split('.').nth(1).is_none_or(|d| d.len() <= 1), "ms {ms} in {l}");
+    let decimals = |v: &Value| v.to_string().split('.').nth(1).map_or(0, str::len);
+    let timed: Vec<&Value> = lines.iter().filter(|l| l["fields"]["ms"].is_number()).collect();
+    assert!(timed.len() >= 3, "the GETs above are logged with their ms: {err}");
+    for l in timed {
+        assert!(decimals(&l["fields"]["ms"]) <= 1, "ms in {l}");
     }
+    let loaded = lines.iter().find(|l| l["fields"]["message"] == "model loaded").expect("a load line");
+    assert!(
+        loaded["fields"]["load_seconds"].is_number() && decimals(&loaded["fields"]["load_seconds"]) <= 2,
+        "{loaded}"
+    );
 }
 
 #[test]
