@@ -418,7 +418,8 @@ mod tests {
     #[test]
     fn inconsistent_manifests_are_refused() {
         let base: serde_json::Value = serde_json::from_str(BUILTIN).unwrap();
-        let cases: [(&str, fn(&mut serde_json::Value)); 6] = [
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(&str, Edit); 6] = [
             ("revision", |m| m["base"]["revision"] = "main".into()),
             ("release_date", |m| m["release"]["release_date"] = "26 Sep 2026".into()),
             ("recipe.quantize", |m| m["recipe"]["quantize"] = "int4".into()),
