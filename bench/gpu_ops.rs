@@ -311,15 +311,25 @@ fn main() -> Result<()> {
         b.vision(&ws, "warp-specialised", 65_536)?;
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
-    let scan =
-        |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });
-    let (plain, piped) = (scan(GdnScan::Plain)?, scan(GdnScan::Pipelined)?);
+    let scan = |gdn_scan, gdn_tf32| {
+        CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, gdn_tf32, ..g.options().clone() })
+    };
+    let (plain, piped) = (scan(GdnScan::Plain, false)?, scan(GdnScan::Pipelined, false)?);
     if plain.options().gdn_ffma {
         println!("IMAJEV_GDN_FFMA=1 is set: both DeltaNet rows below are the FMA scan");
     }
     let scans = [("plain tc scan", &plain), ("pipelined tc scan", &piped)];
+    // The one-TF32-MMA products (`gdn_tf32`), each beside its 3xTF32 twin (the ratio line).
+    let (plain1, piped1) = (scan(GdnScan::Plain, true)?, scan(GdnScan::Pipelined, true)?);
+    let tf32 = [
+        [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
+        [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
+    ];
     for &m in lengths {
         b.deltanet(&scans, delta, m, m == 2048)?;
+        for pair in &tf32 {
+            b.deltanet(pair, delta, m, m == 2048)?;
+        }
     }
     println!(
         "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",

@@ -1,7 +1,8 @@
 //! Gated DeltaNet: causal conv + SiLU, β/g gates and L2-normed q/k (`gdn_conv`), the chunked
 //! gated delta rule (`gdn_chunk_prep_<dk>`, then a chunk scan walking each sequence's chunks from
 //! its state: `gdn_chunk_scan_tc_pipelined_<dk>` for launches with a long sequence,
-//! `gdn_chunk_scan_tc_<dk>` otherwise, `gdn_chunk_scan_<dk>` with `gdn_ffma`), and the gated
+//! `gdn_chunk_scan_tc_<dk>` otherwise, their one-TF32-MMA twins `gdn_chunk_scan_tf32[_pipelined]_<dk>`
+//! with `gdn_tf32`, `gdn_chunk_scan_<dk>` with `gdn_ffma`), and the gated
 //! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
 //! copy-on-write ([`CudaDeltaState`]).
 
@@ -63,10 +64,12 @@ pub fn scan_kernel(options: &CudaOptions, dk: usize, longest_chunks: usize) -> (
         GdnScan::Plain => false,
         GdnScan::ByLength => longest_chunks >= PIPELINED_MIN_CHUNKS,
     };
+    // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
+    let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     if pipelined {
-        (format!("gdn_chunk_scan_tc_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
+        (format!("gdn_chunk_scan_{products}_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
     } else {
-        (format!("gdn_chunk_scan_tc_{dk}"), layout::delta_tc_smem_bytes(dk))
+        (format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk))
     }
 }
 
@@ -479,9 +482,19 @@ mod tests {
         assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 1000).0, "gdn_chunk_scan_tc_64");
         let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };
         assert_eq!(scan_kernel(&ffma, 32, 1000).0, "gdn_chunk_scan_32");
+        let tf32 = |gdn_scan| CudaOptions { gdn_tf32: true, ..forced(gdn_scan) };
+        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 1).0, "gdn_chunk_scan_tf32_128");
+        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 256).0, "gdn_chunk_scan_tf32_pipelined_128");
+        // The FMA scan wins over the TF32 products.
+        assert_eq!(
+            scan_kernel(&CudaOptions { gdn_tf32: true, ..ffma.clone() }, 32, 1).0,
+            "gdn_chunk_scan_32"
+        );
         // Every choice is a kernel of the table, launched with the shared memory it is allowed.
         let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
-        for o in [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma] {
+        let all =
+            [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma, tf32(GdnScan::ByLength)];
+        for o in all {
             for dk in [16, 32, 64, 128] {
                 for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
                     let (name, smem) = scan_kernel(&o, dk, longest);
