@@ -352,9 +352,13 @@ fn main() -> Result<()> {
     let scans = [("plain tc scan", &plain), ("pipelined tc scan", &piped)];
     // The one-TF32-MMA products (`gdn_tf32`), each beside its 3xTF32 twin (the ratio line).
     let (plain1, piped1) = (scan(GdnScan::Plain, true)?, scan(GdnScan::Pipelined, true)?);
+    // The split delta rule (`GdnScan::Split`), each beside the pipelined scan of its precision.
+    let (split3, split1) = (scan(GdnScan::Split, false)?, scan(GdnScan::Split, true)?);
     let tf32 = [
         [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
         [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
+        [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
+        [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
     ];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;

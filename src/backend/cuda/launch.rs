@@ -95,7 +95,11 @@ pub const KERNELS: &[KernelFile] = &[
     },
     KernelFile {
         name: "deltanet",
-        source: include_str!("../../../kernels/deltanet.cu"),
+        // deltanet_split.cu continues deltanet.cu (it uses its helpers): one compilation unit.
+        source: concat!(
+            include_str!("../../../kernels/deltanet.cu"),
+            include_str!("../../../kernels/deltanet_split.cu")
+        ),
         functions: &[
             k("gdn_conv"),
             k("gdn_conv_hist"),
@@ -123,6 +127,30 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gdn_chunk_scan_tf32_pipelined_32", layout::delta_tc_pipelined_smem_bytes(32)),
             k_smem("gdn_chunk_scan_tf32_pipelined_64", layout::delta_tc_pipelined_smem_bytes(64)),
             k_smem("gdn_chunk_scan_tf32_pipelined_128", layout::delta_tc_pipelined_smem_bytes(128)),
+            k_smem("gdn_split_wu_16", layout::delta_split_wu_smem_bytes(16)),
+            k_smem("gdn_split_state_16", layout::delta_split_state_smem_bytes(16)),
+            k_smem("gdn_split_out_16", layout::delta_split_out_smem_bytes(16)),
+            k_smem("gdn_split_wu_32", layout::delta_split_wu_smem_bytes(32)),
+            k_smem("gdn_split_state_32", layout::delta_split_state_smem_bytes(32)),
+            k_smem("gdn_split_out_32", layout::delta_split_out_smem_bytes(32)),
+            k_smem("gdn_split_wu_64", layout::delta_split_wu_smem_bytes(64)),
+            k_smem("gdn_split_state_64", layout::delta_split_state_smem_bytes(64)),
+            k_smem("gdn_split_out_64", layout::delta_split_out_smem_bytes(64)),
+            k_smem("gdn_split_wu_128", layout::delta_split_wu_smem_bytes(128)),
+            k_smem("gdn_split_state_128", layout::delta_split_state_smem_bytes(128)),
+            k_smem("gdn_split_out_128", layout::delta_split_out_smem_bytes(128)),
+            k_smem("gdn_split_wu_tf32_16", layout::delta_split_wu_smem_bytes(16)),
+            k_smem("gdn_split_state_tf32_16", layout::delta_split_state_smem_bytes(16)),
+            k_smem("gdn_split_out_tf32_16", layout::delta_split_out_smem_bytes(16)),
+            k_smem("gdn_split_wu_tf32_32", layout::delta_split_wu_smem_bytes(32)),
+            k_smem("gdn_split_state_tf32_32", layout::delta_split_state_smem_bytes(32)),
+            k_smem("gdn_split_out_tf32_32", layout::delta_split_out_smem_bytes(32)),
+            k_smem("gdn_split_wu_tf32_64", layout::delta_split_wu_smem_bytes(64)),
+            k_smem("gdn_split_state_tf32_64", layout::delta_split_state_smem_bytes(64)),
+            k_smem("gdn_split_out_tf32_64", layout::delta_split_out_smem_bytes(64)),
+            k_smem("gdn_split_wu_tf32_128", layout::delta_split_wu_smem_bytes(128)),
+            k_smem("gdn_split_state_tf32_128", layout::delta_split_state_smem_bytes(128)),
+            k_smem("gdn_split_out_tf32_128", layout::delta_split_out_smem_bytes(128)),
         ],
     },
 ];

@@ -155,8 +155,9 @@ impl CudaBackend {
             match std::env::var("IMAJEV_GDN_SCAN").as_deref() {
                 Ok("pipelined") => options.gdn_scan = GdnScan::Pipelined,
                 Ok("plain") => options.gdn_scan = GdnScan::Plain,
+                Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("") | Ok("by-length") | Err(_) => {}
-                Ok(other) => bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain or by-length"),
+                Ok(other) => bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain, split or by-length"),
             }
         }
         if std::env::var("IMAJEV_GDN_TF32").is_ok_and(|v| v == "1") {
