@@ -296,28 +296,47 @@ __device__ void split_out(const float* qn, const float* beta, const float* g, co
     }
 }
 
-// Entries: <name>_<DK> with 3xTF32 products, <name>_tf32_<DK> with one TF32 MMA each.
-#define SPLIT_ENTRIES(DK, SUFFIX, P)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) gdn_split_wu##SUFFIX##_##DK(                              \
+// Entries gdn_split_{wu,state,out}_<DK> with 3xTF32 products, gdn_split_{wu,state,out}_tf32_<DK>
+// with one TF32 MMA each (the names are spelled out: the kernel table's test looks for them).
+#define SPLIT_WU_ENTRY(NAME, DK, P)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256) NAME##DK(                                                 \
       const float* kn, const float* v, const float* beta, const float* g, const float* tp, const int* chunks, \
       int kh, int vh, int dv, float* w, float* u) {                                                           \
     split_wu<DK, P>(kn, v, beta, g, tp, chunks, kh, vh, dv, w, u);                                            \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128) gdn_split_state##SUFFIX##_##DK(                           \
+  }
+#define SPLIT_STATE_ENTRY(NAME, DK, P)                                                                        \
+  extern "C" __global__ void __launch_bounds__(128) NAME##DK(                                                 \
       const float* kn, const float* g, const float* w, const float* u, const int* chunks, const i64* segs,    \
       int kh, int vh, int dv, float* h, float* vn) {                                                          \
     split_state<DK, P>(kn, g, w, u, chunks, segs, kh, vh, dv, h, vn);                                         \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128) gdn_split_out##SUFFIX##_##DK(                             \
+  }
+#define SPLIT_OUT_ENTRY(NAME, DK, P)                                                                          \
+  extern "C" __global__ void __launch_bounds__(128) NAME##DK(                                                 \
       const float* qn, const float* beta, const float* g, const float* tp, const float* h, const float* vn,   \
       const int* chunks, int kh, int vh, int dv, float* out) {                                                \
     split_out<DK, P>(qn, beta, g, tp, h, vn, chunks, kh, vh, dv, out);                                        \
   }
-SPLIT_ENTRIES(16, , 3)
-SPLIT_ENTRIES(32, , 3)
-SPLIT_ENTRIES(64, , 3)
-SPLIT_ENTRIES(128, , 3)
-SPLIT_ENTRIES(16, _tf32, 1)
-SPLIT_ENTRIES(32, _tf32, 1)
-SPLIT_ENTRIES(64, _tf32, 1)
-SPLIT_ENTRIES(128, _tf32, 1)
+SPLIT_WU_ENTRY(gdn_split_wu_, 16, 3)
+SPLIT_WU_ENTRY(gdn_split_wu_, 32, 3)
+SPLIT_WU_ENTRY(gdn_split_wu_, 64, 3)
+SPLIT_WU_ENTRY(gdn_split_wu_, 128, 3)
+SPLIT_WU_ENTRY(gdn_split_wu_tf32_, 16, 1)
+SPLIT_WU_ENTRY(gdn_split_wu_tf32_, 32, 1)
+SPLIT_WU_ENTRY(gdn_split_wu_tf32_, 64, 1)
+SPLIT_WU_ENTRY(gdn_split_wu_tf32_, 128, 1)
+SPLIT_STATE_ENTRY(gdn_split_state_, 16, 3)
+SPLIT_STATE_ENTRY(gdn_split_state_, 32, 3)
+SPLIT_STATE_ENTRY(gdn_split_state_, 64, 3)
+SPLIT_STATE_ENTRY(gdn_split_state_, 128, 3)
+SPLIT_STATE_ENTRY(gdn_split_state_tf32_, 16, 1)
+SPLIT_STATE_ENTRY(gdn_split_state_tf32_, 32, 1)
+SPLIT_STATE_ENTRY(gdn_split_state_tf32_, 64, 1)
+SPLIT_STATE_ENTRY(gdn_split_state_tf32_, 128, 1)
+SPLIT_OUT_ENTRY(gdn_split_out_, 16, 3)
+SPLIT_OUT_ENTRY(gdn_split_out_, 32, 3)
+SPLIT_OUT_ENTRY(gdn_split_out_, 64, 3)
+SPLIT_OUT_ENTRY(gdn_split_out_, 128, 3)
+SPLIT_OUT_ENTRY(gdn_split_out_tf32_, 16, 1)
+SPLIT_OUT_ENTRY(gdn_split_out_tf32_, 32, 1)
+SPLIT_OUT_ENTRY(gdn_split_out_tf32_, 64, 1)
+SPLIT_OUT_ENTRY(gdn_split_out_tf32_, 128, 1)
