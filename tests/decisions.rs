@@ -216,7 +216,12 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
                 .run(
                     plan,
                     &images,
-                    BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 },
+                    BatchLimits {
+                        max_tokens: 64,
+                        max_sequences: 3,
+                        min_shared_tokens: 0,
+                        ..Default::default()
+                    },
                     &|| Ok(()),
                 )
                 .unwrap();

@@ -1,14 +1,23 @@
 //! The one engine thread. HTTP handlers never touch the model: they plan a request, submit it
 //! to a bounded queue and await a oneshot reply. A full queue is refused at once (529 with
 //! Retry-After); a job whose caller went away or whose deadline passed is dropped before it costs
-//! compute (and between batches while it runs); on shutdown every accepted job is finished.
-//! Jobs run one at a time, so one caller can never change another's answers.
+//! compute (and between steps while it runs); on shutdown every accepted job is finished.
+//!
+//! Each round the thread takes the oldest waiting job and, behind it in arrival order, every
+//! waiting job whose tree still fits the forward's budget (`--batch-tokens`, `--batch-sequences`),
+//! and runs them as ONE packed forward; the first job that does not fit waits and opens the next
+//! round (first in, first out: nothing overtakes it, so nothing starves; a job too large for one
+//! forward runs alone). It stays one thread on one stream. A request's tree is built from its
+//! plan alone and the backends' ops are batch-invariant, so no caller can change another's
+//! answers.
 
 pub mod metrics;
 pub mod runner;
 
 pub use metrics::EngineMetrics;
-pub use runner::{BatchLimits, DecisionEngine, EngineOutput, RunError, StopReason};
+pub use runner::{
+    BatchLimits, DecisionEngine, EngineOutput, PackedJob, QuestionTree, RunError, StopReason, TreeSize,
+};
 
 use crate::decision::Plan;
 use crate::image::PatchedImage;
@@ -201,53 +210,36 @@ impl Shared {
     fn status(&self) -> EngineStatus {
         self.status.lock().map(|s| s.clone()).unwrap_or(EngineStatus::Failed("status lock poisoned".into()))
     }
-}
 
-/// The engine thread's loop: runs queued jobs one at a time, in arrival order, skipping those
-/// nobody waits for any more and refusing those past their deadline.
-fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
-    // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
-    while let Ok(job) = rx.recv() {
-        let depth = h.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
-        h.metrics.queue_depth.set(depth as i64);
-        let waited = job.enqueued.elapsed();
-        h.metrics.queue_seconds.observe(waited.as_secs_f64());
-        if let Some(why) = job.stop_reason() {
-            h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
-            match why {
-                StopReason::CallerGone => {
-                    tracing::info!(request_id = %job.id, "caller left while queued; skipped")
-                }
-                StopReason::Deadline => {
-                    let error = job.stopped(why);
-                    let _ = job.reply.send(Err(error));
-                }
+    /// A job leaves the queue for good: it is no longer counted as waiting, its wait is recorded,
+    /// and it is returned unless it is to be stopped (then it is answered or skipped here).
+    fn admit(&self, job: Job) -> Option<Job> {
+        let depth = self.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
+        self.metrics.queue_depth.set(depth as i64);
+        self.metrics.queue_seconds.observe(job.enqueued.elapsed().as_secs_f64());
+        let Some(why) = job.stop_reason() else { return Some(job) };
+        self.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+        match why {
+            StopReason::CallerGone => {
+                tracing::info!(request_id = %job.id, "caller left while queued; skipped")
             }
-            continue;
+            StopReason::Deadline => {
+                let error = job.stopped(why);
+                let _ = job.reply.send(Err(error));
+            }
         }
-        let Some(engine) = engine.as_ref() else {
-            let status = h.status();
-            let why = match status {
-                EngineStatus::Failed(e) => e,
-                _ => "not loaded".into(),
-            };
-            let _ = job.reply.send(Err(JobError::NotLoaded(why)));
-            continue;
-        };
-        let started = Instant::now();
-        let images: Vec<&PatchedImage> = job.images.iter().collect();
-        let keep_going = || job.stop_reason().map_or(Ok(()), Err);
-        let result = engine.run(&job.plan, &images, limits, &keep_going);
-        let secs = started.elapsed().as_secs_f64();
-        let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
-        h.avg_job_ms.store((0.8 * prev + 0.2 * secs * 1000.0) as u64, Ordering::Relaxed);
+        None
+    }
+
+    /// Answers a job with the engine's result.
+    fn answer(&self, job: Job, result: Result<EngineOutput, RunError>) {
         let reply = match result {
             Ok(out) => {
-                h.metrics.record(&out);
+                self.metrics.record(&out);
                 Ok(out)
             }
             Err(RunError::Stopped(why)) => {
-                h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+                self.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
                 Err(job.stopped(why))
             }
             Err(RunError::Engine(e)) => {
@@ -257,5 +249,76 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
         };
         let _ = job.reply.send(reply);
     }
+}
+
+/// The engine thread's loop: each round, the oldest waiting job and every job behind it that
+/// still fits one packed forward with it ([`BatchLimits::one_forward`], [`BatchLimits::admits`]),
+/// in arrival order, skipping those nobody waits for any more and refusing those past their
+/// deadline. A job that does not fit waits for the next round, which it opens.
+fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
+    let mut next: Option<Job> = None;
+    // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
+    loop {
+        let Some(first) = next.take().or_else(|| rx.recv().ok()) else { break };
+        let Some(first) = h.admit(first) else { continue };
+        let Some(engine) = engine.as_ref() else {
+            let why = match h.status() {
+                EngineStatus::Failed(e) => e,
+                _ => "not loaded".into(),
+            };
+            let _ = first.reply.send(Err(JobError::NotLoaded(why)));
+            continue;
+        };
+        let mut batch = vec![first];
+        if let Some(mut used) = limits.one_forward(&batch[0].plan) {
+            // Everything already waiting that fits, in order; the first that does not fit
+            // opens the next round.
+            while let Ok(job) = rx.try_recv() {
+                if job.stop_reason().is_some() {
+                    h.admit(job);
+                    continue;
+                }
+                match limits.one_forward(&job.plan) {
+                    Some(size) if limits.admits(used, size) => {
+                        used = used + size;
+                        batch.extend(h.admit(job));
+                    }
+                    _ => {
+                        next = Some(job);
+                        break;
+                    }
+                }
+            }
+        }
+        run_batch(engine.as_ref(), batch, h, limits);
+    }
     tracing::info!("engine thread: queue drained, stopping");
+}
+
+/// Runs one round's jobs (one packed forward, or a job alone) and answers each.
+fn run_batch(engine: &dyn DecisionEngine, batch: Vec<Job>, h: &Shared, limits: BatchLimits) {
+    let started = Instant::now();
+    let images: Vec<Vec<&PatchedImage>> = batch.iter().map(|j| j.images.iter().collect()).collect();
+    let checks: Vec<_> = batch.iter().map(|j| move || j.stop_reason().map_or(Ok(()), Err)).collect();
+    let jobs: Vec<PackedJob<'_>> = batch
+        .iter()
+        .zip(&images)
+        .zip(&checks)
+        .map(|((j, imgs), check)| PackedJob { plan: &j.plan, images: imgs, keep_going: check })
+        .collect();
+    let results = engine.run_packed(&jobs, limits);
+    let secs = started.elapsed().as_secs_f64();
+    drop(jobs);
+    drop(checks);
+    h.metrics.batch_requests.observe(batch.len() as f64);
+    if batch.len() > 1 {
+        tracing::debug!(requests = batch.len(), ms = secs * 1e3, "packed forward");
+    }
+    // Retry-After estimates from the time per request.
+    let per_job_ms = secs * 1000.0 / batch.len() as f64;
+    let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
+    h.avg_job_ms.store((0.8 * prev + 0.2 * per_job_ms) as u64, Ordering::Relaxed);
+    for (job, result) in batch.into_iter().zip(results) {
+        h.answer(job, result);
+    }
 }
