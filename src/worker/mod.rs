@@ -322,3 +322,147 @@ fn run_batch(engine: &dyn DecisionEngine, batch: Vec<Job>, h: &Shared, limits: B
         h.answer(job, result);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision::prompt::{PassPlan, ScoredKind, ScoredPlan, ScoredQuestion};
+    use std::sync::mpsc::{channel, Receiver as StdReceiver};
+
+    /// A plan tagged `tag` (its first prefix token) whose one-level tree is `tokens` tokens in
+    /// `1 + passes` sequences.
+    fn plan(tag: u32, tokens: usize, passes: usize) -> Plan {
+        let suffix = 2;
+        let prefix_tokens = tokens - passes * suffix;
+        let question =
+            ScoredQuestion { kind: ScoredKind::Boolean, text: "q".into(), candidates: vec![], owner: 0 };
+        Plan {
+            prefix: std::iter::once(tag).chain(std::iter::repeat_n(0, prefix_tokens - 1)).collect(),
+            scored: vec![ScoredPlan {
+                question,
+                common: vec![],
+                passes: (0..passes).map(|p| PassPlan { offset: p, suffix: vec![1; suffix] }).collect(),
+                code_tokens: vec![],
+            }],
+            prefix_tokens,
+            max_pass_tokens: prefix_tokens + suffix,
+            processed_tokens: tokens,
+        }
+    }
+
+    /// Records the tags of each call's jobs; the first call waits until it is released. Each
+    /// job's one logit is its tag, so every reply can be matched to its job.
+    struct Recorder {
+        calls: Arc<Mutex<Vec<Vec<u32>>>>,
+        release: Mutex<StdReceiver<()>>,
+    }
+
+    impl Recorder {
+        fn output(plan: &Plan, packed_with: usize) -> EngineOutput {
+            EngineOutput {
+                logits: vec![vec![vec![plan.prefix[0] as f32]]],
+                packed_with,
+                ..Default::default()
+            }
+        }
+        fn record(&self, tags: Vec<u32>) {
+            let first = {
+                let mut calls = self.calls.lock().unwrap();
+                calls.push(tags);
+                calls.len() == 1
+            };
+            if first {
+                self.release.lock().unwrap().recv().unwrap();
+            }
+        }
+    }
+
+    impl DecisionEngine for Recorder {
+        fn run(
+            &self,
+            plan: &Plan,
+            _: &[&PatchedImage],
+            _: BatchLimits,
+            _: &dyn Fn() -> Result<(), StopReason>,
+        ) -> Result<EngineOutput, RunError> {
+            self.record(vec![plan.prefix[0]]);
+            Ok(Recorder::output(plan, 1))
+        }
+        fn run_packed(&self, jobs: &[PackedJob<'_>], _: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
+            self.record(jobs.iter().map(|j| j.plan.prefix[0]).collect());
+            jobs.iter().map(|j| Ok(Recorder::output(j.plan, jobs.len()))).collect()
+        }
+        fn backend_name(&self) -> String {
+            "recorder".into()
+        }
+        fn readout_rows(&self) -> Option<usize> {
+            None
+        }
+    }
+
+    type Reply = oneshot::Receiver<Result<EngineOutput, JobError>>;
+
+    fn submit(w: &WorkerHandle, plan: Plan, deadline_in: Duration) -> Reply {
+        let (tx, rx) = oneshot::channel();
+        let now = Instant::now();
+        let job = Job {
+            id: format!("job {}", plan.prefix[0]),
+            plan: Arc::new(plan),
+            images: vec![],
+            deadline: now + deadline_in,
+            timeout: deadline_in,
+            enqueued: now,
+            reply: tx,
+        };
+        w.submit(job).unwrap();
+        rx
+    }
+
+    #[test]
+    fn waiting_jobs_are_packed_in_arrival_order_within_the_budget() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let (release, gate) = channel();
+        let engine = Recorder { calls: calls.clone(), release: Mutex::new(gate) };
+        let registry = prometheus::Registry::new();
+        let metrics = Arc::new(EngineMetrics::new(&registry).unwrap());
+        let limits = BatchLimits { max_tokens: 100, max_sequences: 10, ..Default::default() };
+        let (w, join) =
+            spawn(move || Ok(Box::new(engine) as Box<dyn DecisionEngine>), 16, limits, metrics.clone());
+        let long = Duration::from_secs(60);
+        let first = submit(&w, plan(1, 10, 2), long);
+        // The engine holds the first job until released; everything below waits behind it.
+        let t = Instant::now();
+        while calls.lock().unwrap().is_empty() {
+            assert!(t.elapsed() < Duration::from_secs(10), "the engine never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut replies = vec![(1, first)];
+        replies.push((2, submit(&w, plan(2, 30, 2), long)));
+        let gone = submit(&w, plan(99, 10, 1), long); // its caller leaves: skipped, never run
+        drop(gone);
+        replies.push((3, submit(&w, plan(3, 30, 3), long)));
+        let late = submit(&w, plan(98, 10, 1), Duration::ZERO); // past its deadline: 504, never run
+        replies.push((4, submit(&w, plan(4, 30, 3), long)));
+        // 2 + 3 + 4 = 90 tokens in 3 + 4 + 4 = 11 sequences: 4 does not fit behind 2 and 3 (10
+        // sequences at most) and opens the next round; 5 fits behind it; 6 alone is over the
+        // budget and runs by itself; 7 after it.
+        replies.push((5, submit(&w, plan(5, 60, 1), long)));
+        replies.push((6, submit(&w, plan(6, 101, 1), long)));
+        replies.push((7, submit(&w, plan(7, 5, 1), long)));
+        assert_eq!(w.queue_depth(), 8);
+        release.send(()).unwrap();
+        for (tag, rx) in replies {
+            let out = rx.blocking_recv().unwrap().unwrap();
+            assert_eq!(out.logits, vec![vec![vec![tag as f32]]], "job {tag} got another job's answer");
+        }
+        assert!(matches!(late.blocking_recv().unwrap(), Err(JobError::Deadline(_))));
+        assert_eq!(*calls.lock().unwrap(), vec![vec![1], vec![2, 3], vec![4, 5], vec![6], vec![7]]);
+        assert_eq!(w.queue_depth(), 0);
+        assert_eq!(metrics.batch_requests.get_sample_count(), 5);
+        assert_eq!(metrics.batch_requests.get_sample_sum(), 7.0);
+        assert_eq!(metrics.dropped.with_label_values(&["disconnected"]).get(), 1);
+        assert_eq!(metrics.dropped.with_label_values(&["deadline"]).get(), 1);
+        drop(w);
+        join.join().unwrap();
+    }
+}
