@@ -22,8 +22,9 @@ parsed and re-serialised JSON: equal exactly when every number is the same doubl
 and string the same, in the same order).
 
 Writes {"throughput": [{clients, requests_per_s, p50_ms, p99_ms, statuses,
-identical_to_single_client}], ...} (bench/results/h200.json's "throughput" rows) plus the
-server's engine rounds per level (from /metrics: requests per packed forward). Exits 1 when an
+identical_to_single_client}], ...} plus the server's engine rounds per level (from /metrics:
+requests per packed forward); `--merge-into bench/results/h200.json` also puts the rows there
+under "throughput" (and the commands under "throughput_command"). Exits 1 when an
 answer differs or a status other than 200/529 comes back. Standard library only (gpu_bench.py
 needs PIL/numpy only for images, which this does not send).
 """
@@ -209,6 +210,7 @@ def main():
     ap.add_argument("--variants", type=int, default=8)
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--out")
+    ap.add_argument("--merge-into", help="also set this JSON file's \"throughput\" (e.g. bench/results/h200.json)")
     ap.add_argument("server_args", nargs="*", help="after --: extra `serve` flags (e.g. --device cuda --quantize fp8)")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -267,6 +269,12 @@ def main():
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
+        if args.merge_into:
+            doc = json.loads(Path(args.merge_into).read_text())
+            doc["throughput"] = rows
+            doc["throughput_command"] = {"client": report["command"], "server": server_command,
+                                         "request": report["request"], "details": details, "date": report["date"]}
+            Path(args.merge_into).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
         bad = [r for r in rows if not r["identical_to_single_client"]]
         odd = [s for r in rows for s in r["statuses"] if s not in ("200", "529")]
         raise SystemExit(1 if bad or odd else 0)
