@@ -183,28 +183,27 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// Where a pass's readout row is in a packed forward.
-struct PassRow {
-    job: usize,
-    scored: usize,
-    pass: usize,
-    segment: usize,
+/// What a segment of a packed forward runs for its job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Part {
+    Prefix,
+    /// The shared tokens of one of the job's questions (index into [`JobLayouts::commons`]).
+    Common(usize),
+    /// One pass (index into [`JobLayouts::passes`]).
+    Pass(usize),
 }
 
-/// The segments of a packed forward: every job's prefix and first-level segments (in job
-/// order), then every second-level segment, so that each mixer call of a two-level tree reads
-/// one contiguous block of rows. A segment is `(job, layout index, parent segment)`; the layout
-/// index is 0 for the prefix, `1..=c` for the job's `c` commons, then its passes.
-struct PackedTree {
-    first: Vec<(usize, usize, Option<usize>)>,
-    second: Vec<(usize, usize, usize)>,
-    /// `(job, scored question, pass, in `second`?, index in `first` or `second`)`.
-    passes: Vec<(usize, usize, usize, bool, usize)>,
+/// One segment of a packed forward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PackedSegment {
+    job: usize,
+    part: Part,
+    parent: Option<usize>,
 }
 
 impl<B: Backend> Qwen35<B> {
-    /// The layouts of one job's tree: `[prefix, commons…, passes…]`, each pass with its parent
-    /// (`None`: the prefix; `Some(i)`: common `i`) — and the job's token count.
+    /// The layouts of one job's tree: its prefix, its questions' shared tokens (two-level trees)
+    /// and its passes, each pass with the shared tokens it continues (`None`: the prefix).
     fn job_layouts(
         &self,
         plan: &Plan,
@@ -274,26 +273,20 @@ impl<B: Backend> Qwen35<B> {
             return;
         }
         let t = Instant::now();
-        let tree = PackedTree::new(live.iter().map(|(_, _, l, _)| l));
-        let pass_rows = tree.pass_rows();
+        let layouts: Vec<&JobLayouts> = live.iter().map(|(_, _, l, _)| l).collect();
+        let tree = packed_tree(&layouts);
         let ran = (|| -> anyhow::Result<Vec<Vec<f32>>> {
-            let mut segs: Vec<Segment<B>> = Vec::new();
-            for &(job, index, parent) in &tree.first {
-                let (_, feats, l, _) = &live[job];
-                segs.push(match index {
-                    0 => Segment { layout: &l.prefix, images: feats, parent: None },
-                    i if i <= l.commons.len() => Segment { layout: &l.commons[i - 1], images: &[], parent },
-                    i => Segment { layout: &l.passes[i - 1 - l.commons.len()].3, images: &[], parent },
-                });
-            }
-            for &(job, index, parent) in &tree.second {
-                let l = &live[job].2;
-                segs.push(Segment {
-                    layout: &l.passes[index - 1 - l.commons.len()].3,
-                    images: &[],
-                    parent: Some(parent),
-                });
-            }
+            let segs: Vec<Segment<B>> = tree
+                .iter()
+                .map(|s| {
+                    let (_, feats, l, _) = &live[s.job];
+                    match s.part {
+                        Part::Prefix => Segment { layout: &l.prefix, images: feats, parent: None },
+                        Part::Common(c) => Segment { layout: &l.commons[c], images: &[], parent: s.parent },
+                        Part::Pass(p) => Segment { layout: &l.passes[p].3, images: &[], parent: s.parent },
+                    }
+                })
+                .collect();
             // Roots start from empty states; every other state is replaced by a fork of its
             // parent's inside the forward (until then, a fork of an empty one: nothing is
             // allocated for it).
@@ -305,7 +298,8 @@ impl<B: Backend> Qwen35<B> {
             let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
             let hidden = self.forward(&segs, &mut refs)?;
             // Only the passes' rows are read out (not the prefixes' or the shared tokens').
-            let rows: Vec<usize> = pass_rows.iter().map(|r| r.segment).collect();
+            let rows: Vec<usize> =
+                (0..tree.len()).filter(|&i| matches!(tree[i].part, Part::Pass(_))).collect();
             let hidden = self.backend.gather_rows(&hidden, &rows)?;
             self.readout(&hidden)
         })();
@@ -334,8 +328,13 @@ impl<B: Backend> Qwen35<B> {
                 }
             })
             .collect();
-        for (r, l) in pass_rows.iter().zip(logits) {
-            outs[r.job].logits[r.scored][r.pass] = l;
+        let passes = tree.iter().filter_map(|s| match s.part {
+            Part::Pass(p) => Some((s.job, p)),
+            _ => None,
+        });
+        for ((job, p), l) in passes.zip(logits) {
+            let (q, pass, ..) = layouts[job].passes[p];
+            outs[job].logits[q][pass] = l;
         }
         for ((j, ..), out) in live.iter().zip(outs) {
             results[*j] = Some(Ok(out));
@@ -454,52 +453,29 @@ impl JobLayouts {
     }
 }
 
-impl PackedTree {
-    /// Segment order: per job its prefix (layout index 0), its commons (1..=c) and the passes
-    /// that continue the prefix; then, per job, the passes that continue a common.
-    fn new<'a>(jobs: impl Iterator<Item = &'a JobLayouts>) -> Self {
-        let mut tree = PackedTree { first: Vec::new(), second: Vec::new(), passes: Vec::new() };
-        let mut later: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
-        for (job, l) in jobs.enumerate() {
-            let root = tree.first.len();
-            tree.first.push((job, 0, None));
-            let commons_at = tree.first.len();
-            for c in 0..l.commons.len() {
-                tree.first.push((job, 1 + c, Some(root)));
-            }
-            for (i, (q, p, parent, _)) in l.passes.iter().enumerate() {
-                let index = 1 + l.commons.len() + i;
-                match parent {
-                    None => {
-                        tree.passes.push((job, *q, *p, false, tree.first.len()));
-                        tree.first.push((job, index, Some(root)));
-                    }
-                    Some(c) => later.push((job, index, commons_at + c, *q, *p)),
+/// The segments of a packed forward: every job's prefix, its questions' shared tokens and the
+/// passes that continue the prefix (job by job), then every pass that continues shared tokens —
+/// so that each mixer call of a two-level tree reads one contiguous block of rows.
+fn packed_tree(jobs: &[&JobLayouts]) -> Vec<PackedSegment> {
+    let mut first = Vec::new();
+    let mut second = Vec::new();
+    for (job, l) in jobs.iter().enumerate() {
+        let root = first.len();
+        first.push(PackedSegment { job, part: Part::Prefix, parent: None });
+        for c in 0..l.commons.len() {
+            first.push(PackedSegment { job, part: Part::Common(c), parent: Some(root) });
+        }
+        for (p, (_, _, common, _)) in l.passes.iter().enumerate() {
+            match common {
+                None => first.push(PackedSegment { job, part: Part::Pass(p), parent: Some(root) }),
+                Some(c) => {
+                    second.push(PackedSegment { job, part: Part::Pass(p), parent: Some(root + 1 + c) })
                 }
             }
         }
-        for (job, index, parent, q, p) in later {
-            tree.passes.push((job, q, p, true, tree.second.len()));
-            tree.second.push((job, index, parent));
-        }
-        tree
     }
-
-    /// Every pass with its segment index in the forward, in segment order.
-    fn pass_rows(&self) -> Vec<PassRow> {
-        let mut rows: Vec<PassRow> = self
-            .passes
-            .iter()
-            .map(|&(job, scored, pass, second, i)| PassRow {
-                job,
-                scored,
-                pass,
-                segment: if second { self.first.len() + i } else { i },
-            })
-            .collect();
-        rows.sort_by_key(|r| r.segment);
-        rows
-    }
+    first.extend(second);
+    first
 }
 
 impl<B: Backend> DecisionEngine for Qwen35<B> {
