@@ -83,7 +83,7 @@ pub fn hopper_cases(
     if g.info().compute_capability != (9, 0) {
         rep.flag(
             "attn",
-            &format!("{label} attention: not a Hopper GPU, never launched, not checked"),
+            format!("{label} attention: not a Hopper GPU, never launched, not checked"),
             true,
             "",
         );
