@@ -108,8 +108,13 @@ pub struct WorkerHandle {
 
 impl WorkerHandle {
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        // Count before sending so the worker's decrement can never run first.
-        self.depth.fetch_add(1, Ordering::SeqCst);
+        // Count before sending so the worker's decrement can never run first. The count, not
+        // only the channel, enforces the capacity: the engine thread may hold one job it took
+        // off the channel for the next round.
+        if self.depth.fetch_add(1, Ordering::SeqCst) >= self.capacity {
+            self.depth.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Full { capacity: self.capacity, retry_after_s: self.retry_after_s() });
+        }
         match self.tx.try_send(job) {
             Ok(()) => {
                 self.metrics.queue_depth.set(self.depth.load(Ordering::SeqCst) as i64);
@@ -350,11 +355,12 @@ mod tests {
         }
     }
 
-    /// Records the tags of each call's jobs; the first call waits until it is released. Each
-    /// job's one logit is its tag, so every reply can be matched to its job.
+    /// Records the tags of each call's jobs; each of the first `held` calls waits until it is
+    /// released. Each job's one logit is its tag, so every reply can be matched to its job.
     struct Recorder {
         calls: Arc<Mutex<Vec<Vec<u32>>>>,
         release: Mutex<StdReceiver<()>>,
+        held: usize,
     }
 
     impl Recorder {
@@ -366,12 +372,12 @@ mod tests {
             }
         }
         fn record(&self, tags: Vec<u32>) {
-            let first = {
+            let hold = {
                 let mut calls = self.calls.lock().unwrap();
                 calls.push(tags);
-                calls.len() == 1
+                calls.len() <= self.held
             };
-            if first {
+            if hold {
                 self.release.lock().unwrap().recv().unwrap();
             }
         }
@@ -418,24 +424,44 @@ mod tests {
         rx
     }
 
-    #[test]
-    fn waiting_jobs_are_packed_in_arrival_order_within_the_budget() {
+    struct Fixture {
+        calls: Arc<Mutex<Vec<Vec<u32>>>>,
+        release: std::sync::mpsc::Sender<()>,
+        metrics: Arc<EngineMetrics>,
+        w: WorkerHandle,
+        join: JoinHandle<()>,
+    }
+
+    /// A worker over a [`Recorder`] holding its first `held` calls, with a 100-token,
+    /// 10-sequence budget.
+    fn fixture(capacity: usize, held: usize) -> Fixture {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let (release, gate) = channel();
-        let engine = Recorder { calls: calls.clone(), release: Mutex::new(gate) };
+        let engine = Recorder { calls: calls.clone(), release: Mutex::new(gate), held };
         let registry = prometheus::Registry::new();
         let metrics = Arc::new(EngineMetrics::new(&registry).unwrap());
         let limits = BatchLimits { max_tokens: 100, max_sequences: 10, ..Default::default() };
         let (w, join) =
-            spawn(move || Ok(Box::new(engine) as Box<dyn DecisionEngine>), 16, limits, metrics.clone());
+            spawn(move || Ok(Box::new(engine) as Box<dyn DecisionEngine>), capacity, limits, metrics.clone());
+        Fixture { calls, release, metrics, w, join }
+    }
+
+    /// Waits until the engine has been called `n` times.
+    fn wait_calls(calls: &Mutex<Vec<Vec<u32>>>, n: usize) {
+        let t = Instant::now();
+        while calls.lock().unwrap().len() < n {
+            assert!(t.elapsed() < Duration::from_secs(10), "the engine never got call {n}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn waiting_jobs_are_packed_in_arrival_order_within_the_budget() {
+        let Fixture { calls, release, metrics, w, join } = fixture(16, 1);
         let long = Duration::from_secs(60);
         let first = submit(&w, plan(1, 10, 2), long);
         // The engine holds the first job until released; everything below waits behind it.
-        let t = Instant::now();
-        while calls.lock().unwrap().is_empty() {
-            assert!(t.elapsed() < Duration::from_secs(10), "the engine never started");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_calls(&calls, 1);
         let mut replies = vec![(1, first)];
         replies.push((2, submit(&w, plan(2, 30, 2), long)));
         let gone = submit(&w, plan(99, 10, 1), long); // its caller leaves: skipped, never run
@@ -462,6 +488,43 @@ mod tests {
         assert_eq!(metrics.batch_requests.get_sample_sum(), 7.0);
         assert_eq!(metrics.dropped.with_label_values(&["disconnected"]).get(), 1);
         assert_eq!(metrics.dropped.with_label_values(&["deadline"]).get(), 1);
+        drop(w);
+        join.join().unwrap();
+    }
+
+    #[test]
+    fn a_job_held_for_the_next_round_counts_against_the_queue() {
+        let Fixture { calls, release, w, join, .. } = fixture(2, 2);
+        let long = Duration::from_secs(60);
+        let mut replies = vec![(1, submit(&w, plan(1, 10, 1), long))];
+        wait_calls(&calls, 1);
+        replies.push((2, submit(&w, plan(2, 60, 1), long)));
+        replies.push((3, submit(&w, plan(3, 60, 1), long)));
+        release.send(()).unwrap();
+        // 2 runs; 3 does not fit behind it and is held for the next round, still waiting.
+        wait_calls(&calls, 2);
+        assert_eq!(w.queue_depth(), 1);
+        replies.push((4, submit(&w, plan(4, 10, 1), long)));
+        let (tx, _rx) = oneshot::channel();
+        let now = Instant::now();
+        let fifth = Job {
+            id: "job 5".into(),
+            plan: Arc::new(plan(5, 10, 1)),
+            images: vec![],
+            deadline: now + long,
+            timeout: long,
+            enqueued: now,
+            reply: tx,
+        };
+        assert!(
+            matches!(w.submit(fifth), Err(SubmitError::Full { capacity: 2, .. })),
+            "3 and 4 fill the queue"
+        );
+        release.send(()).unwrap();
+        for (tag, rx) in replies {
+            assert_eq!(rx.blocking_recv().unwrap().unwrap().logits, vec![vec![vec![tag as f32]]]);
+        }
+        assert_eq!(*calls.lock().unwrap(), vec![vec![1], vec![2], vec![3, 4]]);
         drop(w);
         join.join().unwrap();
     }
