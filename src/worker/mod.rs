@@ -11,13 +11,13 @@
 //! plan alone and the backends' ops are batch-invariant, so no caller can change another's
 //! answers.
 
+pub mod limits;
 pub mod metrics;
 pub mod runner;
 
+pub use limits::{BatchLimits, QuestionTree, TreeSize};
 pub use metrics::EngineMetrics;
-pub use runner::{
-    BatchLimits, DecisionEngine, EngineOutput, PackedJob, QuestionTree, RunError, StopReason, TreeSize,
-};
+pub use runner::{DecisionEngine, EngineOutput, PackedJob, RunError, StopReason};
 
 use crate::decision::Plan;
 use crate::image::PatchedImage;

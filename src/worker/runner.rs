@@ -9,6 +9,7 @@
 //! A request's tree is built from its plan alone and every backend op is batch-invariant, so its
 //! logits do not depend on which requests share its forward.
 
+use super::limits::{BatchLimits, QuestionTree};
 use crate::backend::Backend;
 use crate::decision::Plan;
 use crate::engine::positions::SequenceLayout;
@@ -16,96 +17,6 @@ use crate::engine::{Qwen35, Segment, State};
 use crate::image::PatchedImage;
 use anyhow::{anyhow, ensure};
 use std::time::Instant;
-
-/// How a question's rotations are laid out in a request's one-forward tree.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum QuestionTree {
-    /// Every pass continues the prefix with the question's shared tokens and its own (one level).
-    #[default]
-    OneLevel,
-    /// The question's shared tokens continue the prefix once, and the passes continue them (two
-    /// levels: fewer tokens; the mixers run as two calls per layer).
-    TwoLevel,
-}
-
-/// How passes and requests are grouped into packed forwards.
-#[derive(Debug, Clone, Copy)]
-pub struct BatchLimits {
-    /// Most tokens in one packed forward (all packed requests' trees together).
-    pub max_tokens: usize,
-    /// Most sequences (segments) in one packed forward.
-    pub max_sequences: usize,
-    /// For a request that runs alone: prefill each question's shared tokens once only when that
-    /// saves at least this many tokens overall; below it the extra forward (a fixed cost of
-    /// launches on a GPU) costs more than recomputing those tokens in every pass. With
-    /// [`QuestionTree::OneLevel`], a request above it also runs alone.
-    pub min_shared_tokens: usize,
-    /// Inside one forward: one level, or the question's shared tokens as a second.
-    pub question_tree: QuestionTree,
-}
-
-impl Default for BatchLimits {
-    fn default() -> Self {
-        BatchLimits {
-            max_tokens: 8192,
-            max_sequences: 64,
-            min_shared_tokens: 1024,
-            question_tree: QuestionTree::OneLevel,
-        }
-    }
-}
-
-/// What a request's tree takes in a packed forward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TreeSize {
-    pub tokens: usize,
-    pub sequences: usize,
-}
-
-impl std::ops::Add for TreeSize {
-    type Output = TreeSize;
-    fn add(self, o: TreeSize) -> TreeSize {
-        TreeSize { tokens: self.tokens + o.tokens, sequences: self.sequences + o.sequences }
-    }
-}
-
-impl BatchLimits {
-    /// The size of `plan`'s tree in one forward, or `None` when the request runs alone (its tree
-    /// is over the limits by itself, it has no passes, or — one level — sharing its questions'
-    /// tokens in separate forwards saves enough).
-    pub fn one_forward(&self, plan: &Plan) -> Option<TreeSize> {
-        let passes = plan.pass_count();
-        if passes == 0 {
-            return None;
-        }
-        let size = match self.question_tree {
-            QuestionTree::OneLevel => {
-                let saved: usize =
-                    plan.scored.iter().map(|q| q.common.len() * q.passes.len().saturating_sub(1)).sum();
-                if saved >= self.min_shared_tokens {
-                    return None;
-                }
-                let tokens: usize = plan
-                    .scored
-                    .iter()
-                    .map(|q| q.passes.iter().map(|p| q.common.len() + p.suffix.len()).sum::<usize>())
-                    .sum();
-                TreeSize { tokens: plan.prefix_tokens + tokens, sequences: 1 + passes }
-            }
-            QuestionTree::TwoLevel => {
-                let commons = plan.scored.iter().filter(|q| !q.common.is_empty()).count();
-                TreeSize { tokens: plan.processed_tokens, sequences: 1 + commons + passes }
-            }
-        };
-        self.admits(TreeSize::default(), size).then_some(size)
-    }
-
-    /// Whether a tree of size `next` fits a forward that already holds `used`.
-    pub fn admits(&self, used: TreeSize, next: TreeSize) -> bool {
-        let all = used + next;
-        all.tokens <= self.max_tokens && all.sequences <= self.max_sequences
-    }
-}
 
 /// Readout logits of every pass (`logits[scored][pass]`, per scored question of the plan) and where the time went.
 #[derive(Debug, Clone, Default)]
