@@ -175,7 +175,9 @@ def run_level(url, bodies, reference, clients, duration):
 def start_server(args, work):
     port = args.port
     cmd = [args.bin, "serve", "--port", str(port), "--queue-depth", str(max(64, max(args.clients)))]
-    if not args.demo:
+    if args.demo:
+        cmd += ["--demo"]
+    else:
         cmd += ["--model", str(work / "model"), "--adapter", str(work / "adapter")]
     cmd += args.server_args
     log = open(work / "server.log", "w")
@@ -201,7 +203,7 @@ def main():
     ap.add_argument("--url", help="an already running server instead of --bin")
     ap.add_argument("--work", default=None, help="model folder as gpu_bench.py makes it (work/model, work/adapter)")
     ap.add_argument("--config", default="qwen3.5-4b", help="synth preset when --work has no model yet")
-    ap.add_argument("--demo", action="store_true", help="serve the built-in demo model (no --model)")
+    ap.add_argument("--demo", action="store_true", help="serve the built-in demo model (`serve --demo`)")
     ap.add_argument("--model-dir", help="with --url: a folder whose tokenizer sizes the state (else the built-in one)")
     ap.add_argument("--port", type=int, default=18777)
     ap.add_argument("--clients", default="1,4,16,64")
