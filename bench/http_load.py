@@ -8,6 +8,9 @@
     python3 bench/http_load.py --bin target/release/imajev-serve --demo --tokens 64 --duration 3 --out /tmp/load.json
     # a server that is already running:
     python3 bench/http_load.py --url http://127.0.0.1:8765 --model-dir DIR_WITH_TOKENIZER ...
+    # put reports written with --out (e.g. by bench/h200_throughput.sh) into the results file:
+    python3 bench/http_load.py --merge-into bench/results/h200.json --merge-report throughput.json \
+        --merge-report throughput-unpacked.json
 
 The request is gpu_bench.py's: 3 questions (noul, 4-option choice, 5-level score) over a state of
 about `--tokens` tokens (256), in `--variants` versions (8) whose states differ, so that packed
@@ -23,12 +26,16 @@ and string the same, in the same order).
 
 Writes {"throughput": [{clients, requests_per_s, p50_ms, p99_ms, statuses,
 identical_to_single_client}], ...} plus the server's engine rounds per level (from /metrics:
-requests per packed forward); `--merge-into bench/results/h200.json` also puts the rows there
-under "throughput" (and the commands under "throughput_command"). Exits 1 when an
-answer differs or a status other than 200/529 comes back. Standard library only (gpu_bench.py
+requests per packed forward) and the sha256 of each variant's reference answers (so that two
+servers' answers can be compared); `--merge-into bench/results/h200.json` also puts the rows there
+under "throughput" (and the commands under "throughput_command"). With `--merge-report` instead of
+a run, the rows come from a report written before; a second `--merge-report` (a run with
+cross-request packing off) goes under "throughput_packing_off". Exits 1 when an answer differs or
+a status other than 200/529 comes back. Standard library only (gpu_bench.py
 needs PIL/numpy only for images, which this does not send).
 """
 import argparse
+import hashlib
 import http.client
 import json
 import os
@@ -172,6 +179,22 @@ def run_level(url, bodies, reference, clients, duration):
     return row, detail, problems
 
 
+def merge(path, report, packing_off=None):
+    """Put `report`'s rows into the results file `path` under "throughput" (and, given, a run with
+    cross-request packing off under "throughput_packing_off")."""
+    doc = json.loads(Path(path).read_text())
+    doc["throughput"] = report["throughput"]
+    doc["throughput_command"] = {"client": report["command"], "server": report["server"],
+                                 "request": report["request"], "details": report["details"], "date": report["date"]}
+    if packing_off is not None:
+        doc["throughput_packing_off"] = {
+            "rows": packing_off["throughput"], "details": packing_off["details"],
+            "client": packing_off["command"], "server": packing_off["server"],
+            "same_answers_as_packed_server": packing_off.get("reference_sha256") == report.get("reference_sha256"),
+        }
+    Path(path).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
 def start_server(args, work):
     port = args.port
     cmd = [args.bin, "serve", "--port", str(port), "--queue-depth", str(max(64, max(args.clients)))]
@@ -180,21 +203,22 @@ def start_server(args, work):
     else:
         cmd += ["--model", str(work / "model"), "--adapter", str(work / "adapter")]
     cmd += args.server_args
-    log = open(work / "server.log", "w")
+    log_path = Path(args.server_log) if args.server_log else work / "server.log"
+    log = open(log_path, "w")
     print("+", " ".join(map(str, cmd)), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     t = time.time()
     while time.time() - t < args.start_timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); see {work / 'server.log'}")
+            raise SystemExit(f"the server exited ({proc.returncode}); see {log_path}")
         try:
             if urllib.request.urlopen(url + "/healthz", timeout=5).status == 200:
                 return proc, url, cmd
         except Exception:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"the server did not become healthy in {args.start_timeout} s; see {work / 'server.log'}")
+    raise SystemExit(f"the server did not become healthy in {args.start_timeout} s; see {log_path}")
 
 
 def main():
@@ -211,11 +235,20 @@ def main():
     ap.add_argument("--tokens", type=int, default=256, help="about this many tokens per request")
     ap.add_argument("--variants", type=int, default=8)
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--server-log", help="where the started server's output goes (default: WORK/server.log)")
     ap.add_argument("--out")
     ap.add_argument("--merge-into", help="also set this JSON file's \"throughput\" (e.g. bench/results/h200.json)")
+    ap.add_argument("--merge-report", action="append", default=[],
+                    help="with --merge-into and no run: a report written by --out (a second one: packing off)")
     ap.add_argument("server_args", nargs="*", help="after --: extra `serve` flags (e.g. --device cuda --quantize fp8)")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    if args.merge_report:
+        if not args.merge_into or args.bin or args.url or len(args.merge_report) > 2:
+            ap.error("--merge-report: one or two reports, with --merge-into and without --bin/--url")
+        reports = [json.loads(Path(r).read_text()) for r in args.merge_report]
+        merge(args.merge_into, *reports)
+        return
     if bool(args.bin) == bool(args.url):
         ap.error("give exactly one of --bin and --url")
     tmp = tempfile.TemporaryDirectory()
@@ -265,6 +298,7 @@ def main():
             "duration_s": args.duration,
             "throughput": rows,
             "details": details,
+            "reference_sha256": [hashlib.sha256(r.encode()).hexdigest() for r in reference],
             "problems": problems[:50],
         }
         text = json.dumps(report, indent=2, ensure_ascii=False)
@@ -272,11 +306,7 @@ def main():
         if args.out:
             Path(args.out).write_text(text + "\n")
         if args.merge_into:
-            doc = json.loads(Path(args.merge_into).read_text())
-            doc["throughput"] = rows
-            doc["throughput_command"] = {"client": report["command"], "server": server_command,
-                                         "request": report["request"], "details": details, "date": report["date"]}
-            Path(args.merge_into).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+            merge(args.merge_into, report)
         bad = [r for r in rows if not r["identical_to_single_client"]]
         odd = [s for r in rows for s in r["statuses"] if s not in ("200", "529")]
         raise SystemExit(1 if bad or odd else 0)
