@@ -11,7 +11,7 @@ use crate::engine::Qwen35;
 use crate::image::{ImageLimits, ImageProcessorConfig};
 use crate::synth::{self, SynthDtype};
 use crate::tokenizer::QwenTokenizer;
-use crate::worker::BatchLimits;
+use crate::worker::{BatchLimits, QuestionTree};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
@@ -67,12 +67,18 @@ pub struct ModelArgs {
     /// x_, TypeSafe's confidence formulas).
     #[arg(long, value_enum, default_value_t = ContractMode::Imajev, env = "IMAJEV_CONTRACT")]
     pub contract: ContractMode,
-    /// Most suffix tokens per packed forward of question passes.
+    /// Most tokens per packed forward: a request's prefix and passes, and the trees of the
+    /// queued requests packed with it. A larger request runs alone (prefix first).
     #[arg(long, default_value_t = 8192, value_parser = at_least_one, env = "IMAJEV_BATCH_TOKENS")]
     pub batch_tokens: usize,
-    /// Most forked sequences per packed forward.
+    /// Most sequences (a request's prefix, shared question tokens and passes, over all packed
+    /// requests) per packed forward.
     #[arg(long, default_value_t = 64, value_parser = at_least_one, env = "IMAJEV_BATCH_SEQUENCES")]
     pub batch_sequences: usize,
+    /// Inside a forward, each question's tokens shared by its rotations: repeated in every pass
+    /// (one-level) or run once with the passes continuing them (two-level).
+    #[arg(long, value_enum, default_value_t = QuestionTree::OneLevel, env = "IMAJEV_QUESTION_TREE")]
+    pub question_tree: QuestionTree,
     /// Serve the built-in demo instead of a model: a tiny random-weight Qwen3.5 with the real
     /// tokenizer (the API works, the answers are meaningless).
     #[arg(long, conflicts_with_all = ["model", "adapter", "calibration"])]
@@ -93,6 +99,17 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 }
 
 impl ModelArgs {
+    /// The batching flags.
+    pub fn batch_limits(&self) -> BatchLimits {
+        BatchLimits {
+            max_tokens: self.batch_tokens,
+            max_sequences: self.batch_sequences,
+            question_tree: self.question_tree,
+            ..Default::default()
+        }
+    }
+
+    /// The serving options these flags give, with `queue_depth` requests allowed to wait.
     pub fn options(&self, queue_depth: usize) -> Result<ServeOptions> {
         Ok(ServeOptions {
             demo: self.demo,
@@ -107,11 +124,7 @@ impl ModelArgs {
             model_name: self.model_name.clone(),
             contract: self.contract,
             queue_depth,
-            batch: BatchLimits {
-                max_tokens: self.batch_tokens,
-                max_sequences: self.batch_sequences,
-                ..Default::default()
-            },
+            batch: self.batch_limits(),
         })
     }
 }
@@ -376,11 +389,7 @@ fn decide_cmd(
     let engine = app::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
-    let limits = BatchLimits {
-        max_tokens: model.batch_tokens,
-        max_sequences: model.batch_sequences,
-        ..Default::default()
-    };
+    let limits = model.batch_limits();
     let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
     // (line number, body): a .jsonl file is one request per non-blank line.
     let bodies: Vec<(usize, &str)> = if request.extension().is_some_and(|e| e == "jsonl") {

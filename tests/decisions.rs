@@ -7,8 +7,9 @@
 //! answers — and every answer field must match: strings, booleans and key order exactly, numbers
 //! within 1e-4. Rejected requests must be rejected with the same status.
 //!
-//! A second test checks that prefix sharing changes nothing: every pass run from scratch gives
-//! the same readout logits as the shared-prefix, forked, batched path.
+//! The answered cases are also answered with the two-level question tree, within the same
+//! tolerance. A second test checks that prefix sharing changes nothing: every pass run from
+//! scratch gives the same readout logits as the shared-prefix, forked, batched path.
 
 mod common;
 
@@ -20,7 +21,7 @@ use imajev_serve::decision::{Calibration, Codebook, ContractMode, Decider, Decis
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;
-use imajev_serve::worker::{BatchLimits, DecisionEngine, EngineOutput};
+use imajev_serve::worker::{BatchLimits, DecisionEngine, EngineOutput, QuestionTree};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -170,11 +171,22 @@ fn answers_match_the_python_reference() {
         for (k, v) in expected["usage"].as_object().unwrap() {
             compare(&format!("usage.{k}"), v, &got["usage"][k], &mut errors);
         }
+        // The two-level question tree (each question's shared tokens once inside the forward)
+        // answers the same within the tolerance.
+        let two_level = BatchLimits { question_tree: QuestionTree::TwoLevel, ..Default::default() };
+        match decide_case(case, &d, &ctx, |call| run_engine(engine, call, two_level)) {
+            Ok(decided) => {
+                compare("two-level answers", &expected["answers"], &decided.response["answers"], &mut errors)
+            }
+            Err(e) => errors.push(format!("two-level tree: {} {}", e.status, e.summary())),
+        }
         if !errors.is_empty() {
             failures.push(format!("{name}:\n    {}", errors.join("\n    ")));
         }
     }
-    eprintln!("{answered} answered and {rejected} rejected reference cases checked");
+    eprintln!(
+        "{answered} answered and {rejected} rejected reference cases checked (one- and two-level trees)"
+    );
     assert!(
         failures.is_empty(),
         "{} case(s) differ from the reference:\n{}",
@@ -216,7 +228,12 @@ fn prefix_sharing_equals_running_every_pass_from_scratch() {
                 .run(
                     plan,
                     &images,
-                    BatchLimits { max_tokens: 64, max_sequences: 3, min_shared_tokens: 0 },
+                    BatchLimits {
+                        max_tokens: 64,
+                        max_sequences: 3,
+                        min_shared_tokens: 0,
+                        ..Default::default()
+                    },
                     &|| Ok(()),
                 )
                 .unwrap();

@@ -170,6 +170,10 @@ fn prefix_and_forks_in_one_forward_equal_prefill_then_extend() {
     assert_eq!(h.len(), (1 + suffixes.len()) * d);
     assert!(rel_err(&h[..d], &hp) < 1e-6, "prefix row {:.2e}", rel_err(&h[..d], &hp));
     assert!(rel_err(&h[d..], &he) < 1e-6, "suffix rows {:.2e}", rel_err(&h[d..], &he));
+    // Bitwise, in fact: every row's arithmetic is the same (batch-invariant GEMMs, the same
+    // key/value parts in attention, the same delta-rule chunks).
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(same(&h[..d], &hp) && same(&h[d..], &he), "one forward vs prefill then extend: other bits");
     assert_eq!(states[0].tokens, p.tokens);
     for (i, s) in suffixes.iter().enumerate() {
         assert_eq!(states[1 + i].tokens, p.tokens + s.len());

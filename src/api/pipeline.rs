@@ -77,6 +77,14 @@ where
     );
     let plan = Arc::new(plan);
     let output = run(EngineCall { plan: plan.clone(), images: pixels }).await?;
+    tracing::debug!(
+        packed_with = output.packed_with,
+        vision_ms = output.vision_ms,
+        prefill_ms = output.prefill_ms,
+        questions_ms = output.questions_ms,
+        tokens = output.tokens,
+        "engine"
+    );
     let timings = Timings {
         vision_ms: output.vision_ms,
         prefill_ms: output.prefill_ms,

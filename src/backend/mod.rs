@@ -9,10 +9,12 @@
 //! Activations are row-major 2-D `[rows, cols]` tensors. A *packed batch* holds the rows of several
 //! sequences back to back; `segments` gives each sequence's row range, and the sequence mixers
 //! take one cache or state per segment. A sequence may continue another one of the same batch
-//! (`parents`): a shared prefix and its continuations run as one forward.
+//! (`parents`): a shared prefix and its continuations run as one forward. The mixers take such
+//! trees one level deep; [`tree`] runs two-level trees as two one-level calls.
 
 pub mod cpu;
 pub mod cuda;
+pub mod tree;
 
 use crate::weights::TensorRef;
 use anyhow::Result;

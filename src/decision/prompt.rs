@@ -190,6 +190,8 @@ pub struct Plan {
     pub prefix: Vec<u32>,
     /// One per scored question, in request order.
     pub scored: Vec<ScoredPlan>,
+    /// Tokens of the shared prefix with every image's tokens counted (what `prefix` expands to).
+    pub prefix_tokens: usize,
     /// Tokens the longest pass processes, image tokens included.
     pub max_pass_tokens: usize,
     /// Tokens the engine actually runs (prefix once, commons once, every suffix).
@@ -268,7 +270,13 @@ pub fn plan(
         let code_tokens = codebook.codes[..n].iter().map(|c| c.token_id).collect();
         scored.push(ScoredPlan { question, common, passes, code_tokens });
     }
-    Ok(Plan { prefix, scored, max_pass_tokens: max_pass, processed_tokens: processed })
+    Ok(Plan {
+        prefix,
+        scored,
+        prefix_tokens: expanded_prefix,
+        max_pass_tokens: max_pass,
+        processed_tokens: processed,
+    })
 }
 
 #[cfg(test)]

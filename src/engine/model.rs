@@ -7,9 +7,8 @@ use super::adapter::{readout_path, LoraAdapter, ReadoutFile};
 use super::config::{LayerKind, ModelConfig, TextRope};
 use super::positions::{self, SequenceLayout};
 use super::progress::LoadProgress;
-use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart,
-};
+use crate::backend::tree::{self, TreeCalls};
+use crate::backend::{AttentionDims, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
 use crate::image::PatchedImage;
 use crate::weights::{TensorRef, WeightStore};
 use anyhow::{anyhow, bail, ensure, Context, Result};
@@ -68,7 +67,8 @@ impl<B: Backend> State<B> {
 /// the image numbers in `layout.images`) and optionally the earlier sequence of the same forward
 /// that it continues (its state becomes a fork of that sequence's state after its tokens, and its
 /// layout starts at that sequence's `next_pos`): a shared prefix and the passes that extend it
-/// run as one forward, with no separate prefill.
+/// run as one forward, with no separate prefill. The parent may continue a sequence itself (two
+/// levels at most: a prefix, the tokens a question's rotations share, each rotation's own).
 pub struct Segment<'a, B: Backend> {
     pub layout: &'a SequenceLayout,
     pub images: &'a [B::Tensor],
@@ -552,7 +552,8 @@ impl<B: Backend> Qwen35<B> {
         let n = ids.len();
         let parents: Vec<Option<usize>> = segs.iter().map(|s| s.parent).collect();
         let parents: &[Option<usize>] = if parents.iter().all(Option::is_none) { &[] } else { &parents };
-        crate::backend::check_parents(parents, segs.len())?;
+        // The mixers run the tree as one call, or two when it is two levels deep (tree::TreeCalls).
+        let tree = TreeCalls::new(parents, &ranges)?;
         for (j, s) in segs.iter().enumerate() {
             if let Some(p) = s.parent {
                 ensure!(
@@ -577,10 +578,32 @@ impl<B: Backend> Qwen35<B> {
                 b.scatter_rows(&mut x, &rows, feats)?;
             }
         }
-        let (cos, sin) =
-            positions::text_rope_tables(&pos, self.rope.theta, self.rope.rotary_dim, self.rope.mrope_section);
-        let cos = b.upload(&cos, &[n, self.rope.rotary_dim])?;
-        let sin = b.upload(&sin, &[n, self.rope.rotary_dim])?;
+        // Rotary tables per mixer call, of that call's rows (built on the host and uploaded: a
+        // gather on the device could round them).
+        let rope = tree
+            .calls
+            .iter()
+            .map(|call| {
+                let pos_call: [Vec<i64>; 3];
+                let pos = if tree.is_single() {
+                    &pos
+                } else {
+                    pos_call = std::array::from_fn(|a| call.rows.iter().map(|&r| pos[a][r]).collect());
+                    &pos_call
+                };
+                let rows = pos[0].len();
+                let (cos, sin) = positions::text_rope_tables(
+                    pos,
+                    self.rope.theta,
+                    self.rope.rotary_dim,
+                    self.rope.mrope_section,
+                );
+                Ok((
+                    b.upload(&cos, &[rows, self.rope.rotary_dim])?,
+                    b.upload(&sin, &[rows, self.rope.rotary_dim])?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let last_rows: Vec<usize> = ranges.iter().map(|r| r.end - 1).collect();
         prof.mark(b, "embed");
         // Each later layer's input norm (and the final norm) is fused with the residual add of
@@ -600,15 +623,20 @@ impl<B: Backend> Qwen35<B> {
                             _ => Err(anyhow!("state layer {li} is not an attention cache")),
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    let inputs = AttentionInputs { qkv: &p, q_norm, k_norm, cos: &cos, sin: &sin };
                     prof.mark(b, "attn.proj_in");
                     // The last layer attends only the rows that are read out (every row's keys
                     // and values still enter the caches, which forks continue).
-                    let core = if last_layer {
-                        b.gated_attention_last_rows(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?
-                    } else {
-                        b.gated_attention(&inputs, &self.attn_dims, &ranges, parents, &mut caches)?
-                    };
+                    let core = tree::gated_attention(
+                        b,
+                        &tree,
+                        &p,
+                        q_norm,
+                        k_norm,
+                        &rope,
+                        &self.attn_dims,
+                        &mut caches,
+                        last_layer,
+                    )?;
                     prof.mark(b, "attn.core");
                     let y = b.matmul(&core, o)?;
                     prof.mark(b, "attn.proj_out");
@@ -627,7 +655,7 @@ impl<B: Backend> Qwen35<B> {
                     let inputs =
                         DeltaNetInputs { proj: &p, conv_weight: conv, a_log, dt_bias, norm_weight: norm };
                     prof.mark(b, "gdn.proj_in");
-                    let core = b.gated_delta_net(&inputs, d, &ranges, parents, &mut sts)?;
+                    let core = tree::gated_delta_net(b, &tree, &inputs, d, &mut sts)?;
                     prof.mark(b, "gdn.core");
                     let y = b.matmul(&core, out)?;
                     prof.mark(b, "gdn.proj_out");

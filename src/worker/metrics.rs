@@ -9,6 +9,7 @@ pub struct EngineMetrics {
     pub vision_seconds: Histogram,
     pub prefill_seconds: Histogram,
     pub questions_seconds: Histogram,
+    pub batch_requests: Histogram,
     pub passes: IntCounter,
     pub tokens: IntCounter,
     pub dropped: IntCounterVec,
@@ -31,6 +32,13 @@ impl EngineMetrics {
             vision_seconds: stage("imajev_vision_seconds", "Vision tower time per request"),
             prefill_seconds: stage("imajev_prefill_seconds", "Shared-prefix prefill time per request"),
             questions_seconds: stage("imajev_questions_seconds", "Time of all question passes of a request"),
+            batch_requests: Histogram::with_opts(
+                HistogramOpts::new(
+                    "imajev_batch_requests",
+                    "Requests answered by each engine round (one packed forward; 1 when a request runs alone)",
+                )
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+            )?,
             passes: IntCounter::new("imajev_passes_total", "Forward passes (question × rotation) run")?,
             tokens: IntCounter::new(
                 "imajev_tokens_total",
@@ -54,6 +62,7 @@ impl EngineMetrics {
         registry.register(Box::new(m.vision_seconds.clone()))?;
         registry.register(Box::new(m.prefill_seconds.clone()))?;
         registry.register(Box::new(m.questions_seconds.clone()))?;
+        registry.register(Box::new(m.batch_requests.clone()))?;
         registry.register(Box::new(m.passes.clone()))?;
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.dropped.clone()))?;

@@ -1,14 +1,23 @@
 //! The one engine thread. HTTP handlers never touch the model: they plan a request, submit it
 //! to a bounded queue and await a oneshot reply. A full queue is refused at once (529 with
 //! Retry-After); a job whose caller went away or whose deadline passed is dropped before it costs
-//! compute (and between batches while it runs); on shutdown every accepted job is finished.
-//! Jobs run one at a time, so one caller can never change another's answers.
+//! compute (and between steps while it runs); on shutdown every accepted job is finished.
+//!
+//! Each round the thread takes the oldest waiting job and, behind it in arrival order, every
+//! waiting job whose tree still fits the forward's budget (`--batch-tokens`, `--batch-sequences`),
+//! and runs them as ONE packed forward; the first job that does not fit waits and opens the next
+//! round (first in, first out: nothing overtakes it, so nothing starves; a job too large for one
+//! forward runs alone). It stays one thread on one stream. A request's tree is built from its
+//! plan alone and the backends' ops are batch-invariant, so no caller can change another's
+//! answers.
 
+pub mod limits;
 pub mod metrics;
 pub mod runner;
 
+pub use limits::{BatchLimits, QuestionTree, TreeSize};
 pub use metrics::EngineMetrics;
-pub use runner::{BatchLimits, DecisionEngine, EngineOutput, RunError, StopReason};
+pub use runner::{DecisionEngine, EngineOutput, PackedJob, RunError, StopReason};
 
 use crate::decision::Plan;
 use crate::image::PatchedImage;
@@ -99,8 +108,13 @@ pub struct WorkerHandle {
 
 impl WorkerHandle {
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        // Count before sending so the worker's decrement can never run first.
-        self.depth.fetch_add(1, Ordering::SeqCst);
+        // Count before sending so the worker's decrement can never run first. The count, not
+        // only the channel, enforces the capacity: the engine thread may hold one job it took
+        // off the channel for the next round.
+        if self.depth.fetch_add(1, Ordering::SeqCst) >= self.capacity {
+            self.depth.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Full { capacity: self.capacity, retry_after_s: self.retry_after_s() });
+        }
         match self.tx.try_send(job) {
             Ok(()) => {
                 self.metrics.queue_depth.set(self.depth.load(Ordering::SeqCst) as i64);
@@ -203,53 +217,36 @@ impl Shared {
     fn status(&self) -> EngineStatus {
         self.status.lock().map(|s| s.clone()).unwrap_or(EngineStatus::Failed("status lock poisoned".into()))
     }
-}
 
-/// The engine thread's loop: runs queued jobs one at a time, in arrival order, skipping those
-/// nobody waits for any more and refusing those past their deadline.
-fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
-    // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
-    while let Ok(job) = rx.recv() {
-        let depth = h.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
-        h.metrics.queue_depth.set(depth as i64);
-        let waited = job.enqueued.elapsed();
-        h.metrics.queue_seconds.observe(waited.as_secs_f64());
-        if let Some(why) = job.stop_reason() {
-            h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
-            match why {
-                StopReason::CallerGone => {
-                    tracing::info!(request_id = %job.id, "caller left while queued; skipped")
-                }
-                StopReason::Deadline => {
-                    let error = job.stopped(why);
-                    let _ = job.reply.send(Err(error));
-                }
+    /// A job leaves the queue for good: it is no longer counted as waiting, its wait is recorded,
+    /// and it is returned unless it is to be stopped (then it is answered or skipped here).
+    fn admit(&self, job: Job) -> Option<Job> {
+        let depth = self.depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
+        self.metrics.queue_depth.set(depth as i64);
+        self.metrics.queue_seconds.observe(job.enqueued.elapsed().as_secs_f64());
+        let Some(why) = job.stop_reason() else { return Some(job) };
+        self.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+        match why {
+            StopReason::CallerGone => {
+                tracing::info!(request_id = %job.id, "caller left while queued; skipped")
             }
-            continue;
+            StopReason::Deadline => {
+                let error = job.stopped(why);
+                let _ = job.reply.send(Err(error));
+            }
         }
-        let Some(engine) = engine.as_ref() else {
-            let status = h.status();
-            let why = match status {
-                EngineStatus::Failed(e) => e,
-                _ => "not loaded".into(),
-            };
-            let _ = job.reply.send(Err(JobError::NotLoaded(why)));
-            continue;
-        };
-        let started = Instant::now();
-        let images: Vec<&PatchedImage> = job.images.iter().collect();
-        let keep_going = || job.stop_reason().map_or(Ok(()), Err);
-        let result = engine.run(&job.plan, &images, limits, &keep_going);
-        let secs = started.elapsed().as_secs_f64();
-        let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
-        h.avg_job_ms.store((0.8 * prev + 0.2 * secs * 1000.0) as u64, Ordering::Relaxed);
+        None
+    }
+
+    /// Answers a job with the engine's result.
+    fn answer(&self, job: Job, result: Result<EngineOutput, RunError>) {
         let reply = match result {
             Ok(out) => {
-                h.metrics.record(&out);
+                self.metrics.record(&out);
                 Ok(out)
             }
             Err(RunError::Stopped(why)) => {
-                h.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+                self.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
                 Err(job.stopped(why))
             }
             Err(RunError::Engine(e)) => {
@@ -259,5 +256,278 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
         };
         let _ = job.reply.send(reply);
     }
+}
+
+/// The engine thread's loop: each round, the oldest waiting job and every job behind it that
+/// still fits one packed forward with it ([`BatchLimits::one_forward`], [`BatchLimits::admits`]),
+/// in arrival order, skipping those nobody waits for any more and refusing those past their
+/// deadline. A job that does not fit waits for the next round, which it opens.
+fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
+    let mut next: Option<Job> = None;
+    // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
+    loop {
+        let Some(first) = next.take().or_else(|| rx.recv().ok()) else { break };
+        let Some(first) = h.admit(first) else { continue };
+        let Some(engine) = engine.as_ref() else {
+            let why = match h.status() {
+                EngineStatus::Failed(e) => e,
+                _ => "not loaded".into(),
+            };
+            let _ = first.reply.send(Err(JobError::NotLoaded(why)));
+            continue;
+        };
+        let mut batch = vec![first];
+        if let Some(mut used) = limits.one_forward(&batch[0].plan) {
+            // Everything already waiting that fits, in order; the first that does not fit
+            // opens the next round.
+            while let Ok(job) = rx.try_recv() {
+                if job.stop_reason().is_some() {
+                    h.admit(job);
+                    continue;
+                }
+                match limits.one_forward(&job.plan) {
+                    Some(size) if limits.admits(used, size) => {
+                        used = used + size;
+                        batch.extend(h.admit(job));
+                    }
+                    _ => {
+                        next = Some(job);
+                        break;
+                    }
+                }
+            }
+        }
+        run_batch(engine.as_ref(), batch, h, limits);
+    }
     tracing::info!("engine thread: queue drained, stopping");
+}
+
+/// Runs one round's jobs (one packed forward, or a job alone) and answers each.
+fn run_batch(engine: &dyn DecisionEngine, batch: Vec<Job>, h: &Shared, limits: BatchLimits) {
+    let started = Instant::now();
+    let images: Vec<Vec<&PatchedImage>> = batch.iter().map(|j| j.images.iter().collect()).collect();
+    let checks: Vec<_> = batch.iter().map(|j| move || j.stop_reason().map_or(Ok(()), Err)).collect();
+    let jobs: Vec<PackedJob<'_>> = batch
+        .iter()
+        .zip(&images)
+        .zip(&checks)
+        .map(|((j, imgs), check)| PackedJob { plan: &j.plan, images: imgs, keep_going: check })
+        .collect();
+    let results = engine.run_packed(&jobs, limits);
+    let secs = started.elapsed().as_secs_f64();
+    drop(jobs);
+    drop(checks);
+    h.metrics.batch_requests.observe(batch.len() as f64);
+    if batch.len() > 1 {
+        tracing::debug!(requests = batch.len(), ms = secs * 1e3, "packed forward");
+    }
+    // Retry-After estimates from the time per request.
+    let per_job_ms = secs * 1000.0 / batch.len() as f64;
+    let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
+    h.avg_job_ms.store((0.8 * prev + 0.2 * per_job_ms) as u64, Ordering::Relaxed);
+    for (job, result) in batch.into_iter().zip(results) {
+        h.answer(job, result);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision::prompt::{PassPlan, ScoredKind, ScoredPlan, ScoredQuestion};
+    use std::sync::mpsc::{channel, Receiver as StdReceiver};
+
+    /// A plan tagged `tag` (its first prefix token) whose one-level tree is `tokens` tokens in
+    /// `1 + passes` sequences.
+    fn plan(tag: u32, tokens: usize, passes: usize) -> Plan {
+        let suffix = 2;
+        let prefix_tokens = tokens - passes * suffix;
+        let question =
+            ScoredQuestion { kind: ScoredKind::Boolean, text: "q".into(), candidates: vec![], owner: 0 };
+        Plan {
+            prefix: std::iter::once(tag).chain(std::iter::repeat_n(0, prefix_tokens - 1)).collect(),
+            scored: vec![ScoredPlan {
+                question,
+                common: vec![],
+                passes: (0..passes).map(|p| PassPlan { offset: p, suffix: vec![1; suffix] }).collect(),
+                code_tokens: vec![],
+            }],
+            prefix_tokens,
+            max_pass_tokens: prefix_tokens + suffix,
+            processed_tokens: tokens,
+        }
+    }
+
+    /// Records the tags of each call's jobs; each of the first `held` calls waits until it is
+    /// released. Each job's one logit is its tag, so every reply can be matched to its job.
+    struct Recorder {
+        calls: Arc<Mutex<Vec<Vec<u32>>>>,
+        release: Mutex<StdReceiver<()>>,
+        held: usize,
+    }
+
+    impl Recorder {
+        fn output(plan: &Plan, packed_with: usize) -> EngineOutput {
+            EngineOutput {
+                logits: vec![vec![vec![plan.prefix[0] as f32]]],
+                packed_with,
+                ..Default::default()
+            }
+        }
+        fn record(&self, tags: Vec<u32>) {
+            let hold = {
+                let mut calls = self.calls.lock().unwrap();
+                calls.push(tags);
+                calls.len() <= self.held
+            };
+            if hold {
+                self.release.lock().unwrap().recv().unwrap();
+            }
+        }
+    }
+
+    impl DecisionEngine for Recorder {
+        fn run(
+            &self,
+            plan: &Plan,
+            _: &[&PatchedImage],
+            _: BatchLimits,
+            _: &dyn Fn() -> Result<(), StopReason>,
+        ) -> Result<EngineOutput, RunError> {
+            self.record(vec![plan.prefix[0]]);
+            Ok(Recorder::output(plan, 1))
+        }
+        fn run_packed(&self, jobs: &[PackedJob<'_>], _: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
+            self.record(jobs.iter().map(|j| j.plan.prefix[0]).collect());
+            jobs.iter().map(|j| Ok(Recorder::output(j.plan, jobs.len()))).collect()
+        }
+        fn backend_name(&self) -> String {
+            "recorder".into()
+        }
+        fn readout_rows(&self) -> Option<usize> {
+            None
+        }
+    }
+
+    type Reply = oneshot::Receiver<Result<EngineOutput, JobError>>;
+
+    fn submit(w: &WorkerHandle, plan: Plan, deadline_in: Duration) -> Reply {
+        let (tx, rx) = oneshot::channel();
+        let now = Instant::now();
+        let job = Job {
+            id: format!("job {}", plan.prefix[0]),
+            plan: Arc::new(plan),
+            images: vec![],
+            deadline: now + deadline_in,
+            timeout: deadline_in,
+            enqueued: now,
+            reply: tx,
+        };
+        w.submit(job).unwrap();
+        rx
+    }
+
+    struct Fixture {
+        calls: Arc<Mutex<Vec<Vec<u32>>>>,
+        release: std::sync::mpsc::Sender<()>,
+        metrics: Arc<EngineMetrics>,
+        w: WorkerHandle,
+        join: JoinHandle<()>,
+    }
+
+    /// A worker over a [`Recorder`] holding its first `held` calls, with a 100-token,
+    /// 10-sequence budget.
+    fn fixture(capacity: usize, held: usize) -> Fixture {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let (release, gate) = channel();
+        let engine = Recorder { calls: calls.clone(), release: Mutex::new(gate), held };
+        let registry = prometheus::Registry::new();
+        let metrics = Arc::new(EngineMetrics::new(&registry).unwrap());
+        let limits = BatchLimits { max_tokens: 100, max_sequences: 10, ..Default::default() };
+        let (w, join) =
+            spawn(move || Ok(Box::new(engine) as Box<dyn DecisionEngine>), capacity, limits, metrics.clone());
+        Fixture { calls, release, metrics, w, join }
+    }
+
+    /// Waits until the engine has been called `n` times.
+    fn wait_calls(calls: &Mutex<Vec<Vec<u32>>>, n: usize) {
+        let t = Instant::now();
+        while calls.lock().unwrap().len() < n {
+            assert!(t.elapsed() < Duration::from_secs(10), "the engine never got call {n}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn waiting_jobs_are_packed_in_arrival_order_within_the_budget() {
+        let Fixture { calls, release, metrics, w, join } = fixture(16, 1);
+        let long = Duration::from_secs(60);
+        let first = submit(&w, plan(1, 10, 2), long);
+        // The engine holds the first job until released; everything below waits behind it.
+        wait_calls(&calls, 1);
+        let mut replies = vec![(1, first)];
+        replies.push((2, submit(&w, plan(2, 30, 2), long)));
+        let gone = submit(&w, plan(99, 10, 1), long); // its caller leaves: skipped, never run
+        drop(gone);
+        replies.push((3, submit(&w, plan(3, 30, 3), long)));
+        let late = submit(&w, plan(98, 10, 1), Duration::ZERO); // past its deadline: 504, never run
+        replies.push((4, submit(&w, plan(4, 30, 3), long)));
+        // 2 + 3 + 4 = 90 tokens in 3 + 4 + 4 = 11 sequences: 4 does not fit behind 2 and 3 (10
+        // sequences at most) and opens the next round; 5 fits behind it; 6 alone is over the
+        // budget and runs by itself; 7 after it.
+        replies.push((5, submit(&w, plan(5, 60, 1), long)));
+        replies.push((6, submit(&w, plan(6, 101, 1), long)));
+        replies.push((7, submit(&w, plan(7, 5, 1), long)));
+        assert_eq!(w.queue_depth(), 8);
+        release.send(()).unwrap();
+        for (tag, rx) in replies {
+            let out = rx.blocking_recv().unwrap().unwrap();
+            assert_eq!(out.logits, vec![vec![vec![tag as f32]]], "job {tag} got another job's answer");
+        }
+        assert!(matches!(late.blocking_recv().unwrap(), Err(JobError::Deadline(_))));
+        assert_eq!(*calls.lock().unwrap(), vec![vec![1], vec![2, 3], vec![4, 5], vec![6], vec![7]]);
+        assert_eq!(w.queue_depth(), 0);
+        assert_eq!(metrics.batch_requests.get_sample_count(), 5);
+        assert_eq!(metrics.batch_requests.get_sample_sum(), 7.0);
+        assert_eq!(metrics.dropped.with_label_values(&["disconnected"]).get(), 1);
+        assert_eq!(metrics.dropped.with_label_values(&["deadline"]).get(), 1);
+        drop(w);
+        join.join().unwrap();
+    }
+
+    #[test]
+    fn a_job_held_for_the_next_round_counts_against_the_queue() {
+        let Fixture { calls, release, w, join, .. } = fixture(2, 2);
+        let long = Duration::from_secs(60);
+        let mut replies = vec![(1, submit(&w, plan(1, 10, 1), long))];
+        wait_calls(&calls, 1);
+        replies.push((2, submit(&w, plan(2, 60, 1), long)));
+        replies.push((3, submit(&w, plan(3, 60, 1), long)));
+        release.send(()).unwrap();
+        // 2 runs; 3 does not fit behind it and is held for the next round, still waiting.
+        wait_calls(&calls, 2);
+        assert_eq!(w.queue_depth(), 1);
+        replies.push((4, submit(&w, plan(4, 10, 1), long)));
+        let (tx, _rx) = oneshot::channel();
+        let now = Instant::now();
+        let fifth = Job {
+            id: "job 5".into(),
+            plan: Arc::new(plan(5, 10, 1)),
+            images: vec![],
+            deadline: now + long,
+            timeout: long,
+            enqueued: now,
+            reply: tx,
+        };
+        assert!(
+            matches!(w.submit(fifth), Err(SubmitError::Full { capacity: 2, .. })),
+            "3 and 4 fill the queue"
+        );
+        release.send(()).unwrap();
+        for (tag, rx) in replies {
+            assert_eq!(rx.blocking_recv().unwrap().unwrap().logits, vec![vec![vec![tag as f32]]]);
+        }
+        assert_eq!(*calls.lock().unwrap(), vec![vec![1], vec![2], vec![3, 4]]);
+        drop(w);
+        join.join().unwrap();
+    }
 }

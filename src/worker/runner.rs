@@ -1,32 +1,22 @@
-//! Runs a decision [`Plan`] on a model: vision once per image, then — when the prefix and every
-//! (question, rotation) pass fit one packed batch — ONE forward in which every pass continues the
-//! prefix; otherwise the shared prefix prefilled once, each question's common tokens once, then
-//! every pass as forks extended in packed batches. Only the readout logits leave the engine.
+//! Runs decision [`Plan`]s on a model. A request whose tree fits one packed forward — vision once
+//! per image, then the shared prefix and every (question, rotation) pass continuing it, with
+//! [`QuestionTree::TwoLevel`] also each question's tokens shared by its rotations as a level
+//! between them — is a segment tree of ONE forward, and the trees of several requests are packed
+//! into one forward ([`DecisionEngine::run_packed`]). A request too large for that runs alone: the
+//! shared prefix prefilled once, each question's common tokens once, then every pass as forks
+//! extended in packed batches. Only the readout logits leave the engine.
+//!
+//! A request's tree is built from its plan alone and every backend op is batch-invariant, so its
+//! logits do not depend on which requests share its forward.
 
+use super::limits::{BatchLimits, QuestionTree};
 use crate::backend::Backend;
 use crate::decision::Plan;
-use crate::engine::{Qwen35, State};
+use crate::engine::positions::SequenceLayout;
+use crate::engine::{Qwen35, Segment, State};
 use crate::image::PatchedImage;
+use anyhow::{anyhow, ensure};
 use std::time::Instant;
-
-/// How passes are grouped into packed forwards.
-#[derive(Debug, Clone, Copy)]
-pub struct BatchLimits {
-    /// Most suffix tokens in one packed forward.
-    pub max_tokens: usize,
-    /// Most sequences (forks) in one packed forward.
-    pub max_sequences: usize,
-    /// Prefill each question's shared tokens once only when that saves at least this many
-    /// tokens overall; below it the extra forward (a fixed cost of launches on a GPU) costs more
-    /// than recomputing those tokens in every pass.
-    pub min_shared_tokens: usize,
-}
-
-impl Default for BatchLimits {
-    fn default() -> Self {
-        BatchLimits { max_tokens: 8192, max_sequences: 64, min_shared_tokens: 1024 }
-    }
-}
 
 /// Readout logits of every pass (`logits[scored][pass]`, per scored question of the plan) and where the time went.
 #[derive(Debug, Clone, Default)]
@@ -34,9 +24,13 @@ pub struct EngineOutput {
     pub logits: Vec<Vec<Vec<f32>>>,
     pub vision_ms: f64,
     pub prefill_ms: f64,
+    /// The passes' time; in a packed forward, that forward's (shared by its requests).
     pub questions_ms: f64,
+    /// Tokens the engine ran for this request.
     pub tokens: usize,
     pub passes: usize,
+    /// Requests in the forward that answered this one (1: it ran alone).
+    pub packed_with: usize,
 }
 
 /// Why a run stops before its end (checked between its steps).
@@ -67,6 +61,14 @@ pub enum RunError {
     Engine(#[from] anyhow::Error),
 }
 
+/// One request of a packed run.
+pub struct PackedJob<'a> {
+    pub plan: &'a Plan,
+    pub images: &'a [&'a PatchedImage],
+    /// Polled between steps; returns why to stop this request, if anything.
+    pub keep_going: &'a dyn Fn() -> Result<(), StopReason>,
+}
+
 /// What the worker needs from a loaded model, independent of its backend.
 pub trait DecisionEngine: Send {
     /// Runs a plan; `keep_going` is polled between steps and returns why to stop, if anything.
@@ -77,6 +79,12 @@ pub trait DecisionEngine: Send {
         limits: BatchLimits,
         keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError>;
+    /// Runs several requests, one result per job in order. Engines that pack (the model) run
+    /// every job whose tree fits ([`BatchLimits::one_forward`]) in one forward; the others run
+    /// alone. This default runs the jobs one after another.
+    fn run_packed(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
+        jobs.iter().map(|j| self.run(j.plan, j.images, limits, j.keep_going)).collect()
+    }
     /// Backend description for `/v1/models` and logs.
     fn backend_name(&self) -> String;
     fn readout_rows(&self) -> Option<usize>;
@@ -86,15 +94,174 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-impl<B: Backend> DecisionEngine for Qwen35<B> {
-    fn run(
+/// What a segment of a packed forward runs for its job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Part {
+    Prefix,
+    /// The shared tokens of one of the job's questions (index into [`JobLayouts::commons`]).
+    Common(usize),
+    /// One pass (index into [`JobLayouts::passes`]).
+    Pass(usize),
+}
+
+/// One segment of a packed forward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PackedSegment {
+    job: usize,
+    part: Part,
+    parent: Option<usize>,
+}
+
+impl<B: Backend> Qwen35<B> {
+    /// The layouts of one job's tree: its prefix, its questions' shared tokens (two-level trees)
+    /// and its passes, each pass with the shared tokens it continues (`None`: the prefix).
+    fn job_layouts(
+        &self,
+        plan: &Plan,
+        images: &[&PatchedImage],
+        tree: QuestionTree,
+    ) -> anyhow::Result<JobLayouts> {
+        let prefix = self.layout(&plan.prefix, images, 0)?;
+        ensure!(
+            prefix.ids.len() == plan.prefix_tokens,
+            "the prefix lays out as {} tokens, the plan counted {}",
+            prefix.ids.len(),
+            plan.prefix_tokens
+        );
+        let mut commons = Vec::new();
+        let mut passes = Vec::new();
+        for (q, sp) in plan.scored.iter().enumerate() {
+            let shared = tree == QuestionTree::TwoLevel && !sp.common.is_empty();
+            let parent = if shared {
+                commons.push(self.layout(&sp.common, &[], prefix.next_pos)?);
+                Some(commons.len() - 1)
+            } else {
+                None
+            };
+            for (p, pass) in sp.passes.iter().enumerate() {
+                let layout = match parent {
+                    Some(c) => self.layout(&pass.suffix, &[], commons[c].next_pos)?,
+                    None if sp.common.is_empty() => self.layout(&pass.suffix, &[], prefix.next_pos)?,
+                    None => {
+                        let ids = [sp.common.as_slice(), pass.suffix.as_slice()].concat();
+                        self.layout(&ids, &[], prefix.next_pos)?
+                    }
+                };
+                passes.push((q, p, parent, layout));
+            }
+        }
+        Ok(JobLayouts { prefix, commons, passes })
+    }
+
+    /// The one-forward path of [`DecisionEngine::run_packed`]: every job fits one forward.
+    fn run_one_forward(
+        &self,
+        jobs: &[PackedJob<'_>],
+        limits: BatchLimits,
+        results: &mut [Option<Result<EngineOutput, RunError>>],
+        which: &[usize],
+    ) {
+        // Vision once per image, request by request (a request's features never depend on
+        // another's), then a last look at each caller before the forward.
+        let mut live: Vec<(usize, Vec<B::Tensor>, JobLayouts, EngineOutput)> = Vec::new();
+        for &j in which {
+            let job = &jobs[j];
+            let prepared = (|| -> Result<_, RunError> {
+                (job.keep_going)().map_err(RunError::Stopped)?;
+                let t = Instant::now();
+                let feats = self.encode_images(job.images)?;
+                let out = EngineOutput { vision_ms: ms(t), ..Default::default() };
+                let layouts = self.job_layouts(job.plan, job.images, limits.question_tree)?;
+                (job.keep_going)().map_err(RunError::Stopped)?;
+                Ok((feats, layouts, out))
+            })();
+            match prepared {
+                Ok((feats, layouts, out)) => live.push((j, feats, layouts, out)),
+                Err(e) => results[j] = Some(Err(e)),
+            }
+        }
+        if live.is_empty() {
+            return;
+        }
+        let t = Instant::now();
+        let layouts: Vec<&JobLayouts> = live.iter().map(|(_, _, l, _)| l).collect();
+        let tree = packed_tree(&layouts);
+        let ran = (|| -> anyhow::Result<Vec<Vec<f32>>> {
+            let segs: Vec<Segment<B>> = tree
+                .iter()
+                .map(|s| {
+                    let (_, feats, l, _) = &live[s.job];
+                    match s.part {
+                        Part::Prefix => Segment { layout: &l.prefix, images: feats, parent: None },
+                        Part::Common(c) => Segment { layout: &l.commons[c], images: &[], parent: s.parent },
+                        Part::Pass(p) => Segment { layout: &l.passes[p].3, images: &[], parent: s.parent },
+                    }
+                })
+                .collect();
+            // Roots start from empty states; every other state is replaced by a fork of its
+            // parent's inside the forward (until then, a fork of an empty one: nothing is
+            // allocated for it).
+            let empty = self.new_state()?;
+            let mut states: Vec<State<B>> = Vec::with_capacity(segs.len());
+            for s in &segs {
+                states.push(if s.parent.is_none() { self.new_state()? } else { empty.fork() });
+            }
+            let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
+            let hidden = self.forward(&segs, &mut refs)?;
+            // Only the passes' rows are read out (not the prefixes' or the shared tokens').
+            let rows: Vec<usize> =
+                (0..tree.len()).filter(|&i| matches!(tree[i].part, Part::Pass(_))).collect();
+            let hidden = self.backend.gather_rows(&hidden, &rows)?;
+            self.readout(&hidden)
+        })();
+        let questions_ms = ms(t);
+        let logits = match ran {
+            Ok(l) => l,
+            Err(e) => {
+                for (j, ..) in &live {
+                    results[*j] = Some(Err(RunError::Engine(anyhow!("{e:#}"))));
+                }
+                return;
+            }
+        };
+        let packed_with = live.len();
+        let mut outs: Vec<EngineOutput> = live
+            .iter()
+            .map(|(j, _, l, out)| {
+                let plan = jobs[*j].plan;
+                EngineOutput {
+                    logits: plan.scored.iter().map(|sp| vec![Vec::new(); sp.passes.len()]).collect(),
+                    questions_ms,
+                    tokens: l.tokens(),
+                    passes: l.passes.len(),
+                    packed_with,
+                    ..out.clone()
+                }
+            })
+            .collect();
+        let passes = tree.iter().filter_map(|s| match s.part {
+            Part::Pass(p) => Some((s.job, p)),
+            _ => None,
+        });
+        for ((job, p), l) in passes.zip(logits) {
+            let (q, pass, ..) = layouts[job].passes[p];
+            outs[job].logits[q][pass] = l;
+        }
+        for ((j, ..), out) in live.iter().zip(outs) {
+            results[*j] = Some(Ok(out));
+        }
+    }
+
+    /// A request too large for one packed forward: the prefix prefilled once, each question's
+    /// shared tokens once when that saves enough, then every pass as forks extended in batches.
+    fn run_alone(
         &self,
         plan: &Plan,
         images: &[&PatchedImage],
         limits: BatchLimits,
         keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError> {
-        let mut out = EngineOutput::default();
+        let mut out = EngineOutput { packed_with: 1, ..Default::default() };
         let t = Instant::now();
         let feats = self.encode_images(images)?;
         out.vision_ms = ms(t);
@@ -126,35 +293,9 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             .collect();
         out.logits = plan.scored.iter().map(|sp| vec![Vec::new(); sp.passes.len()]).collect();
 
-        // When every pass fits in one packed forward together with the prefix, the prefix and
-        // the passes that continue it are that one forward (no separate prefill: one pass over
-        // the weights and one set of launches instead of two).
-        let pass_tokens: usize = suffix.iter().map(|s| s.len()).sum();
-        if !share_commons
-            && !passes.is_empty()
-            && layout.ids.len() + pass_tokens <= limits.max_tokens
-            && passes.len() < limits.max_sequences
-        {
-            let t = Instant::now();
-            let suffixes: Vec<&[u32]> = suffix.iter().map(|s| s.as_ref()).collect();
-            let (_, hidden) = self.prefill_extend(&layout, &feats, &suffixes)?;
-            // Row 0 is the prefix's last token: not a pass.
-            let logits = self.readout(&hidden)?;
-            for (&(q, p), l) in passes.iter().zip(logits.into_iter().skip(1)) {
-                out.logits[q][p] = l;
-            }
-            out.tokens += layout.ids.len() + pass_tokens;
-            out.passes = passes.len();
-            out.questions_ms = ms(t);
-            return Ok(out);
-        }
-
         let t = Instant::now();
         let mut prefix = self.new_state()?;
-        self.forward(
-            &[crate::engine::Segment { layout: &layout, images: &feats, parent: None }],
-            &mut [&mut prefix],
-        )?;
+        self.forward(&[Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut prefix])?;
         prefix.share(&self.backend)?;
         out.tokens += layout.ids.len();
         out.prefill_ms = ms(t);
@@ -204,6 +345,75 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         prof.report("question passes", out.passes);
         Ok(out)
     }
+}
+
+/// One job's layouts in a packed forward.
+struct JobLayouts {
+    prefix: SequenceLayout,
+    /// With [`QuestionTree::TwoLevel`]: the shared tokens of each question that has some.
+    commons: Vec<SequenceLayout>,
+    /// `(scored question, pass, common it continues, layout)`.
+    passes: Vec<(usize, usize, Option<usize>, SequenceLayout)>,
+}
+
+impl JobLayouts {
+    fn tokens(&self) -> usize {
+        self.prefix.ids.len()
+            + self.commons.iter().map(|l| l.ids.len()).sum::<usize>()
+            + self.passes.iter().map(|p| p.3.ids.len()).sum::<usize>()
+    }
+}
+
+/// The segments of a packed forward: every job's prefix, its questions' shared tokens and the
+/// passes that continue the prefix (job by job), then every pass that continues shared tokens —
+/// so that each mixer call of a two-level tree reads one contiguous block of rows.
+fn packed_tree(jobs: &[&JobLayouts]) -> Vec<PackedSegment> {
+    let mut first = Vec::new();
+    let mut second = Vec::new();
+    for (job, l) in jobs.iter().enumerate() {
+        let root = first.len();
+        first.push(PackedSegment { job, part: Part::Prefix, parent: None });
+        for c in 0..l.commons.len() {
+            first.push(PackedSegment { job, part: Part::Common(c), parent: Some(root) });
+        }
+        for (p, (_, _, common, _)) in l.passes.iter().enumerate() {
+            match common {
+                None => first.push(PackedSegment { job, part: Part::Pass(p), parent: Some(root) }),
+                Some(c) => {
+                    second.push(PackedSegment { job, part: Part::Pass(p), parent: Some(root + 1 + c) })
+                }
+            }
+        }
+    }
+    first.extend(second);
+    first
+}
+
+impl<B: Backend> DecisionEngine for Qwen35<B> {
+    fn run(
+        &self,
+        plan: &Plan,
+        images: &[&PatchedImage],
+        limits: BatchLimits,
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
+    ) -> Result<EngineOutput, RunError> {
+        let job = PackedJob { plan, images, keep_going };
+        self.run_packed(std::slice::from_ref(&job), limits).pop().expect("one result per job")
+    }
+
+    fn run_packed(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
+        let mut results: Vec<Option<Result<EngineOutput, RunError>>> = jobs.iter().map(|_| None).collect();
+        let (fit, alone): (Vec<usize>, Vec<usize>) =
+            (0..jobs.len()).partition(|&j| limits.one_forward(jobs[j].plan).is_some());
+        if !fit.is_empty() {
+            self.run_one_forward(jobs, limits, &mut results, &fit);
+        }
+        for j in alone {
+            let job = &jobs[j];
+            results[j] = Some(self.run_alone(job.plan, job.images, limits, job.keep_going));
+        }
+        results.into_iter().map(|r| r.expect("every job has a result")).collect()
+    }
 
     fn backend_name(&self) -> String {
         self.backend.describe()
@@ -243,8 +453,8 @@ mod tests {
     #[test]
     fn batches_respect_limits() {
         let items: Vec<usize> = vec![3, 3, 3, 10, 1, 1];
-        let b =
-            batches(&items, |&n| n, BatchLimits { max_tokens: 7, max_sequences: 2, min_shared_tokens: 0 });
+        let limits = BatchLimits { max_tokens: 7, max_sequences: 2, ..Default::default() };
+        let b = batches(&items, |&n| n, limits);
         assert_eq!(b, vec![vec![3, 3], vec![3], vec![10], vec![1, 1]]);
     }
 }

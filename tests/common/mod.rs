@@ -1,6 +1,8 @@
 //! Shared test helpers: synthetic checkpoints in temporary folders.
 #![allow(dead_code)]
 
+pub mod packing;
+
 use imajev_serve::synth::{self, SynthDtype};
 use std::path::{Path, PathBuf};
 

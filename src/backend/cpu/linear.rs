@@ -1,5 +1,14 @@
 //! Projections on the CPU: every part dequantised to f32 at load, LoRA kept unmerged, GEMMs
 //! through the `gemm` crate. CPU twin of src/backend/cuda/linear.rs.
+//!
+//! Batch invariance: a row's result must not depend on which other rows share the GEMM (requests
+//! are packed into one forward and must get the answers they get alone). The `gemm` crate (0.19)
+//! sums each output in one fixed order (one accumulator per element, K in blocks whose size
+//! depends on K and the caches only) on its main path, but takes other paths with other orders
+//! for small shapes: a dot-product kernel when rows × outputs ≤ 256, a GEMV for one row, and
+//! 512-wide K blocks when both rows and outputs are ≤ 64. [`matmul_xwt`] therefore pads the rows
+//! with zeros up to [`min_rows`], so every call with the same weight takes the same path
+//! (`rows_do_not_depend_on_the_batch` checks it).
 
 use super::CpuTensor;
 use crate::backend::LinearPart;
@@ -7,7 +16,21 @@ use crate::weights::TensorRef;
 use anyhow::{bail, ensure, Result};
 use std::ops::Range;
 
-/// `y[m, n] = x[m, k] · w[n, k]ᵀ` (+ `y` when `accumulate`), via the `gemm` crate.
+/// The fewest rows with which a GEMM of `n` outputs takes the `gemm` crate's main path: more than
+/// one row (no GEMV), more than 256 outputs in all (no dot-product kernel) and, for 64 outputs or
+/// fewer, more than 64 rows (no small-size K blocking). With at least this many rows, a row's
+/// arithmetic is the same whatever the row count.
+pub fn min_rows(n: usize) -> usize {
+    let not_dot = 256 / n.max(1) + 1;
+    if n > 64 {
+        not_dot.max(2)
+    } else {
+        not_dot.max(65)
+    }
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` (+ `y` when `accumulate`), via the `gemm` crate; each row's
+/// bits independent of `m` and of the other rows (see the module doc).
 pub fn matmul_xwt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32], accumulate: bool) {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
@@ -21,6 +44,24 @@ pub fn matmul_xwt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f
         }
         return;
     }
+    let rows = min_rows(n);
+    if m < rows {
+        // Zero rows below the real ones; their results are dropped.
+        let mut xp = vec![0f32; rows * k];
+        xp[..m * k].copy_from_slice(x);
+        let mut yp = vec![0f32; rows * n];
+        if accumulate {
+            yp[..m * n].copy_from_slice(y);
+        }
+        gemm_xwt(&xp, rows, k, w, n, &mut yp, accumulate);
+        y.copy_from_slice(&yp[..m * n]);
+        return;
+    }
+    gemm_xwt(x, m, k, w, n, y, accumulate);
+}
+
+/// [`matmul_xwt`] straight through the `gemm` crate (whose path depends on the shape).
+fn gemm_xwt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32], accumulate: bool) {
     let threads = rayon::current_num_threads();
     let par = if m * n * k >= 1 << 16 && threads > 1 {
         gemm::Parallelism::Rayon(threads)
@@ -156,4 +197,43 @@ pub(super) fn readout(h: &CpuTensor, w: &CpuTensor) -> Result<Vec<f32>> {
     let mut y = vec![0f32; m * rows];
     matmul_xwt(&h.data, m, k, &w.data, rows, &mut y, false);
     Ok(y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        // A fixed, irregular sequence (no RNG needed): rounding differs with the summation order.
+        (0..n).map(|i| ((i as f32 * 0.7548777 + seed as f32 * 0.5698403).fract() - 0.5) * 1.37).collect()
+    }
+
+    /// Every row of `matmul_xwt` has the same bits whatever the other rows are and however many
+    /// there are: the output widths of projections, LoRA A sides (rank-wide) and readouts, with
+    /// reductions shorter and longer than one of the gemm crate's K blocks.
+    #[test]
+    fn rows_do_not_depend_on_the_batch() {
+        let mut checked = 0;
+        for &n in &[1usize, 2, 3, 4, 8, 16, 64, 65, 100, 256, 700] {
+            for &k in &[1usize, 2, 3, 64, 300, 513, 1100, 2560] {
+                let w = values(n * k, 1);
+                let row = values(k, 2);
+                let mut alone = vec![0f32; n];
+                matmul_xwt(&row, 1, k, &w, n, &mut alone, false);
+                for &m in &[2usize, 3, 5, 12, 64, 65, 130, 300, 600] {
+                    // The row sits at a different place among other rows each time.
+                    let at = (m * 7 + 3) % m;
+                    let mut x = values(m * k, 3 + m as u32);
+                    x[at * k..(at + 1) * k].copy_from_slice(&row);
+                    let mut y = vec![0f32; m * n];
+                    matmul_xwt(&x, m, k, &w, n, &mut y, false);
+                    let got = &y[at * n..(at + 1) * n];
+                    let same = got.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "out {n}, k {k}: row {at} of {m} differs from the row alone");
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 11 * 8 * 9);
+    }
 }

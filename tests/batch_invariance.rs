@@ -1,0 +1,79 @@
+//! Batch invariance on the CPU: a request's logits are bit-identical whether it runs alone or
+//! packed into one forward with 1–7 other requests of different lengths (text, one and two
+//! images), with one- and two-level question trees; and a two-level tree gives the bits of the
+//! separate prefill → shared question tokens → passes path it replaces, within rounding of the
+//! one-level tree.
+
+mod common;
+
+use common::packing::{self, bits, prepare, run_packed};
+use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::engine::Qwen35;
+use imajev_serve::image::ImageProcessorConfig;
+use imajev_serve::synth::SynthDtype;
+use imajev_serve::worker::{BatchLimits, QuestionTree};
+
+/// Room for all eight requests in one forward.
+fn roomy(question_tree: QuestionTree) -> BatchLimits {
+    BatchLimits { max_tokens: 1 << 16, max_sequences: 1 << 10, question_tree, ..Default::default() }
+}
+
+#[test]
+fn packed_requests_get_the_bits_they_get_alone() {
+    let m = common::tiny(SynthDtype::Bf16, 31);
+    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let d = packing::decider(&m.model, &m.adapter, 12, 2);
+    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    assert_eq!(reqs.len(), 8);
+    // A text request (0), a one-image (5) and a two-image request (6) in turn, packed with
+    // 1..=7 others.
+    let cases: Vec<(usize, usize)> = (1..=7).map(|k| ([0, 5, 6][k % 3], k)).collect();
+    for tree in [QuestionTree::OneLevel, QuestionTree::TwoLevel] {
+        let bad = packing::packed_vs_alone(&engine, &d, &reqs, &cases, roomy(tree));
+        assert!(
+            bad.is_empty(),
+            "{tree:?}: {} of {} packings changed a request:\n{}",
+            bad.len(),
+            cases.len(),
+            bad.join("\n")
+        );
+    }
+}
+
+/// The two-level tree in one forward runs exactly the arithmetic of the path it replaces
+/// (prefix prefilled and shared, each question's shared tokens extended and shared, each pass
+/// extended from them), so the bits agree; against the one-level tree (the question's tokens
+/// inside every pass, chunked differently by the delta rule) they agree within rounding.
+#[test]
+fn two_level_trees_equal_the_separate_forwards_they_replace() {
+    let m = common::tiny(SynthDtype::Bf16, 32);
+    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let d = packing::decider(&m.model, &m.adapter, 12, 4);
+    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    let two = roomy(QuestionTree::TwoLevel);
+    let one = roomy(QuestionTree::OneLevel);
+    // Too small for one forward: prefix, then every question's shared tokens (min 0: always),
+    // then every pass, each alone.
+    let separate = BatchLimits { max_tokens: 1, max_sequences: 1, min_shared_tokens: 0, ..two };
+    let all: Vec<usize> = (0..reqs.len()).collect();
+    let packed = run_packed(&engine, &reqs, &all, two);
+    let mut shared_tokens = 0;
+    for (i, r) in reqs.iter().enumerate() {
+        let sep = run_packed(&engine, &reqs, &[i], separate).remove(0);
+        assert!(sep.prefill_ms > 0.0, "{}: the separate path ran", r.name);
+        assert_eq!(packed[i].prefill_ms, 0.0, "{}: one forward", r.name);
+        assert_eq!(bits(&packed[i]), bits(&sep), "{}: two-level tree vs separate forwards", r.name);
+        // Both ran the plan's tokens: the prefix, each question's shared tokens once, every suffix.
+        assert_eq!((packed[i].tokens, sep.tokens), (r.plan.processed_tokens, r.plan.processed_tokens));
+        let flat = run_packed(&engine, &reqs, &[i], one).remove(0);
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            packed[i].logits.iter().flatten().flatten().copied().collect(),
+            flat.logits.iter().flatten().flatten().copied().collect(),
+        );
+        let e = common::rel_err(&a, &b);
+        assert!(e < 1e-5, "{}: two-level vs one-level tree {e:.2e}", r.name);
+        assert!(flat.tokens >= packed[i].tokens);
+        shared_tokens += flat.tokens - packed[i].tokens;
+    }
+    assert!(shared_tokens > 100, "the requests share question tokens ({shared_tokens} saved)");
+}
