@@ -285,11 +285,16 @@ fn main() -> Result<()> {
     let q128 =
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
     let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;
+    let ws = CudaBackend::new(
+        0,
+        CudaOptions { attention: AttentionKernel::WarpSpecialized, ..g.options().clone() },
+    )?;
     for &m in lengths {
         b.attention(&q128, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
         if hopper {
             b.attention(&wg, "wgmma", attn, m)?;
+            b.attention(&ws, "warp-specialised", attn, m)?;
         }
     }
     for &m in lengths {
@@ -297,7 +302,13 @@ fn main() -> Result<()> {
         b.vision(&q64, "64-row tiles", m)?;
         if hopper {
             b.vision(&wg, "wgmma", m)?;
+            b.vision(&ws, "warp-specialised", m)?;
         }
+    }
+    // One 4096² photo: 65,536 patches, the vision attention of the long requests.
+    if long && hopper {
+        b.vision(&wg, "wgmma", 65_536)?;
+        b.vision(&ws, "warp-specialised", 65_536)?;
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
     let scan =

@@ -4,17 +4,19 @@
 # shapes), a per-kernel profile of the 256-token benchmark request (IMAJEV_PROFILE=kernels), and
 # our side of bench/gpu_bench.py (no peer, no fidelity) so speed can be compared with the last
 # committed run (BENCH=0 skips it, SERVICE=0 the service test); LONG=1,2 adds the long bucket (gpu_bench.py --long) and a kernel profile of its
-# longest request. Needs .gpu/ as in bench/h200_run.sh (.gpu/gpu-ops for GPU_OPS=1). Writes at
+# longest request. GPU_TEST=1 runs before the service test (FIRST: the kernel checks). Needs .gpu/ as in bench/h200_run.sh (.gpu/gpu-ops for GPU_OPS=1). Writes at
 # most 8 files under $OUT.
 set -uo pipefail
 source bench/device_env.sh
+if [ "${GPU_TEST:-0}" = 1 ]; then
+  # GPU_TEST_FILTER: a test-name filter (e.g. attention); GPU_TEST_TIMEOUT: seconds (default 420).
+  timeout "${GPU_TEST_TIMEOUT:-420}" ./.gpu/gpu-test ${GPU_TEST_FILTER:-} --nocapture --test-threads 1 \
+    >"$OUT/gpu-test.log" 2>&1
+  echo "gpu-test exit $?" | tee -a "$OUT/gpu-test.log"; grep -E "checks,|FAIL|test result" "$OUT/gpu-test.log" | head -20
+fi
 if [ -x .gpu/gpu-service ] && [ "${SERVICE:-1}" = 1 ]; then
   timeout 300 ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
   echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"
-fi
-if [ "${GPU_TEST:-0}" = 1 ]; then
-  timeout 420 ./.gpu/gpu-test --nocapture --test-threads 1 >"$OUT/gpu-test.log" 2>&1
-  echo "gpu-test exit $?" | tee -a "$OUT/gpu-test.log"; grep -E "checks,|FAIL|test result" "$OUT/gpu-test.log" | head -20
 fi
 if [ "${GPU_OPS:-0}" = 1 ]; then
   timeout 200 ./.gpu/gpu-ops --long --json "$OUT/ops.json" >"$OUT/ops.log" 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load test: 4× the queue depth of concurrent requests against a running imajev-serve.
 
-    imajev-serve serve --port 8765 --queue-depth 4 &          # the demo model is enough
+    imajev-serve serve --demo --port 8765 --queue-depth 4 &   # the demo model is enough
     python3 bench/load_test.py --url http://127.0.0.1:8765 --queue-depth 4 --out bench/results/load_test.json
 
 Phase 1 fires `4 × queue depth` requests at once (plus one more per HTTP thread, which can be in the
@@ -110,7 +110,7 @@ def main():
     passes = metric(args.url, "imajev_passes_total") - passes_before
     ok_ms = [ms for s, _, _, ms in results if s == 200]
     report = {
-        "command": f"python3 bench/load_test.py --url URL --queue-depth {args.queue_depth} (server: imajev-serve serve --queue-depth {args.queue_depth}, demo model, CPU)",
+        "command": f"python3 bench/load_test.py --url URL --queue-depth {args.queue_depth} (server: imajev-serve serve --demo --queue-depth {args.queue_depth}, CPU)",
         "date": time.strftime("%Y-%m-%d"),
         "concurrent_requests": n,
         "queue_depth": args.queue_depth,

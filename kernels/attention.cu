@@ -629,6 +629,17 @@ __device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], unsigned long lo
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (K-major descriptors);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[64], unsigned long long da, unsigned long long db,
+                                                int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 // D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (the mma.sync m16n8k16 A fragment of
 // each warp's 16 rows), B from shared memory, N-major (transposed).
 __device__ __forceinline__ void wgmma_rs_m64n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
@@ -839,6 +850,369 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     }
   }
 }
+// ---------------------------------------------------------------------------------------------
+// attn_fwd_ws_<HDP> (Hopper, sm_90a): attn_fwd_wgmma's attention, warp-specialised as
+// FlashAttention-3 does, so that loads, tensor-core MMAs and the softmax overlap instead of taking
+// turns. A block is three warpgroups over 128 query rows of one head:
+// - warpgroup 0 (the producer, 56 registers per thread after setmaxnreg) copies Q and the K and V
+//   tiles into ST-stage rings with cp.async; a stage is handed over through mbarriers: "full"
+//   when its bytes have landed (the producer waits for its own copies, makes them visible to the
+//   tensor cores' async proxy, then arrives), "empty" when both consumers' MMAs have read it. K
+//   and V have separate rings, so K of tile j+1 can load while V of tile j is still in use.
+// - warpgroups 1 and 2 (the consumers, 224 registers) own 64 query rows each. Per key tile j they
+//   issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then run the softmax of S_j while
+//   P_{j-1} V_{j-1} is still on the tensor cores (FA3's intra-warpgroup pipelining), and a pair
+//   of named barriers makes the two consumers issue their MMAs in turn, so one's softmax runs
+//   under the other's MMAs (FA3's ping-pong).
+// Tiles: HDP 64: 128 keys, 3 stages; HDP 256: 64 keys, 2 stages (Q 64 KB + rings 128 KB). Same
+// swizzled layout and descriptors as attn_fwd_wgmma. The softmax folds the scale into one FMA
+// before ex2 (p = 2^(s·scale − max·scale)); otherwise it is attn_fwd_wgmma's, per row, over key
+// tiles in order: a row's arithmetic depends only on its own query, its keys and the tile size,
+// never on the other rows of the batch. CPU twin: as attn_fwd.
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(b))
+               : "memory");
+}
+// Waits until the phase with the given parity (0, 1, 0, ...: the use count of the stage, mod 2)
+// has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_one_group() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+// Keeps the compiler from moving reads or writes of accumulator registers across this point
+// while an MMA that owns them is in flight.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Issues the copies of `rows` rows x HDP columns into a swizzled tile (issue_tile_sw's layout and
+// rows), spread over `n` threads of which this is `t`.
+template <int HDP>
+__device__ __forceinline__ void issue_tile_sw_by(unsigned char* dst, const bf16* a, int alen, const bf16* b,
+                                                 i64 stride, int j0, int valid, int hd, int rows, int t, int n) {
+  constexpr int V = HDP / 8;
+  for (int i = t; i < rows * V; i += n) {
+    const int r = i / V, c = i % V, col = c * 8, j = j0 + r;
+    const bool ok = r < valid && col < hd;
+    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + col : b + (i64)(j - alen) * stride + col;
+    unsigned char* d = dst + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    cp_async16(d, src, ok);
+  }
+}
+
+template <int HDP>
+struct WsTiles {
+  static constexpr int BQ = 128;
+  static constexpr int BK = HDP == 64 ? 128 : 64;
+  static constexpr int ST = HDP == 64 ? 3 : 2;
+  static constexpr int NS = BK / 2;   // S accumulators per thread (64 rows x BK keys per warpgroup)
+  static constexpr int NO = HDP / 2;  // O accumulators per thread
+  static constexpr int TILE = BK * HDP * 2;
+};
+
+// S = Q K^T for the warpgroup's 64 rows and BK keys.
+template <int HDP>
+__device__ __forceinline__ void ws_qk(float (&s)[WsTiles<HDP>::NS], const unsigned char* Qw, const unsigned char* Kt) {
+  constexpr int BQ = WsTiles<HDP>::BQ, BK = WsTiles<HDP>::BK;
+#pragma unroll
+  for (int ks = 0; ks < HDP / 16; ks++) {
+    const int cb = ks >> 2, off = (ks & 3) * 32;
+    const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
+    const unsigned long long db = smem_desc(Kt + cb * BK * 128 + off, 16, 1024);
+    if constexpr (BK == 128) wgmma_ss_m64n128(s, da, db, ks > 0);
+    else wgmma_ss_m64n64(s, da, db, ks > 0);
+  }
+}
+
+// O += P V for the warpgroup's 64 rows; P's k16 slices are in registers.
+template <int HDP>
+__device__ __forceinline__ void ws_pv(float (&o)[WsTiles<HDP>::NO], const unsigned (&pa)[WsTiles<HDP>::BK / 16][4],
+                                      const unsigned char* Vt) {
+  constexpr int BK = WsTiles<HDP>::BK;
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; kk++) {
+    const unsigned long long db = smem_desc(Vt + kk * 16 * 128, BK * 128, 1024);
+    if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
+    else wgmma_rs_m64n256(o, pa[kk], db);
+  }
+}
+
+template <int HDP>
+__device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,
+                            const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+  using T = WsTiles<HDP>;
+  constexpr int BQ = T::BQ, BK = T::BK, ST = T::ST, NS = T::NS, NO = T::NO;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - ((unsigned)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  unsigned char* Qs = base;                // BQ x HDP
+  unsigned char* Ks = Qs + BQ * HDP * 2;   // [ST] BK x HDP
+  unsigned char* Vs = Ks + ST * T::TILE;   // [ST] BK x HDP
+  unsigned long long* bars = (unsigned long long*)(Vs + ST * T::TILE);
+  unsigned long long* full_k = bars;
+  unsigned long long* full_v = bars + ST;
+  unsigned long long* empty_k = bars + 2 * ST;
+  unsigned long long* empty_v = bars + 3 * ST;
+
+  const int h = blockIdx.x;
+  const i64* sg = segs + SEG * blockIdx.z;
+  const i64 q_start = sg[0];
+  const int nq = (int)sg[1];
+  const int tiles = (nq + BQ - 1) / BQ;
+  const int tile = tiles - 1 - (int)blockIdx.y;
+  if (tile < 0) return;  // the whole block, before any barrier
+  const int shared_len = (int)sg[4];
+  const int kvlen = shared_len + (int)sg[7] + nq;
+  const int g = h / (heads / kvh);
+  const int qbase = tile * BQ;
+  const int offset = kvlen - nq;
+  const int qlast = min(nq, qbase + BQ) - 1;
+  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
+  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
+  // >= 1: every sequence sees at least one key. Broadcast from lane 0 (as the warpgroup index
+  // below), so the compiler knows the loops and branches around the MMAs are warp-uniform and
+  // does not serialise the wgmma.
+  const int ntiles = __shfl_sync(0xffffffffu, (klimit + BK - 1) / BK, 0);
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < ST; i++) {
+      mbar_init(full_k + i, 128);  // every producer thread arrives once its copies landed
+      mbar_init(full_v + i, 128);
+      mbar_init(empty_k + i, 8);  // one arrival per consumer warp
+      mbar_init(empty_v + i, 8);
+    }
+  }
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+
+  if (wg == 0) {
+    // ---- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    const int t = threadIdx.x;
+    const i64 kstride = (i64)kvh * hd;
+    const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
+    const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
+    const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
+    const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
+    // Groups in order: (Q, K_0), V_0, K_1, V_1, ...; each group is announced (full) once the next
+    // one has been issued, so one group is always in flight behind the one being waited for.
+    for (int j = 0; j < ntiles; j++) {
+      const int s = j % ST, use = j / ST, j0 = j * BK;
+      if (j >= ST) mbar_wait(empty_k + s, (use - 1) & 1);
+      if (j == 0)
+        issue_tile_sw_by<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0,
+                              nq - qbase, hd, BQ, t, 128);
+      issue_tile_sw_by<HDP>(Ks + s * T::TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK, t, 128);
+      cp_async_commit();
+      if (j > 0) {  // V_{j-1} has landed
+        cp_async_wait_one_group();
+        fence_proxy_async();
+        mbar_arrive(full_v + (j - 1) % ST);
+      }
+      if (j >= ST) mbar_wait(empty_v + s, (use - 1) & 1);
+      issue_tile_sw_by<HDP>(Vs + s * T::TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK, t, 128);
+      cp_async_commit();
+      cp_async_wait_one_group();  // (Q and) K_j have landed
+      fence_proxy_async();
+      mbar_arrive(full_k + s);
+    }
+    cp_async_wait_all_groups();
+    fence_proxy_async();
+    mbar_arrive(full_v + (ntiles - 1) % ST);
+    return;
+  }
+
+  // ---- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  const int cw = wg - 1;  // 0 or 1
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+  const int r0 = cw * 64 + warp * 16 + gr;
+  const int qi0 = qbase + r0, qi1 = qi0 + 8;
+  const unsigned char* Qw = Qs + cw * 64 * 128;
+  // Ping-pong: consumer cw issues its MMAs after bar.sync on barrier 1 + cw and then lets the other
+  // one go (bar.arrive on 2 - cw). Consumer 1 opens the first turn for consumer 0; it skips its
+  // last arrive, so no barrier is left half-arrived when the block ends.
+  const int my_bar = 1 + cw, other_bar = 2 - cw;
+  if (cw == 1) named_bar_arrive(other_bar, 256);
+  const int turns = ntiles + 1;
+  int turn = 0;
+  auto begin_turn = [&]() { named_bar_sync(my_bar, 256); };
+  auto end_turn = [&]() {
+    turn++;
+    if (cw == 0 || turn < turns) named_bar_arrive(other_bar, 256);
+  };
+  auto release = [&](unsigned long long* b) {
+    if (lane == 0) mbar_arrive(b);
+  };
+
+  float o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; i++) o[i] = 0.f;
+  float s[NS];
+  unsigned pa[BK / 16][4];
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+  // Softmax of S_j in place (s becomes P in f32); returns the rescale factors of O through c0/c1
+  // and updates the running max (raw units) and sums.
+  auto softmax = [&](int j, float& c0, float& c1) {
+    const bool masked = (j + 1) * BK > clean;
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int jj = 0; jj < NS / 4; jj++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float v = s[4 * jj + e];
+        if (masked) {
+          const int col = j * BK + 8 * jj + 2 * tg + (e & 1);
+          const int qi = e < 2 ? qi0 : qi1;
+          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+        }
+        s[4 * jj + e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v);
+        else mx1 = fmaxf(mx1, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
+    c0 = ex2_ftz(fmaf(m0, scale_log2, -b0));
+    c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < NS / 4; jj++) {
+      s[4 * jj + 0] = ex2_ftz(fmaf(s[4 * jj + 0], scale_log2, -b0));
+      s[4 * jj + 1] = ex2_ftz(fmaf(s[4 * jj + 1], scale_log2, -b0));
+      s[4 * jj + 2] = ex2_ftz(fmaf(s[4 * jj + 2], scale_log2, -b1));
+      s[4 * jj + 3] = ex2_ftz(fmaf(s[4 * jj + 3], scale_log2, -b1));
+      ps0 += s[4 * jj + 0] + s[4 * jj + 1];
+      ps1 += s[4 * jj + 2] + s[4 * jj + 3];
+    }
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+    l0 = l0 * c0 + ps0;
+    l1 = l1 * c1 + ps1;
+    m0 = mn0;
+    m1 = mn1;
+  };
+  auto rescale_and_pack = [&](float c0, float c1) {
+#pragma unroll
+    for (int jj = 0; jj < NO / 4; jj++) {
+      o[4 * jj + 0] *= c0;
+      o[4 * jj + 1] *= c0;
+      o[4 * jj + 2] *= c1;
+      o[4 * jj + 3] *= c1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+      pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  // Tile 0: S_0 alone.
+  mbar_wait(full_k, 0);
+  begin_turn();
+  wgmma_fence();
+  ws_qk<HDP>(s, Qw, Ks);
+  wgmma_commit();
+  end_turn();
+  wgmma_wait0();
+  fence_regs(s);
+  release(empty_k);
+  {
+    float c0, c1;
+    softmax(0, c0, c1);
+    rescale_and_pack(c0, c1);
+  }
+  for (int j = 1; j < ntiles; j++) {
+    const int sk = j % ST, sv = (j - 1) % ST;
+    mbar_wait(full_v + sv, ((j - 1) / ST) & 1);  // V_{j-1} was issued before K_j
+    mbar_wait(full_k + sk, (j / ST) & 1);
+    begin_turn();
+    fence_regs(o);
+    fence_regs(pa);
+    wgmma_fence();
+    ws_qk<HDP>(s, Qw, Ks + sk * T::TILE);
+    wgmma_commit();
+    ws_pv<HDP>(o, pa, Vs + sv * T::TILE);
+    wgmma_commit();
+    end_turn();
+    wgmma_wait1();  // S_j is ready; P_{j-1} V_{j-1} may still run
+    fence_regs(s);
+    release(empty_k + sk);
+    float c0, c1;
+    softmax(j, c0, c1);
+    wgmma_wait0();
+    fence_regs(o);
+    fence_regs(pa);
+    release(empty_v + sv);
+    rescale_and_pack(c0, c1);
+  }
+  {
+    const int sv = (ntiles - 1) % ST;
+    mbar_wait(full_v + sv, ((ntiles - 1) / ST) & 1);
+    begin_turn();
+    fence_regs(o);
+    fence_regs(pa);
+    wgmma_fence();
+    ws_pv<HDP>(o, pa, Vs + sv * T::TILE);
+    wgmma_commit();
+    end_turn();
+    wgmma_wait0();
+    fence_regs(o);
+  }
+
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int qi = hr == 0 ? qi0 : qi1;
+    const float l = hr == 0 ? l0 : l1;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int jj = 0; jj < NO / 4; jj++) {
+      const int col = 8 * jj + 2 * tg;
+      if (qi >= nq || col >= hd) continue;
+      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * jj + 2 * hr] * inv,
+                  o[4 * jj + 2 * hr + 1] * inv);
+    }
+  }
+}
 #endif  // IMAJEV_WGMMA
 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
@@ -856,3 +1230,17 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   }
 ATTN_WGMMA_ENTRY(64)
 ATTN_WGMMA_ENTRY(256)
+
+#ifdef IMAJEV_WGMMA
+#define ATTN_WS_BODY(HDP) attn_fwd_ws<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#else
+#define ATTN_WS_BODY(HDP)
+#endif
+#define ATTN_WS_ENTRY(HDP)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(384, 1) attn_fwd_ws_##HDP(                                  \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    ATTN_WS_BODY(HDP)                                                                                      \
+  }
+ATTN_WS_ENTRY(64)
+ATTN_WS_ENTRY(256)

@@ -1,4 +1,4 @@
-//! The command-line interface: `serve`, `decide`, `tokenize`, `forward`, `synth`. Flags are
+//! The command-line interface: `serve`, `decide`, `verify`, `tokenize`, `forward`, `synth`. Flags are
 //! defined and mapped to options here; the serving process itself is put together in
 //! [`crate::app`].
 //! Output contracts here are relied upon by other tools; change them only with care.
@@ -17,10 +17,13 @@ use clap::{Args, Parser, Subcommand};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+/// `--version`: the package version and the commit it was built from (build.rs).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("IMAJEV_GIT_COMMIT"), ")");
+
 #[derive(Parser, Debug)]
 #[command(
     name = "imajev-serve",
-    version,
+    version = VERSION,
     about = "Typed decisions from one prefill of Qwen3.5 + the imajev LoRA and readout"
 )]
 pub struct Cli {
@@ -32,7 +35,7 @@ pub struct Cli {
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json,
-    /// preprocessor_config.json). Without it, `serve` runs the built-in demo model.
+    /// preprocessor_config.json): the release's is Qwen3.5-4B (see `verify`).
     #[arg(long, env = "IMAJEV_MODEL")]
     pub model: Option<PathBuf>,
     /// imajev adapter folder: adapter_config.json, adapter_model.safetensors,
@@ -42,8 +45,8 @@ pub struct ModelArgs {
     /// Temperature calibration file (imajev calibration.json, schema 1.0/1.1/1.2).
     #[arg(long, env = "IMAJEV_CALIBRATION")]
     pub calibration: Option<PathBuf>,
-    /// Option orders averaged per question (imajev's released setting is 4).
-    #[arg(long, default_value_t = 4, env = "IMAJEV_ROTATIONS")]
+    /// Option orders averaged per question, at least 1 (the release's recipe is 4).
+    #[arg(long, default_value_t = 4, value_parser = at_least_one, env = "IMAJEV_ROTATIONS")]
     pub rotations: usize,
     /// Refuse requests whose longest pass exceeds this many tokens (image tokens included).
     #[arg(long, default_value_t = 65536, env = "IMAJEV_MAX_INPUT_TOKENS")]
@@ -51,11 +54,13 @@ pub struct ModelArgs {
     /// Backend: auto (CUDA when a GPU is usable, else CPU), cpu or cuda.
     #[arg(long, value_enum, default_value_t = Device::Auto, env = "IMAJEV_DEVICE")]
     pub device: Device,
-    /// GPU only: `fp8` quantises a BF16/F32 checkpoint's projections to block FP8 at load
-    /// (block-FP8 checkpoints are served as FP8 either way).
+    /// GPU only (refused with --device cpu): `fp8` quantises a BF16/F32 checkpoint's projections
+    /// to block FP8 at load, `bf16` dequantises a block-FP8 checkpoint's (block-FP8 checkpoints are
+    /// served as FP8 with `none`).
     #[arg(long, value_enum, default_value_t = Quantize::None, env = "IMAJEV_QUANTIZE")]
     pub quantize: Quantize,
-    /// Name reported as `model` in responses (default imajev-4b; imajev-demo for the demo).
+    /// Name reported as `model` in responses (default: the manifest's release name, imajev-4b;
+    /// imajev-demo for the demo).
     #[arg(long, env = "IMAJEV_MODEL_NAME")]
     pub model_name: Option<String>,
     /// Answer shape: imajev (imajev's fields and confidence) or typesafe (extra fields prefixed
@@ -63,16 +68,35 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = ContractMode::Imajev, env = "IMAJEV_CONTRACT")]
     pub contract: ContractMode,
     /// Most suffix tokens per packed forward of question passes.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 8192, value_parser = at_least_one, env = "IMAJEV_BATCH_TOKENS")]
     pub batch_tokens: usize,
     /// Most forked sequences per packed forward.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = at_least_one, env = "IMAJEV_BATCH_SEQUENCES")]
     pub batch_sequences: usize,
+    /// Serve the built-in demo instead of a model: a tiny random-weight Qwen3.5 with the real
+    /// tokenizer (the API works, the answers are meaningless).
+    #[arg(long, conflicts_with_all = ["model", "adapter", "calibration"])]
+    pub demo: bool,
+    /// The release manifest whose name, description, release date and recipe the server reports
+    /// (default: the one built in, adapter/manifest.json).
+    #[arg(long, env = "IMAJEV_MANIFEST")]
+    pub manifest: Option<PathBuf>,
+}
+
+/// A count that must be at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl ModelArgs {
-    pub fn options(&self, queue_depth: usize) -> ServeOptions {
-        ServeOptions {
+    pub fn options(&self, queue_depth: usize) -> Result<ServeOptions> {
+        Ok(ServeOptions {
+            demo: self.demo,
+            release: crate::release::cli::manifest(self.manifest.as_deref())?,
             model: self.model.clone(),
             adapter: self.adapter.clone(),
             calibration: self.calibration.clone(),
@@ -88,7 +112,7 @@ impl ModelArgs {
                 max_sequences: self.batch_sequences,
                 ..Default::default()
             },
-        }
+        })
     }
 }
 
@@ -99,8 +123,10 @@ pub enum Command {
     Serve {
         #[command(flatten)]
         model: ModelArgs,
+        /// Address to listen on (0.0.0.0: every interface).
         #[arg(long, default_value = "127.0.0.1", env = "IMAJEV_HOST")]
         host: String,
+        /// TCP port; it is bound before the model loads, so a taken port fails at once.
         #[arg(long, default_value_t = 8765, env = "IMAJEV_PORT")]
         port: u16,
         /// File with one API key per line; when given, requests need `Authorization: Bearer <key>`.
@@ -118,18 +144,20 @@ pub enum Command {
         /// Largest request body in MiB (after decompression too).
         #[arg(long, default_value_t = 128, env = "IMAJEV_MAX_BODY_MB")]
         max_body_mb: usize,
-        /// HTTP worker threads.
-        #[arg(long, env = "IMAJEV_HTTP_WORKERS")]
-        http_workers: Option<usize>,
+        /// HTTP worker threads (default: the CPU count, at most 4).
+        #[arg(long, default_value_t = crate::api::ServerConfig::default().workers, value_parser = at_least_one,
+              env = "IMAJEV_HTTP_WORKERS")]
+        http_workers: usize,
         /// Do not serve the playground page at `/` (then `/` is a 404 like any unknown path).
         #[arg(long, env = "IMAJEV_NO_PLAYGROUND")]
         no_playground: bool,
     },
-    /// Answer requests offline: one JSON request (or JSONL, one per line) → the response(s).
+    /// Answer requests offline: one JSON request (or JSONL, one per line) → one line each, the
+    /// response or the error object the HTTP API would answer; exits 1 if any request failed.
     Decide {
         #[command(flatten)]
         model: ModelArgs,
-        /// A request body (.json) or one per line (.jsonl).
+        /// A request body (.json) or one per line (.jsonl; blank lines are skipped).
         #[arg(long)]
         request: PathBuf,
         /// Where to write the response(s) (stdout if absent).
@@ -150,15 +178,23 @@ pub enum Command {
     /// parsed as special tokens). With --jsonl, each stdin line is a JSON string and each output
     /// line the array for it.
     Tokenize {
-        /// Model directory whose tokenizer.json to use (the built-in Qwen3.5 tokenizer if it has none).
+        /// Model directory whose tokenizer.json to use (without it, or if it has none: the built-in
+        /// Qwen3.5 tokenizer).
         #[arg(long)]
-        model: PathBuf,
+        model: Option<PathBuf>,
+        /// Read one JSON string per line and print one array per line.
         #[arg(long)]
         jsonl: bool,
     },
+    /// Check a downloaded release against the manifest (adapter/manifest.json) and its hash lock:
+    /// sha256 of every file, tensor names/dtypes/shapes, config.json, LoRA coverage, the codebook
+    /// against the tokenizer, calibration. Prints a table; exits 1 on any mismatch. With --pin,
+    /// writes the lock from a download you trust.
+    Verify(crate::release::cli::VerifyArgs),
     /// One prefill of a prompt (+ images) and print the final-normed hidden state of the last
     /// token, and the readout logits when an adapter is given.
     Forward {
+        /// Hugging Face model folder.
         #[arg(long)]
         model: PathBuf,
         /// Adapter folder (adapter_config.json, adapter_model.safetensors, decision_readout.safetensors).
@@ -190,10 +226,13 @@ pub enum Command {
         /// `tiny`, `qwen3.5-4b`, or a path to a config.json.
         #[arg(long)]
         config: String,
+        /// The model folder to write (created if missing).
         #[arg(long)]
         out: PathBuf,
+        /// Storage precision of the weights.
         #[arg(long, value_enum, default_value_t = SynthDtype::Bf16)]
         dtype: SynthDtype,
+        /// Random seed: the same seed writes the same bytes.
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// random (the tests' checkpoints) or trained-like (the statistics of a trained model,
@@ -208,10 +247,13 @@ pub enum Command {
         /// Also write an imajev-style adapter folder here.
         #[arg(long)]
         adapter_out: Option<PathBuf>,
+        /// LoRA rank of the adapter.
         #[arg(long, default_value_t = 64)]
         lora_rank: usize,
+        /// LoRA alpha of the adapter (scale = alpha / rank).
         #[arg(long, default_value_t = 128.0)]
         lora_alpha: f64,
+        /// Rows of the adapter's readout (option codes + unknown; at most 256 for Qwen3.5).
         #[arg(long, default_value_t = 256)]
         readout_rows: usize,
     },
@@ -245,7 +287,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }
-        Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(&model, jsonl),
+        Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(model.as_deref(), jsonl),
+        Command::Verify(args) => crate::release::cli::run(&args),
         Command::Forward { model, adapter, input, out, device, quantize, dump_layers } => forward(
             &model,
             adapter.as_deref(),
@@ -344,13 +387,14 @@ fn serve_cmd(
     request_timeout: u64,
     max_questions: usize,
     max_body_mb: usize,
-    http_workers: Option<usize>,
+    http_workers: usize,
     playground: bool,
 ) -> Result<()> {
     let api_keys = api_key_file.as_deref().map(app::read_api_keys).transpose()?.unwrap_or_default();
-    let mut http = crate::api::ServerConfig {
+    let http = crate::api::ServerConfig {
         host,
         port,
+        workers: http_workers,
         max_body_bytes: max_body_mb << 20,
         max_questions,
         api_keys,
@@ -358,12 +402,12 @@ fn serve_cmd(
         playground,
         ..Default::default()
     };
-    if let Some(w) = http_workers {
-        http.workers = w.max(1);
-    }
-    app::serve_http(&model.options(queue_depth), http)
+    app::serve_http(&model.options(queue_depth)?, http)
 }
 
+/// `decide`: every request of the file gets one output line, its response or the error object
+/// the HTTP API would answer (with `status` and the input `line` added); a failed request does
+/// not stop the others, and the command fails (exit 1) after writing them all if any failed.
 fn decide_cmd(
     model: &ModelArgs,
     request: &Path,
@@ -373,7 +417,7 @@ fn decide_cmd(
     timings_out: Option<&Path>,
 ) -> Result<()> {
     use crate::api::{decide_direct, run_engine, ParseContext, RequestBody};
-    let prepared = app::prepare(&model.options(1))?;
+    let prepared = app::prepare(&model.options(1)?)?;
     let engine = app::load_engine(model.device, model.quantize, &prepared.model_dir, &prepared.adapter_dir)?;
     let (decider, image_config) = (prepared.decider.clone(), prepared.image_config.clone());
     let ctx = ParseContext::for_decider(&decider, crate::api::parse::DEFAULT_MAX_QUESTIONS, image_config);
@@ -383,22 +427,29 @@ fn decide_cmd(
         ..Default::default()
     };
     let text = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
-    let bodies: Vec<&str> = if request.extension().is_some_and(|e| e == "jsonl") {
-        text.lines().filter(|l| !l.trim().is_empty()).collect()
+    // (line number, body): a .jsonl file is one request per non-blank line.
+    let bodies: Vec<(usize, &str)> = if request.extension().is_some_and(|e| e == "jsonl") {
+        text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()).map(|(i, l)| (i + 1, l)).collect()
     } else {
-        vec![text.as_str()]
+        vec![(1, text.as_str())]
     };
-    let mut responses = Vec::new();
+    let mut lines = Vec::new();
+    let mut failed = Vec::new();
     let mut passes_out = Vec::new();
     let mut timing_lines = Vec::new();
-    for (i, body) in bodies.iter().enumerate() {
+    for (i, (line, body)) in bodies.iter().enumerate() {
         let mut last = None;
         for run_index in 0..repeat.max(1) {
             let body = RequestBody::json(body.as_bytes().to_vec());
-            let decided = decide_direct(body, ctx.clone(), decider.clone(), |call| {
+            let decided = match decide_direct(body, ctx.clone(), decider.clone(), |call| {
                 run_engine(engine.as_ref(), call, limits)
-            })
-            .map_err(|e| anyhow::anyhow!("request {}: {} {}: {}", i + 1, e.status, e.code, e.summary()))?;
+            }) {
+                Ok(d) => d,
+                Err(e) => {
+                    last = Some(Err(e));
+                    break;
+                }
+            };
             let (plan, t) = (&decided.plan, decided.timings);
             if emit.is_some() && last.is_none() {
                 // "field" (the scored question's index) is the key the bench scripts read.
@@ -421,11 +472,20 @@ fn decide_cmd(
                 "passes": plan.pass_count(), "images": decided.request.images.len()})
                 .to_string(),
             );
-            last = Some(decided.response);
+            last = Some(Ok(decided.response));
         }
-        responses.push(last.expect("at least one run"));
+        match last.expect("at least one run") {
+            Ok(response) => lines.push(serde_json::to_string(&response)?),
+            Err(e) => {
+                let mut body = e.body();
+                body["status"] = e.status.into();
+                body["line"] = (*line).into();
+                lines.push(body.to_string());
+                failed.push(format!("line {line}: {e}"));
+            }
+        }
     }
-    let text = responses.iter().map(serde_json::to_string).collect::<Result<Vec<_>, _>>()?.join("\n") + "\n";
+    let text = lines.join("\n") + "\n";
     match out {
         Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,
         None => print!("{text}"),
@@ -437,6 +497,14 @@ fn decide_cmd(
     if let Some(p) = emit {
         let lines: Vec<String> = passes_out.iter().map(|v| v.to_string()).collect();
         std::fs::write(p, lines.join("\n") + "\n").with_context(|| format!("writing {}", p.display()))?;
+    }
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "{} of {} requests failed (their lines hold the error objects):\n  {}",
+            failed.len(),
+            bodies.len(),
+            failed.join("\n  ")
+        );
     }
     Ok(())
 }

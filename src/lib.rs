@@ -9,6 +9,7 @@ pub mod cli;
 pub mod decision;
 pub mod engine;
 pub mod image;
+pub mod release;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;

@@ -52,6 +52,10 @@ fn schemas_describe_the_contract() {
     for code in ["200", "401", "413", "415", "422", "500", "503", "504", "529"] {
         assert!(post["responses"].get(code).is_some(), "response {code}");
     }
+    for path in ["/v1/models", "/healthz", "/livez", "/metrics", "/openapi.json"] {
+        assert!(api["paths"][path]["get"]["responses"]["200"].is_object(), "GET {path}");
+    }
+    assert!(api["paths"]["/livez"]["get"]["responses"]["503"].is_object());
     // Every $ref resolves inside the document.
     fn refs(v: &Value, out: &mut Vec<String>) {
         match v {

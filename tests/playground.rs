@@ -36,7 +36,7 @@ fn get(port: u16, method: &str, path: &str) -> Option<(u16, String, Vec<u8>)> {
 fn serve(extra: &[&str]) -> (Served, u16) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_imajev-serve"))
-        .args(["serve", "--port", &port.to_string(), "--http-workers", "1"])
+        .args(["serve", "--demo", "--port", &port.to_string(), "--http-workers", "1"])
         .args(extra)
         .env_remove("IMAJEV_NO_PLAYGROUND")
         .stdout(Stdio::null())

@@ -342,6 +342,20 @@ pub struct Health {
     pub queue_capacity: u64,
 }
 
+/// `GET /livez`: liveness, apart from readiness (`/healthz`).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct Liveness {
+    /// `alive` (200: loading or serving; restarting would not help) or `failed` (503: the model
+    /// failed to load and the process is stopping).
+    pub status: String,
+    /// While alive: `loading` or `ready`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// When failed: why the model did not load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 fn root_schema<T: JsonSchema>() -> Value {
     SchemaSettings::draft2020_12().into_generator().into_root_schema_for::<T>().to_value()
 }
@@ -371,6 +385,7 @@ pub fn openapi() -> Value {
     let error = r(g.subschema_for::<ErrorBody>());
     let models = r(g.subschema_for::<ModelsResponse>());
     let health = r(g.subschema_for::<Health>());
+    let liveness = r(g.subschema_for::<Liveness>());
     let schemas = g.take_definitions(true);
     let err = |d: &str| json!({"description": d, "content": {"application/json": {"schema": error}}});
     let retry = json!({
@@ -437,6 +452,14 @@ pub fn openapi() -> Value {
                 "responses": {
                     "200": {"description": "Ready", "content": {"application/json": {"schema": health}}},
                     "503": {"description": "Loading or failed", "content": {"application/json": {"schema": health}}}
+                }
+            }},
+            "/livez": {"get": {
+                "operationId": "liveness",
+                "summary": "Liveness: the process serves or is loading the model",
+                "responses": {
+                    "200": {"description": "Alive (loading or ready)", "content": {"application/json": {"schema": liveness}}},
+                    "503": {"description": "The model failed to load; the process is stopping", "content": {"application/json": {"schema": liveness}}}
                 }
             }},
             "/metrics": {"get": {

@@ -1,4 +1,5 @@
-//! The HTTP server: routes, auth, request ids, metrics, readiness and graceful shutdown.
+//! The HTTP server: routes, auth, request ids, metrics, liveness (`/livez`) apart from readiness
+//! (`/healthz`), and graceful shutdown.
 //!
 //! `POST /v1/systemone` runs the request pipeline ([`super::pipeline`]) and never blocks an
 //! async thread: body decoding, JSON parsing, image decoding and planning run on the blocking
@@ -46,9 +47,9 @@ pub struct ServerConfig {
     pub api_keys: Vec<String>,
     /// A request's deadline, from arrival; past it the engine drops the job and the caller gets 504.
     pub request_timeout: Duration,
-    /// `GET /v1/models` → `models[].description`.
+    /// `GET /v1/models` → `models[].description` (default: the built-in release manifest's).
     pub model_description: String,
-    /// `GET /v1/models` → `models[].release_date` (YYYY-MM-DD).
+    /// `GET /v1/models` → `models[].release_date` (YYYY-MM-DD; default: the manifest's).
     pub release_date: String,
     /// `GET /v1/models` → `adapter` (e.g. the adapter folder).
     pub adapter_label: Option<String>,
@@ -66,8 +67,8 @@ impl Default for ServerConfig {
             max_questions: DEFAULT_MAX_QUESTIONS,
             api_keys: Vec::new(),
             request_timeout: Duration::from_secs(60),
-            model_description: "imajev-4b typed decisions (noul, choice, score, multi) on Qwen3.5-4B with the imajev LoRA and readout".into(),
-            release_date: "2026-09-26".into(),
+            model_description: crate::release::Manifest::builtin().release.description.clone(),
+            release_date: crate::release::Manifest::builtin().release.release_date.clone(),
             adapter_label: None,
             playground: true,
         }
@@ -424,7 +425,24 @@ async fn models(st: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     Ok(json_response(200, &body))
 }
 
-/// `GET /healthz`.
+/// `GET /livez`: 200 while the process can serve or is loading the model (restarting it would
+/// not help), 503 once the model failed to load (the process is stopping).
+async fn livez(st: web::Data<AppState>) -> HttpResponse {
+    let (code, body) = match st.shared.worker.status() {
+        EngineStatus::Failed(e) => {
+            (503, schema::Liveness { status: "failed".into(), model: None, error: Some(e) })
+        }
+        EngineStatus::Loading => {
+            (200, schema::Liveness { status: "alive".into(), model: Some("loading".into()), error: None })
+        }
+        EngineStatus::Ready { .. } => {
+            (200, schema::Liveness { status: "alive".into(), model: Some("ready".into()), error: None })
+        }
+    };
+    json_response(code, &serde_json::to_value(body).unwrap_or_default())
+}
+
+/// `GET /healthz`: readiness, 200 once the model is loaded.
 async fn healthz(st: web::Data<AppState>) -> HttpResponse {
     let w = &st.shared.worker;
     let (depth, capacity) = (w.queue_depth(), w.capacity());
@@ -461,7 +479,7 @@ async fn openapi(st: web::Data<AppState>) -> HttpResponse {
 
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
     Err(ApiError::not_found(format!(
-        "no route {} {}: the API is POST /v1/systemone, GET /v1/models, /healthz, /metrics, /openapi.json",
+        "no route {} {}: the API is POST /v1/systemone, GET /v1/models, /healthz, /livez, /metrics, /openapi.json",
         req.method(),
         req.path()
     )))
@@ -523,7 +541,8 @@ impl Observed {
         res.headers_mut().insert(HeaderName::from_static("x-request-id"), value.clone());
         res.headers_mut().insert(HeaderName::from_static("x-typesafe-request-id"), value);
         self.http_requests.with_label_values(&[self.route.as_str(), &status.to_string()]).inc();
-        let ms = self.started.elapsed().as_secs_f64() * 1e3;
+        // Milliseconds to 0.1 (the log shows 173.7, not 173.72162699999998).
+        let ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
         self.span.in_scope(|| {
             if status >= 500 {
                 tracing::warn!(status, ms, "request failed");
@@ -569,6 +588,11 @@ pub async fn run_http_server(
             .service(
                 web::resource("/healthz")
                     .route(web::get().to(healthz))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/livez")
+                    .route(web::get().to(livez))
                     .default_service(web::to(method_not_allowed)),
             )
             .service(

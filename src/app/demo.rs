@@ -1,9 +1,10 @@
-//! The demo bundle `serve` runs without `--model`: the tiny synthetic Qwen3.5 (the real
+//! The demo bundle `serve --demo` runs: the tiny synthetic Qwen3.5 (the real
 //! tokenizer, random weights) and an imajev-style adapter, written to a temporary folder, so the
 //! whole API can be tried on a fresh machine with nothing downloaded. Its answers are
 //! meaningless, and the server says so when it starts.
 
 use crate::decision::Codebook;
+use crate::release::Manifest;
 use crate::synth::{self, SynthDtype};
 use crate::tokenizer::QwenTokenizer;
 use anyhow::Result;
@@ -22,10 +23,44 @@ pub fn demo_bundle() -> Result<(tempfile::TempDir, PathBuf, PathBuf)> {
     Ok((dir, model, adapter))
 }
 
-/// Printed on stderr when the demo starts.
-pub const DEMO_NOTICE: &str = "\n\
-==============================================================================\n\
-  DEMO MODE: no --model given. Serving a tiny RANDOM-WEIGHT Qwen3.5 with the\n\
-  real tokenizer. The API is real; the ANSWERS ARE MEANINGLESS. Point --model\n\
-  at Qwen/Qwen3.5-4B and --adapter at mohit67890/imajev-4b to serve decisions.\n\
-==============================================================================";
+/// The name the demo answers under.
+pub const MODEL_NAME: &str = "imajev-demo";
+
+/// `GET /v1/models` → `models[].description` of the demo.
+pub const DESCRIPTION: &str =
+    "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless";
+
+/// Printed on stderr when the demo starts (text logs); names the release to serve instead.
+fn notice(release: &Manifest) -> String {
+    let rule = "=".repeat(78);
+    format!(
+        "\n{rule}\n  DEMO MODE (--demo): serving a tiny RANDOM-WEIGHT Qwen3.5 with the real\n  \
+         tokenizer. The API is real; the ANSWERS ARE MEANINGLESS. To serve decisions,\n  \
+         give --model ({}) and --adapter ({}) instead.\n{rule}",
+        release.base.repo, release.adapter.repo
+    )
+}
+
+/// Says loudly that the answers are meaningless: a banner on stderr, or, when the logs are JSON
+/// (`IMAJEV_LOG_FORMAT=json`), one warning line in that format so collectors can parse it.
+pub fn announce(release: &Manifest) {
+    if std::env::var("IMAJEV_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        tracing::warn!(
+            demo = true,
+            "DEMO MODE (--demo): a tiny random-weight Qwen3.5 with the real tokenizer; the answers are meaningless"
+        );
+    } else {
+        eprintln!("{}", notice(release));
+        tracing::warn!("demo mode: random weights, meaningless answers");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_banner_names_the_release_to_serve_instead() {
+        let n = super::notice(crate::release::Manifest::builtin());
+        assert!(n.contains("--model (Qwen/Qwen3.5-4B) and --adapter (mohit67890/imajev-4b)"), "{n}");
+        assert!(n.lines().all(|l| l.chars().count() <= 78), "{n}");
+    }
+}

@@ -1,10 +1,12 @@
 //! The composition root of a serving process: flags → device → engine → worker → HTTP. It
 //! resolves the model and adapter (or builds the demo), builds the decision layer from the
-//! adapter's files, starts the engine thread (which loads the weights in the background, so the
-//! HTTP side can answer `503 loading` meanwhile) and serves HTTP until SIGINT/SIGTERM.
+//! adapter's files, binds the port, starts the engine thread (which loads the weights in the
+//! background, so the HTTP side can answer `503 loading` meanwhile) and serves HTTP until
+//! SIGINT/SIGTERM — or until the model fails to load, which ends the process with the cause.
+//! The release's name, description, date and recipe come from its manifest ([`crate::release`]).
 //!
 //! * [`device`] — which backend runs the model, and loading it there;
-//! * [`demo`] — the random-weight demo bundle served without `--model`.
+//! * [`demo`] — the random-weight demo bundle served with `--demo`.
 //!
 //! The only module that knows every layer; none of them knows it.
 
@@ -13,13 +15,15 @@ pub mod device;
 
 pub use device::{cuda_backend, load_engine, Device, Quantize};
 
-use crate::api::{AppState, ServerConfig};
+use crate::api::ServerConfig;
 use crate::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use crate::engine::adapter::{readout_path, ReadoutFile};
 use crate::engine::ModelConfig;
 use crate::image::ImageProcessorConfig;
+use crate::release::cli::{download_help, is_missing, missing_release_help};
+use crate::release::Manifest;
 use crate::tokenizer::QwenTokenizer;
-use crate::worker::{self, BatchLimits, EngineMetrics, WorkerHandle};
+use crate::worker::{self, BatchLimits, EngineMetrics, EngineStatus, WorkerHandle};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -28,7 +32,10 @@ use std::thread::JoinHandle;
 /// Everything that decides which model answers and how.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    /// None: the built-in demo model.
+    /// Serve the built-in demo (then `model`, `adapter` and `calibration` are None).
+    pub demo: bool,
+    /// The release being served: its name, description, date, recipe and download commands.
+    pub release: Manifest,
     pub model: Option<PathBuf>,
     pub adapter: Option<PathBuf>,
     pub calibration: Option<PathBuf>,
@@ -104,24 +111,40 @@ pub fn start(opts: &ServeOptions) -> Result<Service> {
     })
 }
 
-/// Resolves the model and adapter (building the demo when no model is given) and builds the
-/// decision layer from the adapter's files and the tokenizer — no weights are loaded.
+/// Resolves the model and adapter (or builds the demo), checks that the flags and folders can
+/// work — each refusal says what to do — and builds the decision layer from the adapter's files
+/// and the tokenizer. No weights are loaded.
 pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
-    let (demo, model_dir, adapter_dir) = match (&opts.model, &opts.adapter) {
-        (Some(m), a) => (None, m.clone(), a.clone()),
-        (None, Some(_)) => bail!("--adapter needs --model (the base checkpoint it adapts)"),
-        (None, None) => {
+    if opts.quantize != Quantize::None && opts.device == Device::Cpu {
+        bail!(
+            "--quantize {} needs a GPU (--device cuda): the CPU backend computes in f32; drop --quantize",
+            opts.quantize.name()
+        );
+    }
+    let release = &opts.release;
+    let (demo, model_dir, adapter_dir) = match (opts.demo, &opts.model, &opts.adapter) {
+        (true, _, _) => {
             let (d, m, a) = demo::demo_bundle().context("building the demo model")?;
-            eprintln!("{}", demo::DEMO_NOTICE);
-            tracing::warn!("demo mode: random weights, meaningless answers");
-            (Some(d), m, Some(a))
+            demo::announce(release);
+            (Some(d), m, a)
+        }
+        (false, Some(m), Some(a)) => (None, m.clone(), a.clone()),
+        (false, None, Some(_)) => bail!("--adapter needs --model (the base checkpoint it adapts)"),
+        (false, Some(_), None) => {
+            bail!("--adapter is required: decisions are read by the adapter's decision_readout.safetensors")
+        }
+        (false, None, None) => {
+            bail!("no model to serve: give --model and --adapter, or --demo.\n{}", download_help(release))
         }
     };
-    let adapter_dir = adapter_dir.ok_or_else(|| {
-        anyhow::anyhow!(
-            "--adapter is required: decisions are read by the adapter's decision_readout.safetensors"
-        )
-    })?;
+    if demo.is_none() {
+        for (what, dir) in [("base model", &model_dir), ("adapter", &adapter_dir)] {
+            if is_missing(dir) {
+                bail!("{}", missing_release_help(release, what, dir));
+            }
+        }
+        check_weight_files(&model_dir, &adapter_dir)?;
+    }
     if !model_dir.join("config.json").exists() {
         bail!("{} has no config.json; --model must be a Hugging Face model folder", model_dir.display());
     }
@@ -136,9 +159,9 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
     let calibration = opts.calibration.as_deref().map(Calibration::load).transpose()?;
     let model_name = opts.model_name.clone().unwrap_or_else(|| {
         if demo.is_some() {
-            "imajev-demo".into()
+            demo::MODEL_NAME.into()
         } else {
-            "imajev-4b".into()
+            release.release.name.clone()
         }
     });
     let settings = DecisionSettings {
@@ -176,37 +199,128 @@ pub fn prepare(opts: &ServeOptions) -> Result<Prepared> {
     })
 }
 
-/// Serves HTTP with `http`'s settings and the model `opts` names until SIGINT or SIGTERM: starts
-/// the engine thread (the model loads in the background), binds `http.host:http.port`, and
-/// returns once every accepted request is answered and the engine thread has stopped.
+/// A model folder must hold its weights (one `*.safetensors` or an index of shards) and the
+/// adapter folder its LoRA, checked here so that an incomplete download fails before the port is
+/// served rather than when the engine gets to it.
+fn check_weight_files(model: &Path, adapter: &Path) -> Result<()> {
+    let has_weights = std::fs::read_dir(model)
+        .with_context(|| format!("reading {}", model.display()))?
+        .filter_map(|e| e.ok())
+        .any(|e| e.file_name().to_string_lossy().ends_with(".safetensors"));
+    if !has_weights {
+        bail!(
+            "{} holds no model.safetensors (nor shards): the download is incomplete; fetch it again, then \
+             check it with `imajev-serve verify`",
+            model.display()
+        );
+    }
+    let lora = adapter.join("adapter_model.safetensors");
+    if !lora.is_file() {
+        bail!(
+            "{} is missing: the adapter download is incomplete; check it with `imajev-serve verify`",
+            lora.display()
+        );
+    }
+    Ok(())
+}
+
+/// Serves HTTP with `http`'s settings and the model `opts` names until SIGINT or SIGTERM. The
+/// port is bound first (a taken port fails before anything loads), then the engine thread starts
+/// and the model loads in the background while `/livez` answers 200 and `/healthz` 503. A model
+/// that fails to load stops the server and returns the cause. Returns once every accepted request
+/// is answered and the engine thread has stopped.
 pub fn serve_http(opts: &ServeOptions, mut http: ServerConfig) -> Result<()> {
+    let listener = std::net::TcpListener::bind((http.host.as_str(), http.port)).with_context(|| {
+        format!(
+            "binding {}:{} (is another server on that port? choose another with --port)",
+            http.host, http.port
+        )
+    })?;
+    let addr = listener.local_addr()?;
     let service = start(opts)?;
     http.adapter_label = service.info.adapter.clone();
     if service.info.demo {
-        http.model_description =
-            "Demo: a tiny random-weight Qwen3.5 with the real tokenizer; answers are meaningless".into();
+        http.model_description = demo::DESCRIPTION.into();
+    } else {
+        http.model_description = opts.release.release.description.clone();
+        http.release_date = opts.release.release.release_date.clone();
+        warn_off_recipe(opts);
     }
     tracing::info!(
-        model = %service.info.model, adapter = ?service.info.adapter, rotations = service.info.rotations,
-        contract = ?service.info.contract, readout_codes = service.info.readout_codes,
-        "serving on http://{}:{} (the model loads in the background)", http.host, http.port
+        model = %service.info.model,
+        adapter = %service.info.adapter.as_deref().unwrap_or("none"),
+        rotations = service.info.rotations,
+        contract = %opts.contract.name(),
+        readout_codes = service.info.readout_codes,
+        "listening on http://{addr} (the model loads in the background)"
     );
     // The demo's files stay until the engine thread has stopped.
     let Service { decider, worker, engine_thread, image_config, registry, demo: _demo_files, .. } = service;
+    let watched = worker.clone();
     let app = crate::api::build_app_state(&http, worker, registry, image_config)?;
     app.set_decider(decider);
-    let result = actix_web::rt::System::new().block_on(run_http_until_signal(http, app));
+    let load_failure = Arc::new(std::sync::Mutex::new(None::<String>));
+    let stop = stop_on_signal_or_load_failure(watched, load_failure.clone());
+    let result =
+        actix_web::rt::System::new().block_on(crate::api::run_http_server(listener, http, app, stop));
     // Every worker handle is gone once the server returns: the engine thread drains and stops.
     let _ = engine_thread.join();
-    result
+    result?;
+    let cause = load_failure.lock().unwrap_or_else(|e| e.into_inner()).take();
+    match cause {
+        Some(cause) => bail!("the model failed to load, so the server stopped: {cause}"),
+        None => Ok(()),
+    }
 }
 
-/// Binds `cfg.host:cfg.port` and serves until SIGINT/SIGTERM; returns once accepted requests
-/// have finished. Must run inside an actix system.
-async fn run_http_until_signal(cfg: ServerConfig, app: AppState) -> Result<()> {
-    let listener = std::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
-        .with_context(|| format!("binding {}:{}", cfg.host, cfg.port))?;
-    crate::api::run_http_server(listener, cfg, app, shutdown_signal()).await
+/// Resolves on SIGINT/SIGTERM, or when the engine reports that the model failed to load (then
+/// the cause is left in `failure`).
+async fn stop_on_signal_or_load_failure(
+    worker: WorkerHandle,
+    failure: Arc<std::sync::Mutex<Option<String>>>,
+) {
+    let load_failed = async move {
+        loop {
+            match worker.status() {
+                EngineStatus::Failed(cause) => return cause,
+                EngineStatus::Ready { .. } => return std::future::pending().await,
+                EngineStatus::Loading => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+            }
+        }
+    };
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        cause = load_failed => {
+            tracing::info!("the model failed to load; stopping the server");
+            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
+        }
+    }
+}
+
+/// Logs each flag that differs from the release's recipe (the manifest's `recipe`): serving
+/// another way is allowed, but its answers are not the released ones.
+fn warn_off_recipe(opts: &ServeOptions) {
+    let r = &opts.release.recipe;
+    let calibration =
+        opts.calibration.as_deref().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned());
+    let differences: Vec<String> = [
+        ("--rotations", opts.rotations.to_string(), r.rotations.to_string()),
+        ("--quantize", opts.quantize.name().to_string(), r.quantize.clone()),
+        ("--contract", opts.contract.name().to_string(), r.contract.clone()),
+        ("--device", opts.device.name().to_string(), r.device.clone()),
+        ("--calibration", calibration.unwrap_or_else(|| "none".into()), r.calibration.clone()),
+    ]
+    .into_iter()
+    .filter(|(_, got, want)| got != want)
+    .map(|(flag, got, want)| format!("{flag} {got} (the release: {want})"))
+    .collect();
+    if !differences.is_empty() {
+        tracing::warn!(
+            "serving {} off its released recipe: {}",
+            opts.release.release.name,
+            differences.join(", ")
+        );
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -16,6 +16,16 @@ pub enum ContractMode {
     Typesafe,
 }
 
+impl ContractMode {
+    /// The flag value (`imajev`, `typesafe`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ContractMode::Imajev => "imajev",
+            ContractMode::Typesafe => "typesafe",
+        }
+    }
+}
+
 /// One question of a request, in the model's words (instructions and descriptions flattened).
 #[derive(Debug, Clone, PartialEq)]
 pub enum QuestionKind {

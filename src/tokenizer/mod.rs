@@ -240,8 +240,11 @@ impl QwenTokenizer {
 /// newline. With `jsonl`, every stdin line must be a JSON string and each
 /// output line is the array of ids for it. Uses `DIR/tokenizer.json`, or the
 /// builtin tokenizer (with a warning) when there is none.
-pub fn run_tokenize_cli(model_dir: &Path, jsonl: bool) -> Result<()> {
-    let tok = QwenTokenizer::from_model_dir(model_dir)?;
+pub fn run_tokenize_cli(model_dir: Option<&Path>, jsonl: bool) -> Result<()> {
+    let tok = match model_dir {
+        Some(dir) => QwenTokenizer::from_model_dir(dir)?,
+        None => QwenTokenizer::builtin()?,
+    };
     let stdin = std::io::stdin();
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());

@@ -172,7 +172,9 @@ where
                 Ok(e) => {
                     let backend = e.backend_name();
                     let load_seconds = started.elapsed().as_secs_f64();
-                    tracing::info!(%backend, load_seconds, "model loaded");
+                    // Seconds to 0.01 in the log; the status keeps the exact value.
+                    let seconds = (load_seconds * 100.0).round() / 100.0;
+                    tracing::info!(%backend, load_seconds = seconds, "model loaded");
                     h.metrics.loaded.set(1);
                     *h.status.lock().unwrap() = EngineStatus::Ready { backend, load_seconds };
                     Some(e)

@@ -66,39 +66,47 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     Ok(())
 }
 
-/// The attention cases of Qwen3.5-4B shapes and the vision tower on the warpgroup-MMA kernel
-/// (also the default on Hopper, so `cases` runs it as well; this keeps its checks together).
-pub fn wgmma_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+/// The attention cases of Qwen3.5-4B shapes and the vision tower on a Hopper kernel (`Wgmma`, the
+/// default on Hopper, so `cases` runs it as well, or `WarpSpecialized`; this keeps their checks
+/// together). Lengths cross the key tiles (64 and 128) and the ring stages (2 and 3) of both.
+pub fn hopper_cases(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    kernel: AttentionKernel,
+) -> Result<()> {
+    let label = match kernel {
+        AttentionKernel::WarpSpecialized => "4B ws",
+        _ => "4B wgmma",
+    };
     if g.info().compute_capability != (9, 0) {
-        rep.flag("attn", "wgmma attention: not a Hopper GPU, never launched, not checked", true, "");
+        rep.flag(
+            "attn",
+            format!("{label} attention: not a Hopper GPU, never launched, not checked"),
+            true,
+            "",
+        );
         return Ok(());
     }
-    let w = variant(g, |o| o.attention = AttentionKernel::Wgmma)?;
+    let w = variant(g, |o| o.attention = kernel)?;
     let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
-    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[70, 1, 133], &[5, 64, 1]], &[])?;
+    attention_case(&w, c, rep, rng, label, d4b, &[&[70, 1, 133], &[5, 64, 1]], &[])?;
+    attention_case(&w, c, rep, rng, label, d4b, &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]], &[])?;
     attention_case(
         &w,
         c,
         rep,
         rng,
-        "4B wgmma",
-        d4b,
-        &[&[1, 63, 64, 65, 127, 4097], &[3, 70, 1, 128, 2, 5]],
-        &[],
-    )?;
-    attention_case(
-        &w,
-        c,
-        rep,
-        rng,
-        "4B wgmma",
+        label,
         d4b,
         &[&[100, 37, 1, 64, 70], &[3, 1, 5, 2, 9]],
         &[None, Some(0), Some(0), None, Some(3)],
     )?;
-    attention_case(&w, c, rep, rng, "4B wgmma", d4b, &[&[16384], &[73]], &[])?;
+    attention_case(&w, c, rep, rng, label, d4b, &[&[16384], &[73]], &[])?;
     vision_case(&w, c, rep, rng, 16, 64, &[100, 64, 256])?;
     vision_case(&w, c, rep, rng, 16, 64, &[1, 127, 4097])?;
+    vision_case(&w, c, rep, rng, 16, 64, &[128, 129, 385, 640, 1000])?;
     Ok(())
 }
 

@@ -26,6 +26,7 @@ mod harness;
 mod norm;
 
 use harness::{gpu, Report};
+use imajev_serve::backend::cuda::AttentionKernel;
 use imajev_serve::synth::rng::SplitMix;
 
 #[test]
@@ -70,8 +71,21 @@ fn attention_matches_cpu() {
 fn wgmma_attention_matches_cpu() {
     let Some(d) = gpu("attention (wgmma)") else { return };
     let (mut rep, mut rng) = (Report::default(), SplitMix::new(12));
-    rep.guard("attn", "attention (wgmma)", |rep| attention::wgmma_cases(&d.g, &d.c, rep, &mut rng));
+    rep.guard("attn", "attention (wgmma)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::Wgmma)
+    });
     rep.finish("attention (wgmma)");
+}
+
+/// The warp-specialised warpgroup-MMA attention (Hopper only; elsewhere it is never launched).
+#[test]
+fn warp_specialised_attention_matches_cpu() {
+    let Some(d) = gpu("attention (ws)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(13));
+    rep.guard("attn", "attention (ws)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::WarpSpecialized)
+    });
+    rep.finish("attention (ws)");
 }
 
 #[test]

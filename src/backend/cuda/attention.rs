@@ -25,6 +25,9 @@ pub enum AttentionKernel {
     Auto,
     /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
     Wgmma,
+    /// `attn_fwd_ws`: warpgroup MMAs, warp-specialised (a producer warpgroup, two consumers that
+    /// overlap the softmax with the MMAs) where the GPU and head dim allow it.
+    WarpSpecialized,
     /// `attn_fwd_q128` (mma.sync, 128 query rows per block).
     Rows128,
     /// `attn_fwd` (mma.sync, 64 query rows per block): the first kernel, kept as a reference.
@@ -32,11 +35,12 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// From `IMAJEV_ATTENTION` (`auto`, `wgmma`, `q128`, `q64`).
+    /// From `IMAJEV_ATTENTION` (`auto`, `ws`, `wgmma`, `q128`, `q64`).
     pub fn parse(v: &str) -> Option<Self> {
         Some(match v {
             "auto" => AttentionKernel::Auto,
             "wgmma" => AttentionKernel::Wgmma,
+            "ws" => AttentionKernel::WarpSpecialized,
             "q128" => AttentionKernel::Rows128,
             "q64" => AttentionKernel::Rows64,
             _ => return None,
@@ -199,10 +203,11 @@ impl CudaBackend {
             let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
-            let wgmma = matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma)
-                && self.state.info.compute_capability == (9, 0)
-                && matches!(hdp, 64 | 256);
-            if wgmma {
+            let hopper = self.state.info.compute_capability == (9, 0) && matches!(hdp, 64 | 256);
+            if hopper && kernel == AttentionKernel::WarpSpecialized {
+                let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp));
+                self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
+            } else if hopper && matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma) {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_{hdp}"), cfg, &args(tp))?;
             } else {

@@ -86,6 +86,8 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("attn_fwd_q128_256", layout::attention_q128_smem_bytes(256)),
             k_smem("attn_fwd_wgmma_64", layout::attention_wgmma_smem_bytes(64)),
             k_smem("attn_fwd_wgmma_256", layout::attention_wgmma_smem_bytes(256)),
+            k_smem("attn_fwd_ws_64", layout::attention_ws_smem_bytes(64)),
+            k_smem("attn_fwd_ws_256", layout::attention_ws_smem_bytes(256)),
             k("attn_split_combine_64"),
             k("attn_split_combine_128"),
             k("attn_split_combine_256"),

@@ -170,6 +170,24 @@ pub const fn attention_wgmma_smem_bytes(hdp: usize) -> usize {
     1024 + (128 + 4 * 64) * hdp * 2
 }
 
+/// Key tile and ring stages of `attn_fwd_ws_<hdp>` (`WsTiles` in kernels/attention.cu): 128 keys
+/// and 3 stages at head dim 64, 64 keys and 2 stages at 256.
+pub const fn attention_ws_tiles(hdp: usize) -> (usize, usize) {
+    if hdp == 64 {
+        (128, 3)
+    } else {
+        (64, 2)
+    }
+}
+
+/// Dynamic shared memory of `attn_fwd_ws_<hdp>` (head dims 64 and 256): 1024 bytes of slack to
+/// align the swizzled tiles, a Q tile of 128 rows, the K and V rings, and four mbarriers (full and
+/// empty, K and V) per stage.
+pub const fn attention_ws_smem_bytes(hdp: usize) -> usize {
+    let (bk, stages) = attention_ws_tiles(hdp);
+    1024 + (128 + 2 * stages * bk) * hdp * 2 + 4 * stages * 8
+}
+
 /// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows (`MT` = 1 in kernels/attention.cu).
 pub const fn attention_q128_threads(_hdp: usize) -> u32 {
     256
@@ -315,6 +333,9 @@ mod tests {
         assert!(attention_q128_serves(256) && attention_q128_serves(64) && attention_q128_serves(120));
         assert_eq!(attention_wgmma_smem_bytes(256), 197_632);
         assert!(attention_wgmma_smem_bytes(256) + 1024 <= 228 * 1024);
+        assert_eq!(attention_ws_smem_bytes(64), 115_808);
+        assert_eq!(attention_ws_smem_bytes(256), 197_696);
+        assert!(attention_ws_smem_bytes(256) + 1024 <= 228 * 1024);
         assert_eq!(attention_key_ranges(73, 16_457), 5);
         assert_eq!(attention_key_ranges(73, 4096), 1);
         assert_eq!(attention_key_ranges(129, 50_000), 1);

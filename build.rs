@@ -1,0 +1,38 @@
+//! Sets `IMAJEV_GIT_COMMIT` for `--version` and the build-info metric: the short commit of the
+//! source tree, `$IMAJEV_GIT_COMMIT` when the builder passes one (a Docker build has no `.git`),
+//! or `unknown` when neither git nor a repository is there.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn git(args: &[&str]) -> Option<String> {
+    let out = Command::new("git").args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let s = String::from_utf8(out.stdout).ok()?.trim().to_string();
+    (!s.is_empty()).then_some(s)
+}
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=IMAJEV_GIT_COMMIT");
+    let given =
+        std::env::var("IMAJEV_GIT_COMMIT").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    let commit = given.or_else(|| {
+        let sha = git(&["rev-parse", "--short=12", "HEAD"])?;
+        // Rebuild when HEAD moves: HEAD itself, the branch it points to, and packed refs. Only
+        // existing files are named (cargo re-runs on every build for a path that does not exist).
+        let mut watch = vec!["HEAD".to_string(), "packed-refs".to_string()];
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            watch.push(branch);
+        }
+        for w in watch {
+            if let Some(p) = git(&["rev-parse", "--git-path", &w]).map(PathBuf::from).filter(|p| p.exists()) {
+                println!("cargo:rerun-if-changed={}", p.display());
+            }
+        }
+        Some(sha)
+    });
+    println!("cargo:rustc-env=IMAJEV_GIT_COMMIT={}", commit.as_deref().unwrap_or("unknown"));
+}
