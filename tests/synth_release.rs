@@ -180,6 +180,7 @@ fn the_release_layouts_load_and_forward_as_the_flat_layout() {
     // FP8's rounding (E4M3 has 3 mantissa bits: ≤ 6.25% per weight, far less on average), not
     // by a misread scale (a transposed or missing scale grid moves it by O(1)).
     let (eh, el) = (rel_err(&h_rel8, &h_rel), rel_err(&l_rel8, &l_rel));
+    eprintln!("FP8 pack vs BF16: hidden {eh:.3e}, readout {el:.3e} (bound 0.08)");
     assert!(eh < 0.08 && el < 0.08, "FP8 pack vs BF16: hidden {eh:.3e}, readout {el:.3e}");
     assert!(eh > 0.0, "the FP8 pack is quantised");
 }
