@@ -220,10 +220,10 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         dump_layers: Option<PathBuf>,
     },
-    /// Write a random-weight Qwen3.5 checkpoint (and adapter) in the real layouts,
-    /// deterministic in the seed; transformers and PEFT load it unchanged.
+    /// Write a synthetic Qwen3.5 checkpoint (and adapter) in the real layouts, random or
+    /// trained-like, deterministic in the seed; transformers and PEFT load it unchanged.
     Synth {
-        /// `tiny`, `qwen3.5-4b`, or a path to a config.json.
+        /// `tiny`, `mid`, `qwen3.5-4b`, or a path to a config.json.
         #[arg(long)]
         config: String,
         /// The model folder to write (created if missing).
@@ -240,8 +240,8 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t = synth::Profile::Random)]
         profile: synth::Profile,
         /// flat (one model.safetensors) or release (the published Qwen3.5-4B's file set: shards
-        /// + index, mtp.* tensors, generation_config.json, the release's config keys; with
-        /// `--dtype fp8`, Qwen's block-FP8 pack).
+        /// and their index, mtp.* tensors, generation_config.json, the release's config keys;
+        /// with `--dtype fp8`, Qwen's block-FP8 pack).
         #[arg(long, value_enum, default_value_t = synth::Layout::Flat)]
         layout: synth::Layout,
         /// Also write an imajev-style adapter folder here.

@@ -92,8 +92,9 @@ pub const NORM_LOG_STD: f32 = 0.2;
 pub const DT_RANGE: (f32, f32) = (1e-3, 1e-1);
 /// ‖B·A·α/r‖_F / ‖W‖_F of the trained-like LoRA.
 pub const LORA_RATIO: f32 = 0.11;
-/// Logit gain of the readout along the recalled code (calibrated so the combined decisions of
-/// the `mid` preset have a median top probability near 0.8; `tests/synth_profile.rs`).
+/// Logit gain of the readout along the recalled code (meant to give the combined decisions of
+/// the `mid` preset a median top probability near 0.8; no test checks the decisions, and 24
+/// `choice` questions of 3–6 options on `mid`, seed 3, measured a median of 0.48).
 pub const READOUT_GAIN: f32 = 14.0;
 /// Codes bound by the decision circuit (`A`…`Z`, `AA`…`AF`: questions have at most 32 options).
 pub const CIRCUIT_CODES: usize = 32;
@@ -302,7 +303,7 @@ impl DecisionCircuit {
         let x_last = &xs[k + 1];
         let last_sq: f32 = x_last.iter().map(|v| v * v).sum();
 
-        let mut rng = SplitMix::new(seed ^ 0x4349_5243_5549_54);
+        let mut rng = SplitMix::new(seed ^ 0x0043_4952_4355_4954);
         let pm = |rng: &mut SplitMix| if rng.next_u64() & 1 == 0 { 1.0f32 } else { -1.0 };
         // Value targets: P[p] = ±a per channel for code p, +a for ':'.
         let mut targets: Vec<Vec<f64>> =
