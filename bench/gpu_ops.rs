@@ -2,7 +2,9 @@
 //! asserted; correctness is `tests/gpu/`). Compare kernels here, in isolation, before whole
 //! requests (`bench/gpu_bench.py`).
 //!
-//! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]`
+//! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
+//! [--only gemm,norm,attention,vision,deltanet] [--lengths 16384]` (`--only`: those groups;
+//! `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g. under a profiler)
 //!
 //! * FP8 and BF16 GEMMs of the three large projection shapes at M = 2048;
 //! * RMSNorm with and without the fused FP8 quantisation;
@@ -272,14 +274,43 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
+    const GROUPS: [&str; 5] = ["gemm", "norm", "attention", "vision", "deltanet"];
+    let only: Option<Vec<String>> = args.iter().position(|a| a == "--only").map(|i| match args.get(i + 1) {
+        Some(v) => v.split(',').map(str::to_string).collect(),
+        None => Vec::new(),
+    });
+    if let Some(o) = &only {
+        if o.is_empty() || o.iter().any(|x| !GROUPS.contains(&x.as_str())) {
+            anyhow::bail!("--only takes a comma-separated list of {}", GROUPS.join(","));
+        }
+    }
+    let run = |group: &str| only.as_ref().is_none_or(|o| o.iter().any(|x| x == group));
     let g = CudaBackend::new(0, CudaOptions::default()).context("this benchmark needs a CUDA GPU")?;
     println!("{}", g.describe());
     let t = synth::preset("qwen3.5-4b")?.text_config;
     let (attn, delta) = (t.attention_dims()?, t.deltanet_dims());
     let mut b = Bench { g: &g, rng: SplitMix::new(99), out: Vec::new() };
-    b.gemms()?;
-    b.norms()?;
-    let lengths: &[usize] = if long { &[2048, 4096, 16384] } else { &[2048] };
+    if run("gemm") {
+        b.gemms()?;
+    }
+    if run("norm") {
+        b.norms()?;
+    }
+    let lengths_arg: Option<Vec<usize>> = match args.iter().position(|a| a == "--lengths") {
+        Some(i) => Some(
+            args.get(i + 1)
+                .map(|v| v.split(',').map(str::parse).collect::<Result<Vec<usize>, _>>())
+                .transpose()?
+                .filter(|l| !l.is_empty())
+                .context("--lengths takes a comma-separated list of token counts, e.g. 16384")?,
+        ),
+        None => None,
+    };
+    let lengths: &[usize] = match &lengths_arg {
+        Some(l) => l,
+        None if long => &[2048, 4096, 16384],
+        None => &[2048],
+    };
     let q64 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows64, ..g.options().clone() })?;
     let hopper = g.info().compute_capability == (9, 0);
     let q128 =
@@ -289,7 +320,7 @@ fn main() -> Result<()> {
         0,
         CudaOptions { attention: AttentionKernel::WarpSpecialized, ..g.options().clone() },
     )?;
-    for &m in lengths {
+    for &m in lengths.iter().filter(|_| run("attention")) {
         b.attention(&q128, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
         if hopper {
@@ -297,7 +328,7 @@ fn main() -> Result<()> {
             b.attention(&ws, "warp-specialised", attn, m)?;
         }
     }
-    for &m in lengths {
+    for &m in lengths.iter().filter(|_| run("vision")) {
         b.vision(&q128, "128-row tiles", m)?;
         b.vision(&q64, "64-row tiles", m)?;
         if hopper {
@@ -306,20 +337,34 @@ fn main() -> Result<()> {
         }
     }
     // One 4096² photo: 65,536 patches, the vision attention of the long requests.
-    if long && hopper {
+    if long && hopper && run("vision") {
         b.vision(&wg, "wgmma", 65_536)?;
         b.vision(&ws, "warp-specialised", 65_536)?;
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
-    let scan =
-        |gdn_scan| CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, ..g.options().clone() });
-    let (plain, piped) = (scan(GdnScan::Plain)?, scan(GdnScan::Pipelined)?);
+    let scan = |gdn_scan, gdn_tf32| {
+        CudaBackend::new(0, CudaOptions { gdn_ffma: false, gdn_scan, gdn_tf32, ..g.options().clone() })
+    };
+    let (plain, piped) = (scan(GdnScan::Plain, false)?, scan(GdnScan::Pipelined, false)?);
     if plain.options().gdn_ffma {
         println!("IMAJEV_GDN_FFMA=1 is set: both DeltaNet rows below are the FMA scan");
     }
     let scans = [("plain tc scan", &plain), ("pipelined tc scan", &piped)];
-    for &m in lengths {
+    // The one-TF32-MMA products (`gdn_tf32`), each beside its 3xTF32 twin (the ratio line).
+    let (plain1, piped1) = (scan(GdnScan::Plain, true)?, scan(GdnScan::Pipelined, true)?);
+    // The split delta rule (`GdnScan::Split`), each beside the pipelined scan of its precision.
+    let (split3, split1) = (scan(GdnScan::Split, false)?, scan(GdnScan::Split, true)?);
+    let tf32 = [
+        [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
+        [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
+        [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
+        [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
+    ];
+    for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;
+        for pair in &tf32 {
+            b.deltanet(pair, delta, m, m == 2048)?;
+        }
     }
     println!(
         "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",

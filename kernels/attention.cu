@@ -878,6 +878,11 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(b))
                : "memory");
 }
+// Arrives on the barrier once every cp.async this thread issued so far has landed, without waiting
+// for them (.noinc: the arrival is one of the counted ones, the barrier's count is not raised).
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned long long* b) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
 // Waits until the phase with the given parity (0, 1, 0, ...: the use count of the stage, mod 2)
 // has completed.
 __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
@@ -1023,8 +1028,11 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
     const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
     const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
-    // Groups in order: (Q, K_0), V_0, K_1, V_1, ...; each group is announced (full) once the next
-    // one has been issued, so one group is always in flight behind the one being waited for.
+    // K_j (with Q at j = 0) and V_j in order; each stage's full barrier is arrived on by the copies
+    // themselves when they land (cp.async.mbarrier.arrive), so the producer never waits for its own
+    // copies, only for a stage to be released: it runs ST tiles ahead of the consumers for K and V
+    // independently. (Its first version waited for each group one behind and announced K_j only
+    // after issuing V_j, which sat behind the release of V_{j-ST}: measured slower than attn_fwd_wgmma.)
     for (int j = 0; j < ntiles; j++) {
       const int s = j % ST, use = j / ST, j0 = j * BK;
       if (j >= ST) mbar_wait(empty_k + s, (use - 1) & 1);
@@ -1032,22 +1040,14 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
         issue_tile_sw_by<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0,
                               nq - qbase, hd, BQ, t, 128);
       issue_tile_sw_by<HDP>(Ks + s * T::TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK, t, 128);
-      cp_async_commit();
-      if (j > 0) {  // V_{j-1} has landed
-        cp_async_wait_one_group();
-        fence_proxy_async();
-        mbar_arrive(full_v + (j - 1) % ST);
-      }
+      mbar_arrive_on_copies(full_k + s);
       if (j >= ST) mbar_wait(empty_v + s, (use - 1) & 1);
       issue_tile_sw_by<HDP>(Vs + s * T::TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK, t, 128);
-      cp_async_commit();
-      cp_async_wait_one_group();  // (Q and) K_j have landed
-      fence_proxy_async();
-      mbar_arrive(full_k + s);
+      mbar_arrive_on_copies(full_v + s);
     }
-    cp_async_wait_all_groups();
-    fence_proxy_async();
-    mbar_arrive(full_v + (ntiles - 1) % ST);
+    // A thread may not exit with copies in flight into shared memory that others read (wait_all
+    // also covers copies not committed to a group).
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
 
@@ -1146,8 +1146,12 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     }
   };
 
+  // The copies were made by the producer's generic-proxy cp.async and are read by the tensor cores
+  // through the async proxy: after observing a full barrier, each consumer thread fences the
+  // proxies before its MMAs read the stage.
   // Tile 0: S_0 alone.
   mbar_wait(full_k, 0);
+  fence_proxy_async();
   begin_turn();
   wgmma_fence();
   ws_qk<HDP>(s, Qw, Ks);
@@ -1165,6 +1169,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     const int sk = j % ST, sv = (j - 1) % ST;
     mbar_wait(full_v + sv, ((j - 1) / ST) & 1);  // V_{j-1} was issued before K_j
     mbar_wait(full_k + sk, (j / ST) & 1);
+    fence_proxy_async();
     begin_turn();
     fence_regs(o);
     fence_regs(pa);
@@ -1188,6 +1193,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   {
     const int sv = (ntiles - 1) % ST;
     mbar_wait(full_v + sv, ((ntiles - 1) / ST) & 1);
+    fence_proxy_async();
     begin_turn();
     fence_regs(o);
     fence_regs(pa);

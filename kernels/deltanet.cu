@@ -571,6 +571,8 @@ SCAN_ENTRY(128)
 //   k S (warps 0-3, 16 rows each) and q S (warps 4-7), both 64 x 32 over DK;
 //   Vn = T R (warps 0-3), O = e^gamma q S + P Vn (warps 4-7), both over j < 16*(warp%4)+16;
 //   S <- e^{gamma_last} S + (fac k)^T Vn (warp w: state rows 16w.., over the chunk's real rows).
+// gdn_chunk_scan_tf32_<DK> (and _tf32_pipelined_<DK> below): the same kernels with each product as
+// ONE TF32 MMA (mma_p<1>), to measure how much of the per-chunk latency is the 3xTF32 chain.
 // m16n8k8 TF32 fragments (gr = lane/4, tg = lane%4): A a0 (gr,tg) a1 (gr+8,tg) a2 (gr,tg+4)
 // a3 (gr+8,tg+4); B b0 (tg,gr) b1 (tg+4,gr); C c0 (gr,2tg) c1 (gr,2tg+1) c2 (gr+8,2tg) c3 (gr+8,2tg+1).
 
@@ -610,6 +612,15 @@ __device__ __forceinline__ void mma3(float* d, const TfA& a, const TfB& b) {
   mma_tf32_1688(d, a.hi, b.lo);
   mma_tf32_1688(d, a.hi, b.hi);
 }
+// One product on tensor cores at the scan's precision: P = 3 is 3xTF32 (f32-level), P = 1 one TF32
+// MMA on the rounded operands (10-bit mantissas, as cuBLAS's TF32 mode; the lo halves computed by
+// split_a/split_b are then dead code). The accumulator is f32 either way.
+template <int P>
+__device__ __forceinline__ void mma_p(float* d, const TfA& a, const TfB& b) {
+  static_assert(P == 1 || P == 3, "P: 1 (TF32) or 3 (3xTF32)");
+  if constexpr (P == 1) mma_tf32_1688(d, a.hi, b.hi);
+  else mma3(d, a, b);
+}
 // A (16 x 8 at rows m0, cols k0) of A[m][k] = X[k*ld + m] (X stored transposed).
 __device__ __forceinline__ TfA frag_at(const float* X, int ld, int m0, int k0, int gr, int tg) {
   return split_a(X[(k0 + tg) * ld + m0 + gr], X[(k0 + tg) * ld + m0 + gr + 8], X[(k0 + tg + 4) * ld + m0 + gr],
@@ -622,14 +633,14 @@ __device__ __forceinline__ TfB frag_b(const float* X, int ld, int k0, int n0, in
 
 // acc[nt] += A . B over k in [0, kend): A is 16 rows m0.. of X stored transposed (X[k*LDX + m]), B
 // the 32 columns of Y[k*LDY + n] (four 8-column tiles).
-template <int LDX, int LDY>
+template <int LDX, int LDY, int P>
 __device__ __forceinline__ void mma_rows(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend, int gr,
                                          int tg) {
 #pragma unroll 2
   for (int k0 = 0; k0 < kend; k0 += 8) {
     const TfA a = frag_at(X, LDX, m0, k0, gr, tg);
 #pragma unroll
-    for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
+    for (int nt = 0; nt < 4; nt++) mma_p<P>(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
   }
 }
 // Stores the 16 x 32 accumulator tile at rows r0.. of Y (row stride LDY).
@@ -643,7 +654,7 @@ __device__ __forceinline__ void store_rows(float* Y, const float (&acc)[4][4], i
   }
 }
 
-template <int DK>
+template <int DK, int P>
 __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                               const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
   extern __shared__ __align__(16) float smem_tc[];
@@ -677,7 +688,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
     float acc[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (m0 < len) mma_rows<LD, LS>(acc, kwarp ? Kt : Qt, S, m0, DK, gr, tg);
+    if (m0 < len) mma_rows<LD, LS, P>(acc, kwarp ? Kt : Qt, S, m0, DK, gr, tg);
     __syncthreads();  // q is no longer needed: its staging now takes T and P
     const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
     for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += blockDim.x) {
@@ -708,13 +719,13 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
       float vacc[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
-      if (m0 < len) mma_rows<LD, LS>(vacc, Tt, R, m0, m0 + 16, gr, tg);
+      if (m0 < len) mma_rows<LD, LS, P>(vacc, Tt, R, m0, m0 + 16, gr, tg);
       store_rows<LS>(Vn, vacc, m0, gr, tg);
     }
     __syncthreads();
     // O = e^gamma q S + P Vn (warps 4-7), rows below len written out.
     if (!kwarp && m0 < len) {
-      mma_rows<LD, LS>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
+      mma_rows<LD, LS, P>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
 #pragma unroll
       for (int nt = 0; nt < 4; nt++)
 #pragma unroll
@@ -742,7 +753,7 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
         const TfA a = split_a(f0 * Kt[(d0 + gr) * LD + k0 + tg], f0 * Kt[(d0 + gr + 8) * LD + k0 + tg],
                               f1 * Kt[(d0 + gr) * LD + k0 + tg + 4], f1 * Kt[(d0 + gr + 8) * LD + k0 + tg + 4]);
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++) mma3(sacc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
+        for (int nt = 0; nt < 4; nt++) mma_p<P>(sacc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
       }
       store_rows<LS>(S, sacc, d0, gr, tg);
     }
@@ -754,7 +765,12 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
   extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tc_##DK(                                \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
-    chunk_scan_tc<DK>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                              \
+    chunk_scan_tc<DK, 3>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                           \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_tf32_##DK(                              \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan_tc<DK, 1>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                           \
   }
 SCAN_TC_ENTRY(16)
 SCAN_TC_ENTRY(32)
@@ -805,14 +821,14 @@ __device__ __forceinline__ TfA frag_a(const float* X, int ld, int m0, int k0, in
 }
 
 // mma_rows with A stored row-major (X[m*LDX + k]): the same mma3 sequence on the same values.
-template <int LDX, int LDY>
+template <int LDX, int LDY, int P>
 __device__ __forceinline__ void mma_rows_rm(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend,
                                             int gr, int tg) {
 #pragma unroll 2
   for (int k0 = 0; k0 < kend; k0 += 8) {
     const TfA a = frag_a(X, LDX, m0, k0, gr, tg);
 #pragma unroll
-    for (int nt = 0; nt < 4; nt++) mma3(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
+    for (int nt = 0; nt < 4; nt++) mma_p<P>(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
   }
 }
 
@@ -881,7 +897,7 @@ __device__ __forceinline__ void chunk_gates_warp(float* G, float g0, float g1, f
   G[2 * CHUNK + lane + 32] = b1;
 }
 
-template <int DK>
+template <int DK, int P>
 __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const float* v, const float* beta,
                                         const float* g, const float* tp, const int* chunks, const i64* segs, int kh,
                                         int vh, int dv, float* out) {
@@ -966,7 +982,7 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
     float acc[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (m0 < len) mma_rows_rm<LQ, LS>(acc, kwarp ? K : Q, S, m0, DK, gr, tg);
+    if (m0 < len) mma_rows_rm<LQ, LS, P>(acc, kwarp ? K : Q, S, m0, DK, gr, tg);
     if (kwarp) {
       // R_i = beta_i (v_i - e^{gamma_i} (k S)_i) on this thread's fragment elements.
 #pragma unroll
@@ -989,7 +1005,7 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
       float vacc[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
-      if (m0 < len) mma_rows<LT, LS>(vacc, Tt, R, m0, m0 + 16, gr, tg);
+      if (m0 < len) mma_rows<LT, LS, P>(vacc, Tt, R, m0, m0 + 16, gr, tg);
       store_rows<LS>(Vn, vacc, m0, gr, tg);
     } else if (warp == 4 && has_next) {
       chunk_gates_warp(gates + (b ^ 1) * GB, g0, g1, b0, b1, lane);
@@ -1001,7 +1017,7 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
     if (!kwarp) {
       // O = e^gamma q S + P Vn (warps 4-7), rows below len written out.
       if (m0 < len) {
-        mma_rows<LT, LS>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
+        mma_rows<LT, LS, P>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
 #pragma unroll
         for (int nt = 0; nt < 4; nt++)
 #pragma unroll
@@ -1042,7 +1058,7 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
             const TfA a = split_a(f0 * K[(k0 + tg) * LQ + d0 + gr], f0 * K[(k0 + tg) * LQ + d0 + gr + 8],
                                   f1 * K[(k0 + tg + 4) * LQ + d0 + gr], f1 * K[(k0 + tg + 4) * LQ + d0 + gr + 8]);
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) mma3(sacc[t][nt], a, bv[nt]);
+            for (int nt = 0; nt < 4; nt++) mma_p<P>(sacc[t][nt], a, bv[nt]);
           }
         }
 #pragma unroll
@@ -1064,7 +1080,12 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
   extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan_tc_pipelined_##DK(                   \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
-    chunk_scan_tc_pipelined<DK>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                    \
+    chunk_scan_tc_pipelined<DK, 3>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                 \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan_tf32_pipelined_##DK(                 \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan_tc_pipelined<DK, 1>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                 \
   }
 SCAN_TCP_ENTRY(16)
 SCAN_TCP_ENTRY(32)

@@ -11,9 +11,16 @@ CCCL=${CCCL:-$CU/include/cccl}
 out=$(mktemp -d)
 cd "$(dirname "$0")/.."
 names=("$@")
+# A file kernels/<base>_<part>.cu continues kernels/<base>.cu (src/backend/cuda/launch.rs compiles
+# them as one source): it is appended to its base, never compiled alone.
+is_part() { local b=${1%_*}; [ "$b" != "$1" ] && [ -f "kernels/$b.cu" ]; }
 [ ${#names[@]} -eq 0 ] && names=($(ls kernels/*.cu | xargs -n1 basename | sed 's/\.cu$//'))
 for n in "${names[@]}"; do
-  { cat kernels/common.cuh; echo "#line 1 \"kernels/$n.cu\""; cat "kernels/$n.cu"; } >"$out/$n.cu"
+  is_part "$n" && continue
+  {
+    cat kernels/common.cuh; echo "#line 1 \"kernels/$n.cu\""; cat "kernels/$n.cu"
+    for p in kernels/"$n"_*.cu; do [ -f "$p" ] && { echo "#line 1 \"$p\""; cat "$p"; }; done
+  } >"$out/$n.cu"
   echo "== $n"
   "$CU/bin/nvcc" -arch=sm_90a -cubin -std=c++17 -I"$CU/include" -I"$CCCL" -Xptxas -v -o "$out/$n.cubin" "$out/$n.cu" 2>&1 \
     | grep -E "error|warning|Compiling entry|registers|spill" | sed -E 's/ptxas info *: //' | paste - - - 2>/dev/null || true

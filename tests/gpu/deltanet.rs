@@ -7,7 +7,7 @@
 use super::harness::{bit_diff, cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::backend::cuda::deltanet::{scan_kernel, PIPELINED_MIN_CHUNKS};
+use imajev_serve::backend::cuda::deltanet::{scan_kernel, split_kernels, PIPELINED_MIN_CHUNKS};
 use imajev_serve::backend::cuda::{CudaBackend, CudaTensor, GdnScan};
 use imajev_serve::backend::{Backend, DeltaNetDims, DeltaNetInputs};
 use imajev_serve::synth::memory::MemoryTensor;
@@ -87,6 +87,100 @@ pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
         &[],
     )?;
     batch_invariance_across_scans(g, rep, rng)
+}
+
+/// The one-TF32-MMA scans (`gdn_tf32`, opt-in): plain and pipelined against the CPU twin (final
+/// states within 4e-3 instead of 3xTF32's 1e-3: operands rounded to 10-bit mantissas) at the
+/// lengths where the pipeline changes shape and in a tree, and bitwise against each other.
+pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let tf32 = |scan| {
+        variant(g, |o| {
+            o.gdn_ffma = false;
+            o.gdn_tf32 = true;
+            o.gdn_scan = scan;
+        })
+    };
+    let (piped, plain) = (tf32(GdnScan::Pipelined)?, tf32(GdnScan::Plain)?);
+    if piped.options().gdn_ffma {
+        rep.flag("gdn", "TF32 scans", false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
+        return Ok(());
+    }
+    let twin = Some(("plain TF32 scan", &plain));
+    let d4b = DELTANET_4B;
+    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
+    delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined TF32 scan", d4b, lens, &[])?;
+    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+    delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined TF32 scan", d4b, lens, &tree)?;
+    let alt = DELTANET_SMALL_VALUE_DIM;
+    delta_case_vs(
+        &plain,
+        None,
+        c,
+        rep,
+        rng,
+        "alt, plain TF32 scan",
+        alt,
+        &[&[100, 5, 700], &[1, 70, 64]],
+        &[],
+    )
+}
+
+/// The split delta rule (`GdnScan::Split`, kernels/deltanet_split.cu), with 3xTF32 and with TF32
+/// products: against the CPU twin at the lengths where chunks and buffers change shape, in a tree
+/// (children start from their parents' new states), at a small value dim; and a sequence's bits
+/// alone and beside a 16,384-token one.
+pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    for tf32 in [false, true] {
+        let be = variant(g, |o| {
+            o.gdn_ffma = false;
+            o.gdn_tf32 = tf32;
+            o.gdn_scan = GdnScan::Split;
+        })?;
+        let dims = DELTANET_4B;
+        if split_kernels(be.options(), dims.key_dim, dims.value_dim).is_none() {
+            rep.flag("gdn", "split delta rule", false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
+            return Ok(());
+        }
+        let tag = if tf32 { "split TF32" } else { "split 3xTF32" };
+        let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
+        delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &[])?;
+        let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+        let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+        delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &tree)?;
+        let alt = DELTANET_SMALL_VALUE_DIM;
+        delta_case(&be, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5, 700], &[1, 70, 64]], &[])?;
+        alone_and_beside(&be, rep, rng, tag)?;
+    }
+    Ok(())
+}
+
+/// A 447-token sequence continued from a state alone, and beside a 16,384-token one: its output
+/// rows and final state must agree bit for bit.
+fn alone_and_beside(be: &CudaBackend, rep: &mut Report, rng: &mut SplitMix, tag: &str) -> Result<()> {
+    let dims = DELTANET_4B;
+    let (short, long) = (447usize, 16384usize);
+    let wts = DeltaWeights::random(rng, dims);
+    let pw = dims.proj_width();
+    let mut base = vec![be.new_delta_state(&dims)?];
+    wts.run(be, &rng.bf16_normals(100 * pw, 1.0), dims, &tiling(&[100]), &[], &mut base)?;
+    let xs = rng.bf16_normals(short * pw, 1.0);
+    let xl = rng.bf16_normals(long * pw, 1.0);
+    let mut s_alone = vec![base[0].clone()];
+    let o_alone = be.download(&wts.run(be, &xs, dims, &tiling(&[short]), &[], &mut s_alone)?)?;
+    let mut s_beside = vec![be.new_delta_state(&dims)?, base[0].clone()];
+    let both = [xl.as_slice(), xs.as_slice()].concat();
+    let o_beside = be.download(&wts.run(be, &both, dims, &tiling(&[long, short]), &[], &mut s_beside)?)?;
+    let w = dims.value_heads * dims.value_dim;
+    let diff = bit_diff(&o_alone, &o_beside[long * w..])
+        + bit_diff(&s_alone[0].recurrent()?, &s_beside[1].recurrent()?);
+    rep.check(
+        "gdn",
+        format!("{tag}: {short} tokens alone vs beside {long}: output and state values whose bits differ"),
+        diff as f64,
+        0.0,
+    );
+    Ok(())
 }
 
 /// Under `GdnScan::ByLength` a sequence of `PIPELINED_MIN_CHUNKS − 1` chunks runs the plain scan
@@ -261,11 +355,13 @@ pub fn delta_case_vs(
         for (a, b) in gs.iter().zip(&cs) {
             worst = worst.max(rel(&a.recurrent()?, b.recurrent()));
         }
+        // 3xTF32 and FMA scans keep f32-level products; one TF32 MMA rounds operands to 10 bits.
+        let state_tol = if g.options().gdn_tf32 && !g.options().gdn_ffma { 4e-3 } else { 1e-3 };
         rep.check(
             "gdn",
             format!("gated_delta_net {name} call {ci}: final recurrent states (f32)"),
             worst,
-            1e-3,
+            state_tol,
         );
         if let Some((tname, t)) = twin {
             let ot = t.download(&wts.run(t, &proj, dims, &segs, parents, &mut ts)?)?;

@@ -96,6 +96,24 @@ fn deltanet_matches_cpu_with_both_scans() {
     rep.finish("deltanet");
 }
 
+/// The one-TF32-MMA chunk scans (opt-in `gdn_tf32`).
+#[test]
+fn tf32_deltanet_scans_match_cpu() {
+    let Some(d) = gpu("deltanet (TF32)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(15));
+    rep.guard("gdn", "deltanet (TF32)", |rep| deltanet::tf32_cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("deltanet (TF32)");
+}
+
+/// The split delta rule (opt-in `GdnScan::Split`), 3xTF32 and TF32.
+#[test]
+fn split_deltanet_matches_cpu() {
+    let Some(d) = gpu("deltanet (split)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(16));
+    rep.guard("gdn", "deltanet (split)", |rep| deltanet::split_cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("deltanet (split)");
+}
+
 #[test]
 fn engine_matches_cpu_and_goldens() {
     let Some(d) = gpu("engine") else { return };

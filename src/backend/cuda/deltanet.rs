@@ -1,7 +1,9 @@
 //! Gated DeltaNet: causal conv + SiLU, β/g gates and L2-normed q/k (`gdn_conv`), the chunked
 //! gated delta rule (`gdn_chunk_prep_<dk>`, then a chunk scan walking each sequence's chunks from
 //! its state: `gdn_chunk_scan_tc_pipelined_<dk>` for launches with a long sequence,
-//! `gdn_chunk_scan_tc_<dk>` otherwise, `gdn_chunk_scan_<dk>` with `gdn_ffma`), and the gated
+//! `gdn_chunk_scan_tc_<dk>` otherwise, their one-TF32-MMA twins `gdn_chunk_scan_tf32[_pipelined]_<dk>`
+//! with `gdn_tf32`, `gdn_chunk_scan_<dk>` with `gdn_ffma`; or, opt-in, the split path of
+//! kernels/deltanet_split.cu: [`GdnScan::Split`]), and the gated
 //! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
 //! copy-on-write ([`CudaDeltaState`]).
 
@@ -29,6 +31,12 @@ pub enum GdnScan {
     Pipelined,
     /// Always `gdn_chunk_scan_tc_<dk>`.
     Plain,
+    /// The delta rule split as flash-linear-attention does it (`gdn_split_{wu,state,out}_<dk>`,
+    /// kernels/deltanet_split.cu): W and U for all chunks in parallel, then only the state
+    /// recurrence in order, then the outputs of all chunks in parallel. Not the tc scans' bits
+    /// (the same mathematics summed in another order), so it is chosen for every launch, never
+    /// per launch. Value dims over 128 fall back to [`GdnScan::ByLength`]. Opt-in while measured.
+    Split,
 }
 
 impl GdnScan {
@@ -37,6 +45,7 @@ impl GdnScan {
             GdnScan::ByLength => "tensor cores (3xTF32), pipelined for long sequences",
             GdnScan::Pipelined => "tensor cores (3xTF32), pipelined",
             GdnScan::Plain => "tensor cores (3xTF32), not pipelined",
+            GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
         }
     }
 }
@@ -61,13 +70,30 @@ pub fn scan_kernel(options: &CudaOptions, dk: usize, longest_chunks: usize) -> (
     let pipelined = match options.gdn_scan {
         GdnScan::Pipelined => true,
         GdnScan::Plain => false,
-        GdnScan::ByLength => longest_chunks >= PIPELINED_MIN_CHUNKS,
+        GdnScan::ByLength | GdnScan::Split => longest_chunks >= PIPELINED_MIN_CHUNKS,
     };
+    // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
+    let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     if pipelined {
-        (format!("gdn_chunk_scan_tc_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
+        (format!("gdn_chunk_scan_{products}_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
     } else {
-        (format!("gdn_chunk_scan_tc_{dk}"), layout::delta_tc_smem_bytes(dk))
+        (format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk))
     }
+}
+
+/// The three kernels of the split delta rule (`GdnScan::Split`) with their dynamic shared
+/// memory, or `None` where that path does not run (another scan chosen, the FMA scan, value dims
+/// over 128).
+pub fn split_kernels(options: &CudaOptions, dk: usize, dv: usize) -> Option<[(String, usize); 3]> {
+    if options.gdn_ffma || options.gdn_scan != GdnScan::Split || dv > 128 {
+        return None;
+    }
+    let p = if options.gdn_tf32 { "_tf32" } else { "" };
+    Some([
+        (format!("gdn_split_wu{p}_{dk}"), layout::delta_split_wu_smem_bytes(dk)),
+        (format!("gdn_split_state{p}_{dk}"), layout::delta_split_state_smem_bytes(dk)),
+        (format!("gdn_split_out{p}_{dk}"), layout::delta_split_out_smem_bytes(dk)),
+    ])
 }
 
 /// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
@@ -434,6 +460,10 @@ fn delta_rule(
             Arg::Ptr(be.p(&tp)),
         ],
     )?;
+    if let Some(kernels) = split_kernels(&be.state.options, dk, dv) {
+        delta_rule_split(be, dims, x, plan, &tp, &kernels, &core)?;
+        return Ok(core);
+    }
     for range in [0..plan.roots, plan.roots..plan.sequences] {
         let longest = plan.scan_chunks[range.clone()].iter().copied().max().unwrap_or(0);
         let (meta, count) = plan.entries(be, &plan.scan_meta, range);
@@ -463,6 +493,84 @@ fn delta_rule(
     Ok(core)
 }
 
+/// [`GdnScan::Split`]: W and U of every (chunk, value head), then the state recurrence per
+/// sequence (the roots, then the children from their parents' new states) saving each chunk's
+/// starting state and Vn, then the outputs of every chunk. Scratch: W, U, Vn and the chunks'
+/// starting states, f32 (at 16K tokens of Qwen3.5-4B ~1.3 GB, freed in stream order on return).
+fn delta_rule_split(
+    be: &CudaBackend,
+    dims: &DeltaNetDims,
+    x: &ConvOutputs,
+    plan: &StatePlan,
+    tp: &CudaSlice<f32>,
+    kernels: &[(String, usize); 3],
+    core: &CudaSlice<f32>,
+) -> Result<()> {
+    let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, .. } = *dims;
+    let (chunks, rows) = (plan.chunk_count, plan.chunk_count * vh * layout::DELTA_CHUNK);
+    let (w, u, vn) = (be.alloc_f32(rows * dk)?, be.alloc_f32(rows * dv)?, be.alloc_f32(rows * dv)?);
+    let h = be.alloc_f32(chunks * vh * dk * dv)?;
+    let [(wu, wu_smem), (state, state_smem), (out, out_smem)] = kernels;
+    let cols = dv.div_ceil(32) as u32;
+    be.launch(
+        wu,
+        launch_config((chunks as u32, vh as u32, 1), 256, *wu_smem),
+        &[
+            Arg::Ptr(be.p(&x.k)),
+            Arg::Ptr(be.p(&x.v)),
+            Arg::Ptr(be.p(&x.beta)),
+            Arg::Ptr(be.p(&x.g)),
+            Arg::Ptr(be.p(tp)),
+            Arg::Ptr(be.p(&plan.chunks)),
+            Arg::I32(kh as i32),
+            Arg::I32(vh as i32),
+            Arg::I32(dv as i32),
+            Arg::Ptr(be.p(&w)),
+            Arg::Ptr(be.p(&u)),
+        ],
+    )?;
+    for range in [0..plan.roots, plan.roots..plan.sequences] {
+        let (meta, count) = plan.entries(be, &plan.scan_meta, range);
+        if count == 0 {
+            continue;
+        }
+        be.launch(
+            state,
+            launch_config((count as u32, vh as u32, cols), 128, *state_smem),
+            &[
+                Arg::Ptr(be.p(&x.k)),
+                Arg::Ptr(be.p(&x.g)),
+                Arg::Ptr(be.p(&w)),
+                Arg::Ptr(be.p(&u)),
+                Arg::Ptr(be.p(&plan.chunks)),
+                Arg::Ptr(meta),
+                Arg::I32(kh as i32),
+                Arg::I32(vh as i32),
+                Arg::I32(dv as i32),
+                Arg::Ptr(be.p(&h)),
+                Arg::Ptr(be.p(&vn)),
+            ],
+        )?;
+    }
+    be.launch(
+        out,
+        launch_config((chunks as u32, vh as u32, cols), 128, *out_smem),
+        &[
+            Arg::Ptr(be.p(&x.q)),
+            Arg::Ptr(be.p(&x.beta)),
+            Arg::Ptr(be.p(&x.g)),
+            Arg::Ptr(be.p(tp)),
+            Arg::Ptr(be.p(&h)),
+            Arg::Ptr(be.p(&vn)),
+            Arg::Ptr(be.p(&plan.chunks)),
+            Arg::I32(kh as i32),
+            Arg::I32(vh as i32),
+            Arg::I32(dv as i32),
+            Arg::Ptr(be.p(core)),
+        ],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,9 +587,32 @@ mod tests {
         assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 1000).0, "gdn_chunk_scan_tc_64");
         let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };
         assert_eq!(scan_kernel(&ffma, 32, 1000).0, "gdn_chunk_scan_32");
+        let tf32 = |gdn_scan| CudaOptions { gdn_tf32: true, ..forced(gdn_scan) };
+        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 1).0, "gdn_chunk_scan_tf32_128");
+        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 256).0, "gdn_chunk_scan_tf32_pipelined_128");
+        let split = |gdn_tf32| CudaOptions { gdn_tf32, ..forced(GdnScan::Split) };
+        for tf32 in [false, true] {
+            for dk in [16, 32, 64, 128] {
+                let ks = split_kernels(&split(tf32), dk, 128).expect("the split path runs");
+                for (name, smem) in ks {
+                    let f = KERNELS.iter().flat_map(|f| f.functions.iter()).find(|f| f.name == name);
+                    assert_eq!(f.map(|f| f.max_dynamic_smem), Some(smem), "{name}");
+                }
+            }
+        }
+        assert!(split_kernels(&split(false), 128, 160).is_none(), "value dims over 128 fall back");
+        assert!(split_kernels(&forced(GdnScan::ByLength), 128, 128).is_none());
+        assert!(split_kernels(&CudaOptions { gdn_ffma: true, ..split(false) }, 128, 128).is_none());
+        // The FMA scan wins over the TF32 products.
+        assert_eq!(
+            scan_kernel(&CudaOptions { gdn_tf32: true, ..ffma.clone() }, 32, 1).0,
+            "gdn_chunk_scan_32"
+        );
         // Every choice is a kernel of the table, launched with the shared memory it is allowed.
         let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
-        for o in [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma] {
+        let all =
+            [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma, tf32(GdnScan::ByLength)];
+        for o in all {
             for dk in [16, 32, 64, 128] {
                 for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
                     let (name, smem) = scan_kernel(&o, dk, longest);

@@ -229,6 +229,28 @@ pub const fn delta_tc_pipelined_smem_bytes(dk: usize) -> usize {
     (4 * c * (dk + 4) + 2 * c * 40 + 2 * c * (c + 8) + dk * 40 + c * 40 + 6 * c) * 4
 }
 
+/// Dynamic shared memory of `gdn_split_wu_<dk>` (kernels/deltanet_split.cu): T [64][72],
+/// β·e^γ·k [64][max(dk, 32) + 4], β·v [64][132] (value dims up to 128), gamma and beta [64].
+pub const fn delta_split_wu_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (c * (c + 8) + c * (max(dk, 32) + 4) + c * 132 + 2 * c) * 4
+}
+
+/// Dynamic shared memory of `gdn_split_state_<dk>` (kernels/deltanet_split.cu): k and W
+/// [2][64][dk+4] each and U [2][64][40] (the next chunk's copied while the current one computes),
+/// S [dk][40], Vn [64][40], the gates [2][3][64]. 187,904 bytes at dk 128: one block per SM.
+pub const fn delta_split_state_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (4 * c * (dk + 4) + 2 * c * 40 + dk * 40 + c * 40 + 6 * c) * 4
+}
+
+/// Dynamic shared memory of `gdn_split_out_<dk>` (kernels/deltanet_split.cu): q [64][dk+4], the
+/// chunk's starting state H [dk][40], P [64][72], Vn [64][40], gamma and beta [64].
+pub const fn delta_split_out_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (c * (dk + 4) + dk * 40 + c * (c + 8) + c * 40 + 2 * c) * 4
+}
+
 /// Dynamic shared memory of `gdn_chunk_prep_<dk>` (kernels/deltanet.cu): max(q and k staged
 /// [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
 pub const fn delta_prep_smem_bytes(dk: usize) -> usize {
@@ -355,6 +377,16 @@ mod tests {
         let tcp = delta_tc_pipelined_smem_bytes(128);
         assert_eq!(tcp, 224_768);
         assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
+        assert_eq!(delta_split_state_smem_bytes(128), 187_904);
+        for dk in [16, 32, 64, 128] {
+            for b in [
+                delta_split_wu_smem_bytes(dk),
+                delta_split_state_smem_bytes(dk),
+                delta_split_out_smem_bytes(dk),
+            ] {
+                assert!(b + 1024 <= 228 * 1024, "dk {dk}: {b}");
+            }
+        }
         assert_eq!(
             delta_tc_pipelined_smem_bytes(16),
             (4 * 64 * 20 + 3 * 64 * 40 + 2 * 64 * 72 + 16 * 40 + 6 * 64) * 4

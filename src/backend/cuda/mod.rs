@@ -75,6 +75,11 @@ pub struct CudaOptions {
     /// same bits. Default: `IMAJEV_GDN_SCAN=pipelined` or `plain` in the environment (read only
     /// when this field is left at [`GdnScan::ByLength`]).
     pub gdn_scan: GdnScan,
+    /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
+    /// mantissas, f32 accumulation) instead of 3xTF32 (f32-level): about a third of the MMAs on the
+    /// scan's sequential chain. Opt-in while it is measured; plain and pipelined still give the
+    /// same bits as each other. Default: `IMAJEV_GDN_TF32=1` in the environment.
+    pub gdn_tf32: bool,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, instead of the fused `*_quant` norms: the reference the fused
     /// path is tested against (same bits), and a switch for profiling. Default:
@@ -150,9 +155,13 @@ impl CudaBackend {
             match std::env::var("IMAJEV_GDN_SCAN").as_deref() {
                 Ok("pipelined") => options.gdn_scan = GdnScan::Pipelined,
                 Ok("plain") => options.gdn_scan = GdnScan::Plain,
+                Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("") | Ok("by-length") | Err(_) => {}
-                Ok(other) => bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain or by-length"),
+                Ok(other) => bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain, split or by-length"),
             }
+        }
+        if std::env::var("IMAJEV_GDN_TF32").is_ok_and(|v| v == "1") {
+            options.gdn_tf32 = true;
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
@@ -226,6 +235,7 @@ impl CudaBackend {
         tracing::info!(
             ?info,
             gdn_scan = if options.gdn_ffma { "ffma" } else { options.gdn_scan.describe() },
+            gdn_products = if options.gdn_tf32 { "TF32" } else { "3xTF32" },
             act_quant = if options.unfused_act_quant { "own kernel" } else { "fused into the row norms" },
             "CUDA backend ready"
         );
