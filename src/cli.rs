@@ -223,11 +223,20 @@ pub enum Command {
         /// cpu (the f32 reference) or cuda.
         #[arg(long, value_enum, default_value_t = Device::Cpu)]
         device: Device,
+        /// cuda only: how projections are stored (see `decide --quantize`).
+        #[arg(long, value_enum, default_value_t = Quantize::None)]
+        quantize: Quantize,
+        /// Also write every token's hidden state at each layer boundary to
+        /// DIR/hidden_states.safetensors (f32 `hidden_states.{i}` `[tokens, hidden]`: 0 = the
+        /// decoder input, i = after decoder layer i−1, as transformers' `output_hidden_states`;
+        /// `final_norm`; `input_ids` with image pads expanded). tools/first_divergence.py reads it.
+        #[arg(long, value_name = "DIR")]
+        dump_layers: Option<PathBuf>,
     },
-    /// Write a random-weight Qwen3.5 checkpoint (and adapter) in the real layouts,
-    /// deterministic in the seed; transformers and PEFT load it unchanged.
+    /// Write a synthetic Qwen3.5 checkpoint (and adapter) in the real layouts, random or
+    /// trained-like, deterministic in the seed; transformers and PEFT load it unchanged.
     Synth {
-        /// `tiny`, `qwen3.5-4b`, or a path to a config.json.
+        /// `tiny`, `mid`, `qwen3.5-4b`, or a path to a config.json.
         #[arg(long)]
         config: String,
         /// The model folder to write (created if missing).
@@ -239,6 +248,15 @@ pub enum Command {
         /// Random seed: the same seed writes the same bytes.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// random (the tests' checkpoints) or trained-like (the statistics of a trained model,
+        /// with decisions that follow the options; see src/synth/profile.rs).
+        #[arg(long, value_enum, default_value_t = synth::Profile::Random)]
+        profile: synth::Profile,
+        /// flat (one model.safetensors) or release (the published Qwen3.5-4B's file set: shards
+        /// and their index, mtp.* tensors, generation_config.json, the release's config keys;
+        /// with `--dtype fp8`, Qwen's block-FP8 pack).
+        #[arg(long, value_enum, default_value_t = synth::Layout::Flat)]
+        layout: synth::Layout,
         /// Also write an imajev-style adapter folder here.
         #[arg(long)]
         adapter_out: Option<PathBuf>,
@@ -284,12 +302,30 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(model.as_deref(), jsonl),
         Command::Verify(args) => crate::release::cli::run(&args),
-        Command::Forward { model, adapter, input, out, device } => {
-            forward(&model, adapter.as_deref(), &input, out.as_deref(), device)
-        }
-        Command::Synth { config, out, dtype, seed, adapter_out, lora_rank, lora_alpha, readout_rows } => {
+        Command::Forward { model, adapter, input, out, device, quantize, dump_layers } => forward(
+            &model,
+            adapter.as_deref(),
+            &input,
+            out.as_deref(),
+            device,
+            quantize,
+            dump_layers.as_deref(),
+        ),
+        Command::Synth {
+            config,
+            out,
+            dtype,
+            seed,
+            profile,
+            layout,
+            adapter_out,
+            lora_rank,
+            lora_alpha,
+            readout_rows,
+        } => {
             let cfg = synth::preset(&config)?;
-            let r = synth::write_model(&cfg, dtype, seed, &out)?;
+            let r =
+                synth::write_model_with(&cfg, &synth::ModelOptions { dtype, seed, profile, layout }, &out)?;
             eprintln!(
                 "wrote {} ({} tensors, {:.3} B parameters, {:.2} GiB) in {:.1} s",
                 r.dir.display(),
@@ -299,7 +335,16 @@ pub fn run(cli: Cli) -> Result<()> {
                 r.seconds
             );
             if let Some(a) = adapter_out {
-                let r = synth::write_adapter(&cfg, lora_rank, lora_alpha, readout_rows, seed, &a)?;
+                let r = synth::write_adapter_with(
+                    &cfg,
+                    lora_rank,
+                    lora_alpha,
+                    readout_rows,
+                    seed,
+                    profile,
+                    dtype,
+                    &a,
+                )?;
                 let tokenizer = QwenTokenizer::builtin()?;
                 crate::decision::codebook::Codebook::derive(&tokenizer, readout_rows)
                     .context(
@@ -477,12 +522,64 @@ fn run_forward<B: Backend>(
     model: Qwen35<B>,
     ids: &[u32],
     images: &[&crate::image::PatchedImage],
+    dump_dir: Option<&Path>,
 ) -> Result<ForwardOutput> {
-    let (_state, hidden, layout) = model.prefill(ids, images)?;
+    let (hidden, layout) = match dump_dir {
+        Some(dir) => {
+            let (hidden, layout, dump) = model.prefill_dumped(ids, images)?;
+            write_layer_dump(dir, &dump, &layout.ids, &model.kinds)?;
+            (hidden, layout)
+        }
+        None => {
+            let (_state, hidden, layout) = model.prefill(ids, images)?;
+            (hidden, layout)
+        }
+    };
     let hidden_last = model.backend.download(&hidden)?;
     let readout_logits =
         if model.readout_rows().is_some() { Some(model.readout(&hidden)?.remove(0)) } else { None };
     Ok(ForwardOutput { input_ids: layout.ids, hidden_last, readout_logits })
+}
+
+/// Writes a [`crate::engine::LayerDump`] as `dir/hidden_states.safetensors` (f32, little-endian).
+fn write_layer_dump(
+    dir: &Path,
+    dump: &crate::engine::LayerDump,
+    ids: &[u32],
+    kinds: &[crate::engine::LayerKind],
+) -> Result<()> {
+    use safetensors::tensor::{Dtype, TensorView};
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let shape = vec![dump.rows, dump.hidden_size];
+    let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = dump
+        .hidden
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (format!("hidden_states.{i}"), Dtype::F32, shape.clone(), f32_bytes(h)))
+        .collect();
+    owned.push(("final_norm".into(), Dtype::F32, shape.clone(), f32_bytes(&dump.final_norm)));
+    let id_bytes = ids.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
+    owned.push(("input_ids".into(), Dtype::I64, vec![ids.len()], id_bytes));
+    let views = owned
+        .iter()
+        .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    let layer_types: Vec<&str> = kinds
+        .iter()
+        .map(|k| match k {
+            crate::engine::LayerKind::FullAttention => "full_attention",
+            crate::engine::LayerKind::LinearAttention => "linear_attention",
+        })
+        .collect();
+    let meta = std::collections::HashMap::from([
+        ("format".to_string(), "imajev-layer-dump".to_string()),
+        ("layer_types".to_string(), layer_types.join(",")),
+    ]);
+    let path = dir.join("hidden_states.safetensors");
+    safetensors::serialize_to_file(views, Some(meta), &path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 fn forward(
@@ -491,6 +588,8 @@ fn forward(
     input: &Path,
     out: Option<&Path>,
     device: Device,
+    quantize: Quantize,
+    dump_dir: Option<&Path>,
 ) -> Result<()> {
     let text = std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
     let req: ForwardInput = serde_json::from_str(&text).with_context(|| {
@@ -510,10 +609,13 @@ fn forward(
     }
     let refs: Vec<&_> = patched.iter().collect();
     let result = match device {
-        Device::Cuda => {
-            run_forward(Qwen35::load(app::cuda_backend(Quantize::None)?, model_dir, adapter)?, &ids, &refs)?
-        }
-        _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs)?,
+        Device::Cuda => run_forward(
+            Qwen35::load(app::cuda_backend(quantize)?, model_dir, adapter)?,
+            &ids,
+            &refs,
+            dump_dir,
+        )?,
+        _ => run_forward(Qwen35::load(CpuBackend::default(), model_dir, adapter)?, &ids, &refs, dump_dir)?,
     };
     let json = serde_json::to_string(&result)?;
     match out {

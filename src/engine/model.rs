@@ -119,6 +119,20 @@ struct VisionTower<B: Backend> {
     act: Gelu,
 }
 
+/// Every row's hidden state at each layer boundary of one forward, row-major `[rows, hidden]`
+/// in f32: `hidden[0]` is the decoder's input (token embeddings with the image features in
+/// place), `hidden[i]` the residual stream after decoder layer `i − 1` (what transformers'
+/// `output_hidden_states` holds at index `i`), and `final_norm` the output of the final norm
+/// (the last-token rows of which are what [`Qwen35::forward`] returns). For locating where two
+/// implementations part: `forward --dump-layers` writes it.
+#[derive(Debug, Clone, Default)]
+pub struct LayerDump {
+    pub rows: usize,
+    pub hidden_size: usize,
+    pub hidden: Vec<Vec<f32>>,
+    pub final_norm: Vec<f32>,
+}
+
 /// What loading took and found, for logs and `/v1/models`.
 #[derive(Debug, Clone, Default)]
 pub struct LoadReport {
@@ -535,6 +549,19 @@ impl<B: Backend> Qwen35<B> {
     /// Runs the decoder over a packed batch of sequences, each continuing its own state, and
     /// returns the final-normed hidden state of each sequence's last token (`[segments, hidden]`).
     pub fn forward(&self, segs: &[Segment<B>], states: &mut [&mut State<B>]) -> Result<B::Tensor> {
+        self.forward_dumped(segs, states, None)
+    }
+
+    /// [`Qwen35::forward`], and with `dump` also every row's hidden state at each layer boundary
+    /// (see [`LayerDump`]). A dump runs the last layer on every row (the serving forward runs
+    /// its MLP only on the rows it reads out), so it costs a little more; the returned rows are
+    /// the same.
+    pub fn forward_dumped(
+        &self,
+        segs: &[Segment<B>],
+        states: &mut [&mut State<B>],
+        mut dump: Option<&mut LayerDump>,
+    ) -> Result<B::Tensor> {
         ensure!(segs.len() == states.len() && !segs.is_empty(), "forward needs one state per sequence");
         let b = &self.backend;
         let mut ids = Vec::new();
@@ -608,11 +635,17 @@ impl<B: Backend> Qwen35<B> {
         prof.mark(b, "embed");
         // Each later layer's input norm (and the final norm) is fused with the residual add of
         // the MLP before it, at the end of the loop body.
+        if let Some(d) = dump.as_deref_mut() {
+            d.hidden.push(b.download(&x)?);
+            d.rows = n;
+            d.hidden_size = self.hidden_size();
+        }
         let mut h =
             b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
         for (li, layer) in self.layers.iter().enumerate() {
             prof.mark(b, "norms+residual");
-            let last_layer = li + 1 == self.layers.len();
+            // A dump needs every row of the last layer too.
+            let last_layer = li + 1 == self.layers.len() && dump.is_none();
             let o = match &layer.mixer {
                 Mixer::Attention { qkv, o, q_norm, k_norm } => {
                     let p = b.matmul(&h, qkv)?;
@@ -681,9 +714,18 @@ impl<B: Backend> Qwen35<B> {
             // The residual add, fused with the next layer's input norm (the final norm after the last).
             let next_norm = self.layers.get(li + 1).map_or(&self.norm, |l| &l.input_norm);
             h = b.add_rms_norm(&mut x, &o, next_norm, self.eps, 1.0)?;
+            if let Some(d) = dump.as_deref_mut() {
+                d.hidden.push(b.download(&x)?);
+            }
             prof.mark(b, "mlp");
         }
-        let out = h;
+        let out = match dump {
+            Some(d) => {
+                d.final_norm = b.download(&h)?;
+                b.gather_rows(&h, &last_rows)?
+            }
+            None => h,
+        };
         prof.mark(b, "final");
         prof.report(&format!("forward of {} sequence(s)", segs.len()), n);
         super::profile::kernel_report(b, &format!("forward of {} sequence(s) ({n} tokens)", segs.len()));
@@ -706,6 +748,24 @@ impl<B: Backend> Qwen35<B> {
         let mut st = self.new_state()?;
         let h = self.forward(&[Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut st])?;
         Ok((st, h, layout))
+    }
+
+    /// `prefill` that also records every row's hidden state at each layer boundary.
+    pub fn prefill_dumped(
+        &self,
+        ids: &[u32],
+        images: &[&PatchedImage],
+    ) -> Result<(B::Tensor, SequenceLayout, LayerDump)> {
+        let feats = self.encode_images(images)?;
+        let layout = self.layout(ids, images, 0)?;
+        let mut st = self.new_state()?;
+        let mut dump = LayerDump::default();
+        let h = self.forward_dumped(
+            &[Segment { layout: &layout, images: &feats, parent: None }],
+            &mut [&mut st],
+            Some(&mut dump),
+        )?;
+        Ok((h, layout, dump))
     }
 
     /// Extends each state with its text suffix (a batch, one suffix per state) and returns the

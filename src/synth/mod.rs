@@ -6,17 +6,23 @@
 //! values has its own generator), so a checkpoint is the same on every machine and thread count.
 //!
 //! * [`tensors`] — every tensor's name, shape, init rule and storage;
+//! * [`profile`] — `random` (the default) or `trained-like` statistics, and why;
+//! * [`release`] — the file set of the published Qwen3.5-4B and of a block-FP8 pack;
 //! * [`writer`] — the streaming safetensors writer;
 //! * [`rng`] — the deterministic generator (also what the tests draw inputs from);
-//! * `configs/*.json` — the presets `--config` accepts (`tiny`, `qwen3.5-4b`).
+//! * `configs/*.json` — the presets `--config` accepts (`tiny`, `mid`, `qwen3.5-4b`).
 //!
 //! Only tests, benchmarks, the `synth` command and the built-in demo model use this module; the
 //! serving path never does (FP8 quantisation at load lives in [`crate::weights::fp8`]).
 
 pub mod memory;
+pub mod profile;
+pub mod release;
 pub mod rng;
 pub mod tensors;
 pub mod writer;
+
+pub use profile::Profile;
 
 use crate::engine::config::{LayerKind, ModelConfig};
 use crate::tokenizer::QwenTokenizer;
@@ -24,7 +30,7 @@ use crate::weights::scale_name;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use tensors::{model_specs, Init, Spec, Store};
+use tensors::{profile_specs, Init, Spec, Store};
 use writer::{stored_bytes, write_safetensors};
 
 /// Storage precision of a synthetic checkpoint.
@@ -37,8 +43,13 @@ pub enum SynthDtype {
 }
 
 /// The named configurations `synth --config` accepts (besides a path to a config.json).
-pub const PRESETS: &[(&str, &str)] =
-    &[("tiny", include_str!("configs/tiny.json")), ("qwen3.5-4b", include_str!("configs/qwen3_5-4b.json"))];
+/// `mid` has the 4B's head sizes (128-wide DeltaNet heads, 128-multiple projections, so FP8
+/// applies everywhere) at 512 hidden and 8 layers: small enough for CPU measurements.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("tiny", include_str!("configs/tiny.json")),
+    ("mid", include_str!("configs/mid.json")),
+    ("qwen3.5-4b", include_str!("configs/qwen3_5-4b.json")),
+];
 
 /// The config.json of a preset (`qwen3_5-4b` and `4b` name the 4B one too), as JSON to edit.
 pub fn preset_json(name: &str) -> Option<serde_json::Value> {
@@ -57,7 +68,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         None => {
             let p = Path::new(name);
             if !p.exists() {
-                bail!("--config {name:?} is neither a preset (tiny, qwen3.5-4b) nor an existing config.json");
+                bail!("--config {name:?} is neither a preset (tiny, mid, qwen3.5-4b) nor an existing config.json");
             }
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {name}"))?;
             serde_json::from_str(&text).with_context(|| format!("parsing {name}"))?
@@ -82,12 +93,44 @@ pub struct SynthReport {
 /// Shard size for large checkpoints (the real Qwen3.5-4B also ships two shards).
 const SHARD_BYTES: u64 = 4 << 30;
 
+/// Which files a synthetic checkpoint is written as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// One `model.safetensors` (sharded above 4 GiB), no MTP: what the tests use.
+    #[default]
+    Flat,
+    /// The published Qwen3.5-4B's file set ([`release`]): at least two
+    /// `model-0000k-of-0000n.safetensors` shards and their index, the `mtp.*` tensors,
+    /// `generation_config.json` and the release's config keys.
+    Release,
+}
+
+/// How `synth` writes a checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelOptions {
+    pub dtype: SynthDtype,
+    pub seed: u64,
+    pub profile: Profile,
+    pub layout: Layout,
+}
+
 /// Writes `config.json`, the safetensors (sharded with an index above 4 GiB), the Qwen3.5
 /// `tokenizer.json`, `tokenizer_config.json` and `preprocessor_config.json` into `dir`.
 pub fn write_model(cfg: &ModelConfig, dtype: SynthDtype, seed: u64, dir: &Path) -> Result<SynthReport> {
+    let opts = ModelOptions { dtype, seed, profile: Profile::Random, layout: Layout::Flat };
+    write_model_with(cfg, &opts, dir)
+}
+
+/// [`write_model`] with a profile and a layout.
+pub fn write_model_with(cfg: &ModelConfig, opts: &ModelOptions, dir: &Path) -> Result<SynthReport> {
+    if opts.layout == Layout::Release {
+        return release::write_release(cfg, opts, dir);
+    }
+    let (dtype, seed) = (opts.dtype, opts.seed);
     let started = std::time::Instant::now();
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let specs = model_specs(cfg, dtype)?;
+    let specs = profile_specs(cfg, dtype, opts.profile, seed)?;
     let mut config = serde_json::to_value(cfg)?;
     let obj = config.as_object_mut().expect("config is an object");
     obj.retain(|_, v| !v.is_null());
@@ -191,7 +234,7 @@ pub fn write_model(cfg: &ModelConfig, dtype: SynthDtype, seed: u64, dir: &Path) 
 /// so transformers renders prompts for a synthetic model exactly as for the real one.
 pub const CHAT_TEMPLATE: &str = include_str!("assets/qwen3_5_chat_template.jinja");
 
-fn tokenizer_config() -> serde_json::Value {
+pub(crate) fn tokenizer_config() -> serde_json::Value {
     json!({
         "tokenizer_class": "Qwen2Tokenizer",
         "model_max_length": 262144,
@@ -222,6 +265,23 @@ pub fn write_adapter(
     alpha: f64,
     readout_rows: usize,
     seed: u64,
+    dir: &Path,
+) -> Result<SynthReport> {
+    write_adapter_with(cfg, rank, alpha, readout_rows, seed, Profile::Random, SynthDtype::Bf16, dir)
+}
+
+/// [`write_adapter`] for a checkpoint of the given profile (and storage `dtype`, which the
+/// trained-like readout is computed for). Trained-like: LoRA with ‖B·A·α/r‖ = [`profile::LORA_RATIO`]
+/// × ‖W‖, and a readout whose first rows read the decision circuit.
+#[allow(clippy::too_many_arguments)]
+pub fn write_adapter_with(
+    cfg: &ModelConfig,
+    rank: usize,
+    alpha: f64,
+    readout_rows: usize,
+    seed: u64,
+    profile: Profile,
+    dtype: SynthDtype,
     dir: &Path,
 ) -> Result<SynthReport> {
     let started = std::time::Instant::now();
@@ -255,21 +315,33 @@ pub fn write_adapter(
         modules.push((format!("{l}mlp.up_proj"), h, t.intermediate_size));
         modules.push((format!("{l}mlp.down_proj"), t.intermediate_size, h));
     }
-    let b_std = 0.1 / (rank as f32).sqrt();
+    let base = profile_specs(cfg, dtype, Profile::Random, seed)?;
     let mut specs = Vec::new();
     for (m, i, o) in &modules {
-        specs.push(Spec {
-            name: format!("base_model.model.{m}.lora_A.weight"),
-            shape: vec![rank, *i],
-            init: Init::Normal { mean: 0.0, std: 1.0 / (*i as f32).sqrt() },
-            store: Store::F32,
-        });
-        specs.push(Spec {
-            name: format!("base_model.model.{m}.lora_B.weight"),
-            shape: vec![*o, rank],
-            init: Init::Normal { mean: 0.0, std: b_std },
-            store: Store::F32,
-        });
+        let b_std = match profile {
+            Profile::Random => 0.1 / (rank as f32).sqrt(),
+            // ‖B·A·(α/r)‖_F ≈ (α/r)·σ_A·σ_B·√(r·in·out) = ratio·σ_W·√(in·out).
+            Profile::TrainedLike => {
+                let w_std = match base.iter().find(|s| s.name == format!("{m}.weight")).map(|s| s.init) {
+                    Some(Init::Normal { std, .. }) => std,
+                    _ => 1.0 / (*i as f32).sqrt(),
+                };
+                let a_std = 1.0 / (*i as f32).sqrt();
+                profile::LORA_RATIO * w_std * rank as f32 / (alpha as f32 * a_std * (rank as f32).sqrt())
+            }
+        };
+        specs.push(Spec::new(
+            format!("base_model.model.{m}.lora_A.weight"),
+            vec![rank, *i],
+            Init::Normal { mean: 0.0, std: 1.0 / (*i as f32).sqrt() },
+            Store::F32,
+        ));
+        specs.push(Spec::new(
+            format!("base_model.model.{m}.lora_B.weight"),
+            vec![*o, rank],
+            Init::Normal { mean: 0.0, std: b_std },
+            Store::F32,
+        ));
     }
     let lora_bytes: u64 = specs.iter().map(stored_bytes).sum();
     let lora_params: u64 = specs.iter().map(|s| s.shape.iter().product::<usize>() as u64).sum();
@@ -297,12 +369,26 @@ pub fn write_adapter(
         "target_modules": LORA_TARGETS,
     });
     std::fs::write(dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)? + "\n")?;
-    let readout = [Spec {
-        name: "weight".into(),
-        shape: vec![readout_rows, h],
-        init: Init::Normal { mean: 0.0, std: 3.0 / (h as f32).sqrt() },
-        store: Store::F32,
-    }];
+    let mut readout = [Spec::new(
+        "weight".into(),
+        vec![readout_rows, h],
+        Init::Normal { mean: 0.0, std: 3.0 / (h as f32).sqrt() },
+        Store::F32,
+    )];
+    if profile == Profile::TrainedLike {
+        // Rows of the bound codes read the decision circuit (plus a little noise); the rest are
+        // random rows of logit scale ~1.
+        readout[0].init = Init::Normal { mean: 0.0, std: 1.0 / (h as f32).sqrt() };
+        if let Some(rows) = tensors::circuit_readout(cfg, dtype, seed)? {
+            let rows = std::sync::Arc::new(rows);
+            readout[0].edit = Some(std::sync::Arc::new(move |v: &mut [f32]| {
+                let n = rows.len().min(v.len());
+                for (o, r) in v[..n].iter_mut().zip(rows.iter()) {
+                    *o = r + 0.1 * *o;
+                }
+            }));
+        }
+    }
     let readout_path = dir.join("decision_readout.safetensors");
     write_safetensors(&readout_path, &readout, seed ^ 0x5245_4144, |_| {})?;
     Ok(SynthReport {
@@ -321,11 +407,8 @@ mod tests {
 
     #[test]
     fn generation_is_deterministic_and_name_dependent() {
-        let s = |name: &str| Spec {
-            name: name.into(),
-            shape: vec![3, 40000],
-            init: Init::Normal { mean: 0.0, std: 1.0 },
-            store: Store::F32,
+        let s = |name: &str| {
+            Spec::new(name.into(), vec![3, 40000], Init::Normal { mean: 0.0, std: 1.0 }, Store::F32)
         };
         let a = generate(&s("x.weight"), 7);
         assert_eq!(a, generate(&s("x.weight"), 7));

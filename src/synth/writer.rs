@@ -3,7 +3,7 @@
 //! `safetensors` crate's writer needs every tensor in memory up front and orders them itself, so
 //! it can do neither (a 4B checkpoint would need its whole size in RAM).
 
-use super::tensors::{generate, Spec, Store};
+use super::tensors::{values, Spec, Store};
 use crate::weights::fp8::quantize_fp8_blocks;
 use crate::weights::scale_name;
 use anyhow::{Context, Result};
@@ -29,7 +29,7 @@ struct Encoded {
 }
 
 fn encode(spec: &Spec, seed: u64) -> Vec<Encoded> {
-    let v = generate(spec, seed);
+    let v = values(spec, seed);
     match spec.store {
         Store::F32 => vec![Encoded {
             name: spec.name.clone(),
