@@ -667,6 +667,14 @@ __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.s
 // async proxy the tensor cores read through.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// 2^x in one MUFU instruction (exp2f adds a range check and two multiplies for denormal results;
+// flushing those to zero changes nothing here: they are added to a sum that is at least 1).
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A shared-memory matrix descriptor, 128-byte swizzle.
 __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned lbo, unsigned sbo) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -766,20 +774,23 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     wgmma_commit();
     wgmma_wait0();
 
-    // Scale, mask, online softmax: s[4j + e] is row (e < 2 ? r0 : r0 + 8), key 8j + 2tg + (e & 1).
+    // Mask, online softmax: s[4j + e] is row (e < 2 ? r0 : r0 + 8), key 8j + 2tg + (e & 1). The
+    // max is taken over the raw scores (the scale is positive) and the scale folded into the one
+    // FMA before ex2: p = 2^(s·scale − max·scale). The softmax is what limits this kernel at head
+    // dim 64 (issue-bound: ncu, NOTES), so every instruction per score counts.
     const bool masked = (kt + 1) * BK > clean;
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        float v = s[4 * j + e] * scale_log2;
+        float v = s[4 * j + e];
         if (masked) {
           const int col = kt * BK + 8 * j + 2 * tg + (e & 1);
           const int qi = e < 2 ? qi0 : qi1;
           if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+          s[4 * j + e] = v;
         }
-        s[4 * j + e] = v;
         if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
       }
     }
@@ -788,15 +799,15 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
-    const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+    const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
+    const float c0 = ex2_ftz(fmaf(m0, scale_log2, -b0)), c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
     float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-      s[4 * j + 0] = exp2f(s[4 * j + 0] - base0);
-      s[4 * j + 1] = exp2f(s[4 * j + 1] - base0);
-      s[4 * j + 2] = exp2f(s[4 * j + 2] - base1);
-      s[4 * j + 3] = exp2f(s[4 * j + 3] - base1);
+      s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
+      s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
+      s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
+      s[4 * j + 3] = ex2_ftz(fmaf(s[4 * j + 3], scale_log2, -b1));
       ps0 += s[4 * j + 0] + s[4 * j + 1];
       ps1 += s[4 * j + 2] + s[4 * j + 3];
     }
@@ -808,12 +819,17 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     l1 = l1 * c1 + ps1;
     m0 = mn0;
     m1 = mn1;
+    // Rescale O only when some row of the warp saw a new max: multiplying by 1 changes no bit, so
+    // skipping it is exact, and after the first tiles the max rarely moves (at head dim 256 the
+    // rescale is 128 multiplies per thread against 32 scores).
+    if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < NO / 4; j++) {
-      o[4 * j + 0] *= c0;
-      o[4 * j + 1] *= c0;
-      o[4 * j + 2] *= c1;
-      o[4 * j + 3] *= c1;
+      for (int j = 0; j < NO / 4; j++) {
+        o[4 * j + 0] *= c0;
+        o[4 * j + 1] *= c0;
+        o[4 * j + 2] *= c1;
+        o[4 * j + 3] *= c1;
+      }
     }
     // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
     // fence, so no register the MMAs read changes between them).
@@ -913,11 +929,6 @@ __device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
   for (int i = 0; i < N; i++)
 #pragma unroll
     for (int e = 0; e < 4; e++) asm volatile("" : "+r"(r[i][e])::"memory");
-}
-__device__ __forceinline__ float ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile (issue_tile_sw's layout and
