@@ -2,7 +2,7 @@
 """Renders deploy/kubernetes/ and deploy/monitoring/ with kustomize and checks what a schema
 cannot: that the pieces fit together and agree with the server and the README.
 
-    python3 tools/check_deploy.py --kubectl KUBECTL --out DIR
+    python3 tools/check_deploy.py --kubectl KUBECTL --out DIR [--promtool PROMTOOL]
 
 Writes DIR/<name>.yaml for each kustomization (base, overlays/*, download, monitoring) for
 kubernetes-validate (.ci/run), then checks in every rendering that has them:
@@ -17,7 +17,8 @@ kubernetes-validate (.ci/run), then checks in every rendering that has them:
   recording rules of deploy/monitoring/rules.yml; the HPA's external metrics are rules of
   deploy/kubernetes/prometheus-adapter/values.yaml whose series are recording rules too;
 * the download Job runs the README's `hf download` commands (models/ as /models/);
-* the PrometheusRule's spec is rules.yml.
+* the PrometheusRule's spec is rules.yml;
+* with --promtool, every query of the Grafana dashboard parses.
 Exit 1 with every failure listed.
 """
 import argparse
@@ -26,6 +27,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
@@ -244,11 +246,44 @@ def check_monitoring(where: str, objs: list[dict]) -> None:
         fail(where, "no ConfigMap holds grafana-dashboard.json")
 
 
+def check_dashboard_promql(promtool: str) -> None:
+    """Every dashboard query, with its Grafana variables filled in, must parse: promtool checks
+    them as the expressions of a throwaway rules file."""
+    dash = json.loads((MON / "grafana-dashboard.json").read_text())
+    exprs = []
+
+    def walk(panels):
+        for p in panels:
+            exprs.extend((p.get("title"), t["expr"]) for t in p.get("targets", []))
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    fill = {"$__rate_interval": "5m", "$namespace": "imajev", "$pod": ".*"}
+    rules = []
+    for i, (title, expr) in enumerate(exprs):
+        for k, v in fill.items():
+            expr = expr.replace(k, v)
+        if "$" in expr:
+            fail("dashboard", f"panel '{title}' uses a variable this check does not know: {expr}")
+        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+    with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
+        yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, f)
+        f.flush()
+        r = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True)
+    if r.returncode != 0:
+        fail("dashboard", f"promtool rejects a panel query: {r.stdout.strip()} {r.stderr.strip()}")
+    else:
+        print(f"dashboard: {len(rules)} panel queries parse (promtool)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kubectl", default="kubectl", help="kubectl with its built-in kustomize")
     ap.add_argument("--out", required=True, type=pathlib.Path, help="folder for the rendered manifests")
+    ap.add_argument("--promtool", help="promtool, to check that every dashboard query parses")
     args = ap.parse_args()
+    if args.promtool:
+        check_dashboard_promql(args.promtool)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, path in RENDER.items():
         r = subprocess.run([args.kubectl, "kustomize", str(path)], capture_output=True, text=True)
