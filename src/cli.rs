@@ -157,6 +157,11 @@ pub enum Command {
         /// Largest request body in MiB (after decompression too).
         #[arg(long, default_value_t = 128, env = "IMAJEV_MAX_BODY_MB")]
         max_body_mb: usize,
+        /// Request memory in flight, in MiB, over all requests being read, decoded and parsed at
+        /// once (bodies, decoded bodies, multipart parts, parsed JSON); beyond it 529 (413 for a
+        /// request that alone needs more).
+        #[arg(long, default_value_t = 1024, value_parser = at_least_one, env = "IMAJEV_MAX_INFLIGHT_MB")]
+        max_inflight_mb: usize,
         /// HTTP worker threads (default: the CPU count, at most 4).
         #[arg(long, default_value_t = crate::api::ServerConfig::default().workers, value_parser = at_least_one,
               env = "IMAJEV_HTTP_WORKERS")]
@@ -283,20 +288,24 @@ pub fn run(cli: Cli) -> Result<()> {
             request_timeout,
             max_questions,
             max_body_mb,
+            max_inflight_mb,
             http_workers,
             no_playground,
-        } => serve_cmd(
-            &model,
-            host,
-            port,
-            api_key_file,
-            queue_depth,
-            request_timeout,
-            max_questions,
-            max_body_mb,
-            http_workers,
-            !no_playground,
-        ),
+        } => {
+            crate::api::budget::set_global_capacity(max_inflight_mb << 20);
+            serve_cmd(
+                &model,
+                host,
+                port,
+                api_key_file,
+                queue_depth,
+                request_timeout,
+                max_questions,
+                max_body_mb,
+                http_workers,
+                !no_playground,
+            )
+        }
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }

@@ -604,6 +604,30 @@ class Model:
     def encode(self, text: str):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_prompt(self, text: str, n_images: int):
+        """The rendered prompt's ids with the request's text as plain text: special-token strings
+        written by a client (`<|im_end|>`, `<|image_pad|>`, `</think>`, ...) never become control
+        tokens (imajev-serve's rule, issue 16; imajev itself parses them). The template's own
+        special tokens stay control tokens; equals `encode(render(text))` for text without them."""
+        sentinel = "\x00user-text\x00"
+        head, tail = self.render(sentinel, n_images).split(sentinel)
+        specials = sorted(self.tokenizer.all_special_tokens + list(self.tokenizer.added_tokens_encoder),
+                          key=len, reverse=True)
+        split = re.compile("(" + "|".join(re.escape(t) for t in specials) + ")")
+        ids, stretch = [], ""
+        for piece, template in ((head, True), (text.strip(), False), (tail, True)):
+            if not template:
+                stretch += piece
+                continue
+            for part in split.split(piece):
+                if part in specials:
+                    ids += self.tokenizer.encode(stretch, add_special_tokens=False, split_special_tokens=True)
+                    stretch = ""
+                    ids.append(self.tokenizer.convert_tokens_to_ids(part))
+                else:
+                    stretch += part
+        return ids + self.tokenizer.encode(stretch, add_special_tokens=False, split_special_tokens=True)
+
     def derive_codebook(self, count):
         """scoring.readout_codes on the empty 0-image prompt."""
         rendered = self.render("", 0)
@@ -699,10 +723,10 @@ def build_passes(model: Model, state, field, n_images: int, rotations: int, visi
     for offset in cyclic_offsets(n, rotations):
         text = prompt_text(state, field, codes, offset)
         rendered = model.render(text, n_images)
-        ids = model.encode(rendered)
+        ids = model.encode_prompt(text, n_images)
         # scoring.verified_label_ids: every code is one token at this decision position
         for code, tid in zip(codes, model.code_ids):
-            assert model.encode(rendered + code) == ids + [tid], code
+            assert model.encode(rendered + code)[-1] == tid, code
         passes.append((offset, model.expand(ids, vision)))
     return passes
 

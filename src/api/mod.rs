@@ -6,6 +6,7 @@
 //! * [`pipeline`] — the one request pipeline, parse → plan → engine → response, with the engine
 //!   call passed in (the worker's queue for HTTP, a loaded engine for `decide` and the tests);
 //! * [`body`] — media types, `Content-Encoding` with a decoded-size cap, multipart;
+//! * [`budget`] — the process-wide budget of request memory in flight (413 / 529);
 //! * [`error`] — every refusal and its JSON shape (422 `detail[]`, else `{error_type, message}`);
 //! * [`schema`] — the wire types behind `schemas/*.json` and the OpenAPI document;
 //! * [`server`] — actix-web routes, auth, request ids, metrics, readiness, graceful shutdown;
@@ -16,6 +17,7 @@
 //! [`crate::decision::Decider`].
 
 pub mod body;
+pub mod budget;
 pub mod error;
 pub mod metrics;
 pub mod parse;

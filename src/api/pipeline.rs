@@ -132,7 +132,9 @@ pub fn run_engine(
 pub fn plan_error(e: PlanError) -> ApiError {
     match e {
         // Following tools/reference_decide.py: well-formed but too large to process.
-        e @ PlanError::TooManyTokens { .. } => ApiError::too_large(e.to_string()),
+        e @ (PlanError::TooManyTokens { .. } | PlanError::TooManyTokensAtLeast { .. }) => {
+            ApiError::too_large(e.to_string())
+        }
         PlanError::Invalid(m) => ApiError::invalid(Loc::body().at("questions"), m, "value_error"),
         PlanError::Internal(e) => ApiError::internal(format!("planning failed: {e:#}")),
     }

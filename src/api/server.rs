@@ -321,17 +321,18 @@ async fn read_body(req: &HttpRequest, payload: web::Payload, cap: usize) -> Resu
             )));
         }
     }
-    let raw = body::read_payload(payload, cap).await?;
-    let decoded = if codings.is_empty() {
-        raw
+    let budget = super::budget::global();
+    let (raw, held) = body::read_payload_within(payload, cap, Some(budget)).await?;
+    let (decoded, held) = if codings.is_empty() {
+        (raw, held)
     } else {
-        on_blocking_pool(move || body::decode(raw, &codings, cap)).await?
+        on_blocking_pool(move || body::decode_within(raw, held, &codings, cap)).await?
     };
     Ok(match kind {
-        BodyKind::Json => RequestBody::json(decoded),
+        BodyKind::Json => RequestBody::json(decoded).holding(held),
         BodyKind::Multipart => {
-            let (json, files) = body::read_multipart(req.headers(), decoded).await?;
-            RequestBody { json, files: Some(files) }
+            let (json, files, held) = body::split_multipart(req.headers(), decoded, held)?;
+            RequestBody::multipart(json, files).holding(held)
         }
     })
 }

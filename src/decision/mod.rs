@@ -38,6 +38,9 @@ pub struct DecisionSettings {
 pub enum PlanError {
     #[error("the request needs {got} processed tokens in its longest pass (image tokens included); the limit is {limit} (--max-input-tokens). Shorten the state, the question or the options, or send a smaller image")]
     TooManyTokens { got: usize, limit: usize },
+    /// Found over the limit before every pass was tokenized (planning stops there).
+    #[error("the request needs more than {limit} processed tokens in its longest pass (at least {at_least}, image tokens included; --max-input-tokens). Shorten the state, the question or the options, or send a smaller image")]
+    TooManyTokensAtLeast { at_least: usize, limit: usize },
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]
@@ -81,15 +84,22 @@ impl Decider {
                 )));
             }
         }
-        let plan =
-            prompt::plan(req, &self.tokenizer, &self.codebook, self.settings.rotations, &image_tokens)?;
-        if plan.max_pass_tokens > self.settings.max_input_tokens {
-            return Err(PlanError::TooManyTokens {
-                got: plan.max_pass_tokens,
-                limit: self.settings.max_input_tokens,
-            });
+        let limit = self.settings.max_input_tokens;
+        let plan = prompt::plan_within(
+            req,
+            &self.tokenizer,
+            &self.codebook,
+            self.settings.rotations,
+            &image_tokens,
+            limit,
+        )?;
+        match plan {
+            Ok(plan) if plan.max_pass_tokens > limit => {
+                Err(PlanError::TooManyTokens { got: plan.max_pass_tokens, limit })
+            }
+            Ok(plan) => Ok(plan),
+            Err(at_least) => Err(PlanError::TooManyTokensAtLeast { at_least, limit }),
         }
-        Ok(plan)
     }
 
     /// Outcomes per scored question from readout logits (`logits[scored][pass]`), calibrated if
@@ -141,4 +151,71 @@ impl Decider {
 
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decider(max_input_tokens: usize) -> Decider {
+        let tok = Arc::new(QwenTokenizer::builtin().unwrap());
+        let codebook = Codebook::derive(&tok, 256).unwrap();
+        let settings = DecisionSettings {
+            rotations: 4,
+            calibration: None,
+            mode: ContractMode::Imajev,
+            max_input_tokens,
+            model_name: "test".into(),
+        };
+        Decider::new(tok, codebook, settings)
+    }
+
+    /// Issue 16, item 9: 16 questions × 255 options of 2,000 characters used to be tokenized in
+    /// full (every rotation of every question: ~5 s of a core, more under load) before the 413.
+    /// The first rotation of the first question is enough to know, and its tokenizing stops at
+    /// the limit.
+    #[test]
+    fn far_over_the_token_limit_is_refused_before_tokenizing_everything() {
+        let d = decider(65536);
+        let options: Vec<(String, Option<String>)> =
+            (0..255).map(|i| (format!("o{i}"), Some("word ".repeat(400).trim_end().to_string()))).collect();
+        let req = DecisionRequest {
+            state: serde_json::json!("x"),
+            questions: (0..16)
+                .map(|i| Question {
+                    id: format!("q{i}"),
+                    kind: QuestionKind::Choice { question: "Which?".into(), options: options.clone() },
+                })
+                .collect(),
+            images: vec![],
+        };
+        let t0 = std::time::Instant::now();
+        let e = d.plan(&req).unwrap_err();
+        let took = t0.elapsed();
+        assert!(
+            matches!(e, PlanError::TooManyTokensAtLeast { limit: 65536, at_least } if at_least > 65536),
+            "{e}"
+        );
+        assert!(took < std::time::Duration::from_millis(1500), "{took:?}");
+        // Under the limit, the plan is the full one (the same as without a limit).
+        let small = DecisionRequest { questions: req.questions[..1].to_vec(), ..req.clone() };
+        let mut one = small.clone();
+        if let QuestionKind::Choice { options, .. } = &mut one.questions[0].kind {
+            options.truncate(3);
+        }
+        let p = d.plan(&one).unwrap();
+        let q = prompt::plan(&one, &d.tokenizer, &d.codebook, 4, &[]).unwrap();
+        assert_eq!(
+            (p.prefix, p.processed_tokens, p.max_pass_tokens),
+            (q.prefix, q.processed_tokens, q.max_pass_tokens)
+        );
+        // Exactly at the limit is allowed; one below it is refused with the exact count.
+        let exact = decider(q.max_pass_tokens).plan(&one).unwrap();
+        assert_eq!(exact.max_pass_tokens, q.max_pass_tokens);
+        let e = decider(q.max_pass_tokens - 1).plan(&one).unwrap_err();
+        assert!(
+            matches!(e, PlanError::TooManyTokens { got, .. } | PlanError::TooManyTokensAtLeast { at_least: got, .. } if got >= q.max_pass_tokens),
+            "{e}"
+        );
+    }
 }

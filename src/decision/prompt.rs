@@ -12,7 +12,7 @@
 use super::codebook::Codebook;
 use super::pyjson::{self, is_py_space};
 use super::request::{DecisionRequest, QuestionKind};
-use crate::tokenizer::QwenTokenizer;
+use crate::tokenizer::{Piece, QwenTokenizer};
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -150,19 +150,49 @@ pub fn cyclic_offsets(n: usize, rotations: usize) -> Vec<usize> {
 
 /// The shared text: user header, image blocks, instruction, state line.
 pub fn shared_text(state_json: &str, n_images: usize) -> String {
-    format!("{USER_START}{}{INSTRUCTION}\nState: {state_json}\n", IMAGE_BLOCK.repeat(n_images))
+    format!("{USER_START}{}{}", IMAGE_BLOCK.repeat(n_images), shared_user_text(state_json))
+}
+
+/// The request's part of the shared text: instruction and state line (no template tokens).
+fn shared_user_text(state_json: &str) -> String {
+    format!("{INSTRUCTION}\nState: {state_json}\n")
 }
 
 /// The rest of one pass's prompt after [`shared_text`]: question, option lines in rotated order
 /// with fixed codes, the chat template's trim, and the template tail.
 pub fn pass_text(question: &ScoredQuestion, labels: &[&str], offset: usize) -> String {
+    format!("{}{TEMPLATE_TAIL}", pass_user_text(question, labels, offset))
+}
+
+/// [`pass_text`] without the template tail: the text the request wrote (and the codes).
+fn pass_user_text(question: &ScoredQuestion, labels: &[&str], offset: usize) -> String {
     let n = question.candidates.len();
     let lines: Vec<String> =
         (0..n).map(|p| format!("{}: {}", labels[p], question.candidates[(p + offset) % n].1)).collect();
     let body = format!("Question: {}\n{}", question.text, lines.join("\n"));
     // The whole user content is trimmed; it starts with an image block or "Inspect", so only
     // the end of the last option line can change.
-    format!("{}{TEMPLATE_TAIL}", body.trim_end_matches(is_py_space))
+    body.trim_end_matches(is_py_space).to_string()
+}
+
+/// The shared prefix's ids: the template's tokens, then the instruction and state as plain
+/// text (special-token strings in the state never become control tokens).
+fn encode_shared(tokenizer: &QwenTokenizer, state_json: &str, n_images: usize) -> Result<Vec<u32>> {
+    let user = shared_user_text(state_json);
+    let mut pieces = vec![Piece::Template(USER_START)];
+    pieces.extend(std::iter::repeat_n(Piece::Template(IMAGE_BLOCK), n_images));
+    pieces.push(Piece::Text(&user));
+    tokenizer.encode_pieces(&pieces)
+}
+
+/// One pass's ids after the shared prefix (question and options as plain text, then the
+/// template tail), or `Err(n)` once they are known to be more than `max`.
+fn encode_pass(
+    tokenizer: &QwenTokenizer,
+    user: &str,
+    max: usize,
+) -> Result<std::result::Result<Vec<u32>, usize>> {
+    tokenizer.encode_pieces_within(&[Piece::Text(user), Piece::Template(TEMPLATE_TAIL)], max)
 }
 
 /// One forward pass: a rotation of one scored question.
@@ -214,7 +244,8 @@ fn common_prefix_len(seqs: &[Vec<u32>]) -> usize {
 }
 
 /// Builds the pass plan: tokenizes the shared prefix once and each pass's rest, and splits the
-/// rests into per-question common tokens and per-pass suffixes.
+/// rests into per-question common tokens and per-pass suffixes. User text (state, questions,
+/// options) is tokenized as plain text: special-token strings in it never become control tokens.
 pub fn plan(
     req: &DecisionRequest,
     tokenizer: &QwenTokenizer,
@@ -222,32 +253,72 @@ pub fn plan(
     rotations: usize,
     image_tokens: &[usize],
 ) -> Result<Plan> {
+    match plan_within(req, tokenizer, codebook, rotations, image_tokens, usize::MAX)? {
+        Ok(p) => Ok(p),
+        Err(_) => unreachable!("no limit"),
+    }
+}
+
+/// [`plan`], refusing early once some pass is known to need more than `max_pass_tokens`
+/// (image tokens included): then `Err(n)`, `n` the tokens that pass needs at least. The first
+/// rotation of every question is tokenized first, one question at a time and each stopping as
+/// soon as it is over the limit, so a request far over the limit costs about the limit's worth
+/// of tokenizing rather than every pass of every question.
+pub fn plan_within(
+    req: &DecisionRequest,
+    tokenizer: &QwenTokenizer,
+    codebook: &Codebook,
+    rotations: usize,
+    image_tokens: &[usize],
+    max_pass_tokens: usize,
+) -> Result<std::result::Result<Plan, usize>> {
     let state_json = pyjson::dumps(&req.state, pyjson::PROMPT_STATE)
         .map_err(|e| anyhow::anyhow!("state number {} is not finite", e.0))?;
-    // Every text is tokenized independently (the prefix ends on a pre-tokenizer boundary), so the
-    // prefix and all pass texts are tokenized in parallel: this sits on every request's path.
+    let prefix = encode_shared(tokenizer, &state_json, req.images.len())?;
+    let n_pads = prefix.iter().filter(|&&t| t == crate::tokenizer::IMAGE_PAD).count();
+    anyhow::ensure!(
+        n_pads == req.images.len(),
+        "the prefix has {n_pads} image slots for {} images",
+        req.images.len()
+    );
+    let expanded_prefix = prefix.len() - req.images.len() + image_tokens.iter().sum::<usize>();
+    if expanded_prefix >= max_pass_tokens {
+        return Ok(Err(expanded_prefix + 1));
+    }
+    let budget = max_pass_tokens - expanded_prefix;
     let questions = scored_questions(req);
     let texts: Vec<Vec<String>> = questions
         .iter()
         .map(|question| {
             let n = question.candidates.len();
             let labels = codebook.labels(n);
-            cyclic_offsets(n, rotations).iter().map(|&o| pass_text(question, &labels, o)).collect()
+            cyclic_offsets(n, rotations).iter().map(|&o| pass_user_text(question, &labels, o)).collect()
         })
         .collect();
-    let prefix_text = shared_text(&state_json, req.images.len());
-
-    let (prefix, all_rests) = rayon::join(
-        || tokenizer.encode(&prefix_text),
-        || {
-            texts
-                .par_iter()
-                .map(|ts| ts.par_iter().map(|t| tokenizer.encode(t)).collect::<Result<Vec<Vec<u32>>>>())
-                .collect::<Result<Vec<_>>>()
-        },
-    );
-    let (prefix, all_rests) = (prefix?, all_rests?);
-    let expanded_prefix = prefix.len() - req.images.len() + image_tokens.iter().sum::<usize>();
+    // The first rotation of each question, in order, each stopping once over the limit.
+    let mut firsts = Vec::with_capacity(texts.len());
+    for ts in &texts {
+        match encode_pass(tokenizer, &ts[0], budget)? {
+            Ok(ids) => firsts.push(ids),
+            Err(n) => return Ok(Err(expanded_prefix + n)),
+        }
+    }
+    // The other rotations, in parallel (this sits on every request's path).
+    let rests: Vec<Vec<std::result::Result<Vec<u32>, usize>>> = texts
+        .par_iter()
+        .map(|ts| ts[1..].par_iter().map(|t| encode_pass(tokenizer, t, budget)).collect::<Result<Vec<_>>>())
+        .collect::<Result<Vec<_>>>()?;
+    let mut all_rests = Vec::with_capacity(texts.len());
+    for (first, others) in firsts.into_iter().zip(rests) {
+        let mut rs = vec![first];
+        for r in others {
+            match r {
+                Ok(ids) => rs.push(ids),
+                Err(n) => return Ok(Err(expanded_prefix + n)),
+            }
+        }
+        all_rests.push(rs);
+    }
     let mut scored = Vec::new();
     let mut max_pass = 0;
     let mut processed = expanded_prefix;
@@ -270,13 +341,13 @@ pub fn plan(
         let code_tokens = codebook.codes[..n].iter().map(|c| c.token_id).collect();
         scored.push(ScoredPlan { question, common, passes, code_tokens });
     }
-    Ok(Plan {
+    Ok(Ok(Plan {
         prefix,
         scored,
         prefix_tokens: expanded_prefix,
         max_pass_tokens: max_pass,
         processed_tokens: processed,
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -319,12 +390,18 @@ mod tests {
             let labels = cb.labels(sp.question.candidates.len());
             for pass in &sp.passes {
                 let whole = tok
-                    .encode(&format!(
-                        "{}{}",
-                        shared_text(&state, 0),
-                        pass_text(&sp.question, &labels, pass.offset)
-                    ))
+                    .encode_pieces(&[
+                        Piece::Template(USER_START),
+                        Piece::Text(&shared_user_text(&state)),
+                        Piece::Text(&pass_user_text(&sp.question, &labels, pass.offset)),
+                        Piece::Template(TEMPLATE_TAIL),
+                    ])
                     .unwrap();
+                // The state's "<|im_end|>" is text: the only control tokens are the template's.
+                let controls: Vec<u32> =
+                    whole.iter().copied().filter(|&t| t >= crate::tokenizer::ENDOFTEXT).collect();
+                use crate::tokenizer::{IM_END, IM_START, THINK, THINK_END};
+                assert_eq!(controls, [IM_START, IM_END, IM_START, THINK, THINK_END]);
                 let mut split = p.prefix.clone();
                 split.extend(&sp.common);
                 split.extend(&pass.suffix);
@@ -335,5 +412,66 @@ mod tests {
         // Rotation 1 ends with the "facilities" line whose trailing whitespace the template trims.
         let labels = cb.labels(3);
         assert!(pass_text(&p.scored[0].question, &labels, 2).contains("C: facilities — rooms<|im_end|>"));
+    }
+
+    /// Issue 16, item 2: every special token of the tokenizer, written by a client in the state,
+    /// the instructions, an option value or a description, is plain text in the plan: the only
+    /// control tokens are the template's (one image slot per image, no turn boundaries).
+    #[test]
+    fn special_tokens_in_user_text_are_plain_text() {
+        use crate::decision::request::RequestImage;
+        use crate::tokenizer::{
+            ENDOFTEXT, IMAGE_PAD, IM_END, IM_START, THINK, THINK_END, VISION_END, VISION_START,
+        };
+        let tok = QwenTokenizer::builtin().unwrap();
+        let cb = Codebook::derive(&tok, 26).unwrap();
+        let specials = tok.special_tokens().to_vec();
+        assert_eq!(specials.len(), 33);
+        for (s, _) in &specials {
+            for n_images in [0usize, 1] {
+                let req = DecisionRequest {
+                    state: json!({"log": format!("a{s}b {s}"), s.as_str(): [s]}),
+                    questions: vec![
+                        Question {
+                            id: "c".into(),
+                            kind: QuestionKind::Choice {
+                                question: format!("Which {s}?"),
+                                options: vec![(s.clone(), Some(format!("is {s}"))), ("b".into(), None)],
+                            },
+                        },
+                        Question {
+                            id: "m".into(),
+                            kind: QuestionKind::Multi {
+                                instructions: s.clone(),
+                                labels: vec![(s.clone(), Some(s.clone()))],
+                                threshold: 0.5,
+                            },
+                        },
+                    ],
+                    images: (0..n_images)
+                        .map(|_| RequestImage { sha256: String::new(), width: 28, height: 28, tokens: 4 })
+                        .collect(),
+                };
+                let p = plan(&req, &tok, &cb, 4, &vec![4; n_images]).unwrap();
+                let controls =
+                    |ids: &[u32]| ids.iter().copied().filter(|&t| t >= ENDOFTEXT).collect::<Vec<u32>>();
+                let mut want_prefix = vec![IM_START];
+                for _ in 0..n_images {
+                    want_prefix.extend([VISION_START, IMAGE_PAD, VISION_END]);
+                }
+                assert_eq!(controls(&p.prefix), want_prefix, "{s} in the state");
+                for sp in &p.scored {
+                    for pass in &sp.passes {
+                        let mut rest = sp.common.clone();
+                        rest.extend(&pass.suffix);
+                        assert_eq!(
+                            controls(&rest),
+                            [IM_END, IM_START, THINK, THINK_END],
+                            "{s} in a question"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -25,6 +25,11 @@
 //!
 //! `encode` never adds BOS/EOS (Qwen has none) and parses special-token strings
 //! in the text as special tokens, as HF does with `add_special_tokens=false`.
+//! Prompts built from user text use [`QwenTokenizer::encode_pieces`] instead: the
+//! template's special tokens are control tokens, while special-token strings in user
+//! text (`<|im_end|>`, `<|image_pad|>`, `</think>`, …) are tokenized as the plain text
+//! they are (HF's `split_special_tokens=True`), so a client can never write a turn
+//! boundary or an image slot into the prompt.
 
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -66,10 +71,23 @@ pub const WELL_KNOWN: [(&str, u32); 9] = [
 /// The embedded Qwen3.5 `tokenizer.json`, zstd-compressed.
 static BUILTIN_ZST: &[u8] = include_bytes!("qwen3_5_tokenizer.json.zst");
 
+/// A piece of a prompt for [`QwenTokenizer::encode_pieces`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// The template's own text: special-token strings in it are control tokens.
+    Template(&'a str),
+    /// Text from a request: special-token strings in it are plain text.
+    Text(&'a str),
+}
+
 /// A Qwen3.5 tokenizer (a `tokenizers::Tokenizer` with truncation and padding off).
 #[derive(Clone)]
 pub struct QwenTokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with its special tokens encoded as plain text.
+    plain: tokenizers::Tokenizer,
+    /// Special tokens' strings and ids, longest string first.
+    specials: Vec<(String, u32)>,
     /// Long texts may be cut into pieces encoded in parallel (see [`QwenTokenizer::encode`]):
     /// true when the file's normalizer, pre-tokenizer and special tokens are the ones that
     /// argument is about.
@@ -134,6 +152,11 @@ fn cut_points(text: &str) -> Vec<usize> {
     cuts
 }
 
+fn encode_with(t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = t.encode_fast(text, false).map_err(|e| anyhow!(e)).context("tokenizing")?;
+    Ok(enc.get_ids().to_vec())
+}
+
 impl std::fmt::Debug for QwenTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QwenTokenizer").field("vocab_size", &self.vocab_size()).finish()
@@ -180,7 +203,127 @@ impl QwenTokenizer {
         inner.with_truncation(None).map_err(|e| anyhow!(e))?;
         inner.with_padding(None);
         let cuttable = serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|j| cuttable(&j));
-        Ok(Self { inner, cuttable })
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        let mut specials: Vec<(String, u32)> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        Ok(Self { inner, plain, specials, cuttable })
+    }
+
+    /// The special tokens (strings and ids), longest string first.
+    pub fn special_tokens(&self) -> &[(String, u32)] {
+        &self.specials
+    }
+
+    /// Token ids of `text` with every special-token string in it tokenized as plain text.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        match self.encode_plain_within(text, usize::MAX)? {
+            Ok(ids) => Ok(ids),
+            Err(_) => unreachable!("no limit"),
+        }
+    }
+
+    /// [`Self::encode_plain`], stopping as soon as the ids are known to be more than `max`:
+    /// then `Err(n)` with `n > max` ids found so far (the text is encoded in pieces cut where the
+    /// ids cannot change, a few at a time, so a long text costs about `max` ids of work).
+    pub fn encode_plain_within(
+        &self,
+        text: &str,
+        max: usize,
+    ) -> Result<std::result::Result<Vec<u32>, usize>> {
+        let cuts = if self.cuttable && text.len() >= 2 * PIECE_BYTES { cut_points(text) } else { Vec::new() };
+        if cuts.is_empty() {
+            let ids = encode_with(&self.plain, text)?;
+            return Ok(if ids.len() > max { Err(ids.len()) } else { Ok(ids) });
+        }
+        use rayon::prelude::*;
+        let bounds: Vec<usize> = std::iter::once(0).chain(cuts).chain(std::iter::once(text.len())).collect();
+        let windows: Vec<&[usize]> = bounds.windows(2).collect();
+        let batch = 2 * rayon::current_num_threads().max(1);
+        let mut ids = Vec::new();
+        for group in windows.chunks(batch) {
+            let pieces = group
+                .par_iter()
+                .map(|w| encode_with(&self.plain, &text[w[0]..w[1]]))
+                .collect::<Result<Vec<_>>>()?;
+            for p in pieces {
+                ids.extend(p);
+            }
+            if ids.len() > max {
+                return Ok(Err(ids.len()));
+            }
+        }
+        Ok(Ok(ids))
+    }
+
+    /// Token ids of a prompt: special-token strings are control tokens in [`Piece::Template`]
+    /// pieces only. Equals [`Self::encode`] of the concatenated pieces whenever the
+    /// [`Piece::Text`] pieces hold no special-token string (transformers splits a text at its
+    /// special tokens and tokenizes each stretch between them on its own; so is this).
+    pub fn encode_pieces(&self, pieces: &[Piece]) -> Result<Vec<u32>> {
+        match self.encode_pieces_within(pieces, usize::MAX)? {
+            Ok(ids) => Ok(ids),
+            Err(_) => unreachable!("no limit"),
+        }
+    }
+
+    /// [`Self::encode_pieces`], stopping once the ids are known to be more than `max` (then
+    /// `Err(n)`, `n > max`).
+    pub fn encode_pieces_within(
+        &self,
+        pieces: &[Piece],
+        max: usize,
+    ) -> Result<std::result::Result<Vec<u32>, usize>> {
+        let mut ids: Vec<u32> = Vec::new();
+        let mut stretch = String::new();
+        let flush = |stretch: &mut String, ids: &mut Vec<u32>| -> Result<std::result::Result<(), usize>> {
+            if !stretch.is_empty() {
+                match self.encode_plain_within(stretch, max.saturating_sub(ids.len()))? {
+                    Ok(more) => ids.extend(more),
+                    Err(n) => return Ok(Err(ids.len() + n)),
+                }
+                stretch.clear();
+            }
+            Ok(Ok(()))
+        };
+        for piece in pieces {
+            match *piece {
+                Piece::Text(t) => stretch.push_str(t),
+                Piece::Template(mut t) => {
+                    while let Some((at, s, id)) = self.first_special(t) {
+                        stretch.push_str(&t[..at]);
+                        if let Err(n) = flush(&mut stretch, &mut ids)? {
+                            return Ok(Err(n));
+                        }
+                        ids.push(id);
+                        t = &t[at + s.len()..];
+                    }
+                    stretch.push_str(t);
+                }
+            }
+        }
+        if let Err(n) = flush(&mut stretch, &mut ids)? {
+            return Ok(Err(n));
+        }
+        Ok(if ids.len() > max { Err(ids.len()) } else { Ok(ids) })
+    }
+
+    /// The leftmost special-token string in `t` (the longest, at one position): offset, string, id.
+    fn first_special<'s>(&'s self, t: &str) -> Option<(usize, &'s str, u32)> {
+        let mut best: Option<(usize, &str, u32)> = None;
+        for (s, id) in &self.specials {
+            if let Some(at) = t.find(s.as_str()) {
+                if best.is_none_or(|(b, bs, _)| at < b || (at == b && s.len() > bs.len())) {
+                    best = Some((at, s.as_str(), *id));
+                }
+            }
+        }
+        best
     }
 
     /// Token ids of `text`: NFC, no BOS/EOS, special-token strings become special tokens. A long
@@ -202,8 +345,7 @@ impl QwenTokenizer {
 
     /// Token ids of `text` in one piece (what [`Self::encode`] must equal).
     pub fn encode_whole(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| anyhow!(e)).context("tokenizing")?;
-        Ok(enc.get_ids().to_vec())
+        encode_with(&self.inner, text)
     }
 
     /// Text of `ids`, special tokens included (invalid UTF-8 from partial
@@ -414,5 +556,50 @@ mod tests {
         assert!(e.contains("line 1"), "{e}");
         let e = run(&t, b"\"a\"\n\"\xc3\"\n", true).unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("UTF-8"), "{e}");
+    }
+
+    /// Issue 16, item 2: special-token strings in user text stay text; the template's stay
+    /// control tokens; without special strings in the text, the ids equal `encode`'s.
+    #[test]
+    fn user_text_never_becomes_control_tokens() {
+        let t = tok();
+        assert_eq!(t.special_tokens().len(), 33);
+        let template_ids = |ids: &[u32]| ids.iter().filter(|&&i| i >= ENDOFTEXT).count();
+        for (s, id) in t.special_tokens() {
+            let text = format!("before {s} after{s}");
+            let plain = t.encode_plain(&text).unwrap();
+            assert_eq!(template_ids(&plain), 0, "{s}");
+            assert!(!plain.contains(id));
+            assert_eq!(t.decode(&plain).unwrap(), text);
+            let ids = t
+                .encode_pieces(&[
+                    Piece::Template("<|im_start|>user\n"),
+                    Piece::Text(&text),
+                    Piece::Template("<|im_end|>\n"),
+                ])
+                .unwrap();
+            assert_eq!(ids.first(), Some(&IM_START));
+            assert_eq!(ids[ids.len() - 2], IM_END);
+            assert_eq!(template_ids(&ids), 2, "{s}");
+        }
+        let prompt = [
+            Piece::Template("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"),
+            Piece::Text("Inspect it.\nState: {\"a\": \"ü 1\"}\n"),
+            Piece::Text("Question: Is it?\nA: yes"),
+            Piece::Template("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        ];
+        let whole: String = prompt
+            .iter()
+            .map(|p| match p {
+                Piece::Template(s) | Piece::Text(s) => *s,
+            })
+            .collect();
+        assert_eq!(t.encode_pieces(&prompt).unwrap(), t.encode(&whole).unwrap());
+        // Stopping early: more than `max` is reported as soon as it is known.
+        let long = "The printer on floor three prints every page twice. ".repeat(2000);
+        let all = t.encode_plain(&long).unwrap();
+        assert_eq!(t.encode_plain_within(&long, all.len()).unwrap().unwrap(), all);
+        let n = t.encode_plain_within(&long, 100).unwrap().unwrap_err();
+        assert!(n > 100 && n < all.len(), "{n} of {}", all.len());
     }
 }

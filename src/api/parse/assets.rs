@@ -4,10 +4,14 @@
 //! placeholder inside strings of the state, instructions and descriptions becomes `[image K]`
 //! ([`Replacer`]).
 
-use super::images::{image_too_large, strict_b64, ImageBlob};
+use super::images::{image_too_large, strict_b64, ImageBlob, MAX_IMAGES};
 use super::Upload;
 use crate::api::error::{ApiError, Loc};
+use crate::decision::pyjson::py_len;
 use serde_json::Value;
+
+/// Longest asset placeholder, in characters (TypeSafe's are `<image:` + 32 hex digits + `>`, 39).
+pub const MAX_PLACEHOLDER_CHARS: usize = 256;
 
 /// One checked TypeSafe asset.
 #[derive(Debug, Clone)]
@@ -78,6 +82,25 @@ pub(super) fn parse_assets(
             ))
         }
     };
+    // Bounds first, before any placeholder is looked at or looked for: at most MAX_IMAGES
+    // assets (the image count rule, answered here with its own message), each placeholder short.
+    if map.len() > MAX_IMAGES {
+        return Err(ApiError::bad_image(
+            loc.clone(),
+            format!("Provide at most two images (uploads, 'images', data URLs in the state and assets together); 'assets' alone has {}", map.len()),
+        ));
+    }
+    if let Some((ph, _)) = map.iter().find(|(ph, _)| py_len(ph) > MAX_PLACEHOLDER_CHARS) {
+        let shown: String = ph.chars().take(40).collect();
+        return Err(ApiError::invalid(
+            loc.clone(),
+            format!(
+                "asset placeholders may be at most {MAX_PLACEHOLDER_CHARS} characters; {shown:?}… has {}: use a short placeholder such as \"<image:0123abcd>\"",
+                py_len(ph)
+            ),
+            "too_long",
+        ));
+    }
     let mut out: Vec<Asset> = Vec::with_capacity(map.len());
     for (ph, a) in map {
         let l = loc.at(ph.as_str());
@@ -181,41 +204,38 @@ pub(super) fn parse_assets(
 
 /// Replaces asset placeholders inside strings (object values and array items, recursively;
 /// keys untouched) in one left-to-right pass, longest placeholder first at each position.
+///
+/// One Aho–Corasick automaton (leftmost-longest) finds every placeholder in one pass: time linear
+/// in the text, whatever the placeholders look like (trying each placeholder at each position
+/// cost ~L² byte comparisons for a key of L bytes found near the end of a text of 2L).
 pub struct Replacer {
-    /// (placeholder, replacement), longest placeholder first.
-    pairs: Vec<(String, String)>,
+    /// None without placeholders.
+    automaton: Option<aho_corasick::AhoCorasick>,
+    replacements: Vec<String>,
 }
 
 impl Replacer {
-    pub fn new(mut pairs: Vec<(String, String)>) -> Self {
-        pairs.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
-        pairs.retain(|p| !p.0.is_empty());
-        Replacer { pairs }
+    pub fn new(pairs: Vec<(String, String)>) -> Self {
+        let (patterns, replacements): (Vec<String>, Vec<String>) =
+            pairs.into_iter().filter(|p| !p.0.is_empty()).unzip();
+        let automaton = (!patterns.is_empty()).then(|| {
+            aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(&patterns)
+                .expect("placeholders are bounded (MAX_PLACEHOLDER_CHARS, MAX_IMAGES)")
+        });
+        Replacer { automaton, replacements }
     }
 
     pub fn text(&self, s: &str) -> String {
-        if self.pairs.is_empty() || !self.pairs.iter().any(|(p, _)| s.contains(p.as_str())) {
-            return s.to_string();
+        match &self.automaton {
+            Some(ac) => ac.replace_all(s, &self.replacements),
+            None => s.to_string(),
         }
-        let mut out = String::with_capacity(s.len());
-        let mut i = 0;
-        'scan: while i < s.len() {
-            for (p, r) in &self.pairs {
-                if s[i..].starts_with(p.as_str()) {
-                    out.push_str(r);
-                    i += p.len();
-                    continue 'scan;
-                }
-            }
-            let c = s[i..].chars().next().expect("in bounds");
-            out.push(c);
-            i += c.len_utf8();
-        }
-        out
     }
 
     pub fn value(&self, v: &Value) -> Value {
-        if self.pairs.is_empty() {
+        if self.automaton.is_none() {
             return v.clone();
         }
         match v {
@@ -349,5 +369,51 @@ mod tests {
         // Replacements are never re-scanned.
         let r = Replacer::new(vec![("[".into(), "[image 1]".into())]);
         assert_eq!(r.text("a[b"), "a[image 1]b");
+    }
+
+    /// Issue 16, item 3: a placeholder of L bytes found near the end of a 2L-byte state used to
+    /// cost ~L² byte comparisons (512 KB keys: ~8 s of a core) before any limit applied. Long
+    /// placeholders and more assets than images are refused before any replacement, and the
+    /// replacement is linear.
+    #[test]
+    fn placeholders_are_bounded_and_replaced_in_linear_time() {
+        let c = ctx(ContractMode::Typesafe);
+        let q = json!({"q": noul(json!("?"))});
+        let png = png();
+        let asset = json!({"type": "image", "format": "png", "data_base64": b64(&png)});
+        let long = format!("{}b", "a".repeat(512 << 10));
+        let t0 = std::time::Instant::now();
+        let e = check_request(
+            json!({"state": format!("{}{long}", "a".repeat(512 << 10)), "questions": q, "assets": {long.clone(): asset}}),
+            None,
+            &c,
+        )
+        .unwrap_err();
+        assert_eq!((e.status, e.code), (422, "invalid_request"), "{}", e.summary());
+        assert!(e.summary().contains("at most 256 characters"), "{}", e.summary());
+        assert!(t0.elapsed() < std::time::Duration::from_millis(500), "{:?}", t0.elapsed());
+        let ok = "é".repeat(MAX_PLACEHOLDER_CHARS);
+        let r = check_request(
+            json!({"state": {"s": ok.clone()}, "questions": q, "assets": {ok.clone(): asset}}),
+            None,
+            &c,
+        )
+        .unwrap();
+        assert_eq!(r.state, json!({"s": "[image 1]"}));
+        // Three assets: refused before any is decoded.
+        let three: serde_json::Map<String, Value> = (0..3)
+            .map(|i| (format!("<p{i}>"), json!({"type": "image", "format": "png", "data_base64": "*"})))
+            .collect();
+        let e = check_request(json!({"state": "", "questions": q, "assets": three}), None, &c).unwrap_err();
+        assert_eq!(e.code, "bad_image");
+        // The longest allowed placeholder against 8 MB of its own prefix: linear (the old scan
+        // made ~2·10⁹ byte comparisons here).
+        let key = format!("{}b", "a".repeat(MAX_PLACEHOLDER_CHARS - 1));
+        let text = format!("{}{key}", "a".repeat(8 << 20));
+        let r = Replacer::new(vec![(key.clone(), "[image 1]".into())]);
+        let t0 = std::time::Instant::now();
+        let out = r.text(&text);
+        assert!(t0.elapsed() < std::time::Duration::from_millis(300), "{:?}", t0.elapsed());
+        assert!(out.ends_with("a[image 1]") && out.len() == (8 << 20) + 9);
     }
 }

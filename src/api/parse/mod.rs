@@ -6,6 +6,8 @@
 //! checks run (so a request with two problems is refused for the same one). [`check_request`]
 //! runs steps 1–6 in this order; each step's rules live in the module named:
 //!
+//! 0. the body is JSON; only the members the rules read are parsed, their values counted and
+//!    their memory reserved ([`json`]);
 //! 1. `images` must be a list ([`images`]); the TypeSafe contract needs a non-null `state`
 //!    ([`state`]);
 //! 2. `data:image/…;base64,…` URLs inside state strings are cut out (→ `[image N]`) ([`images`]);
@@ -19,22 +21,25 @@
 
 mod assets;
 mod images;
+mod json;
 mod questions;
 mod state;
 #[cfg(test)]
 mod test_support;
 
-pub use assets::Replacer;
+pub use assets::{Replacer, MAX_PLACEHOLDER_CHARS};
 pub use images::{
     decode_data_url, decode_images, extract_embedded, max_b64_len, strict_b64_decode, ImageBlob, IMAGE_KEYS,
     MAX_IMAGES,
 };
+pub use json::{parse_json, parse_json_within, top_level_members, Member, MAX_JSON_VALUES, READ_FIELDS};
 pub use questions::{
     flatten_description, flatten_instructions, DEFAULT_MULTI_THRESHOLD, MAX_MULTI_LABELS, MAX_OPTION_VALUE,
     MAX_SCORE_LEVELS, MAX_TEXT, MIN_SCORE_LEVELS,
 };
 pub use state::{check_state, MAX_STATE_BYTES, MAX_STATE_DEPTH};
 
+use super::budget::Reservation;
 use super::error::{ApiError, Loc};
 use crate::decision::{ContractMode, Decider, DecisionRequest, Question};
 use crate::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
@@ -95,17 +100,31 @@ pub struct CheckedRequest {
 
 /// A request body: the JSON (the whole body, or a multipart body's `request` part) and the
 /// multipart body's other parts.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct RequestBody {
     pub json: Vec<u8>,
     /// None for a JSON body.
     pub files: Option<MultipartFiles>,
+    /// What the body holds of the in-flight memory budget; parsing reserves more from the same
+    /// budget, and all of it is given back once the request is parsed.
+    pub held: Reservation,
 }
 
 impl RequestBody {
     /// A JSON body.
     pub fn json(json: Vec<u8>) -> Self {
-        RequestBody { json, files: None }
+        RequestBody { json, files: None, held: Reservation::none() }
+    }
+
+    /// A multipart body: its `request` part and the other parts.
+    pub fn multipart(json: Vec<u8>, files: MultipartFiles) -> Self {
+        RequestBody { json, files: Some(files), held: Reservation::none() }
+    }
+
+    /// The same body, holding `held` of the in-flight memory budget.
+    pub fn holding(mut self, held: Reservation) -> Self {
+        self.held = held;
+        self
     }
 }
 
@@ -119,9 +138,9 @@ pub struct ParsedRequest {
 
 /// The entry point: every step, from the body's bytes to a request ready to plan.
 pub fn parse_request(body: RequestBody, ctx: &ParseContext) -> Result<ParsedRequest, ApiError> {
-    let RequestBody { json, files } = body;
+    let RequestBody { json, files, mut held } = body;
     let json_loc = if files.is_some() { Loc::body().at("request") } else { Loc::body() };
-    let value = parse_json(&json, json_loc)?;
+    let value = parse_json_within(&json, json_loc, &mut held)?;
     drop(json);
     let checked = check_request(value, files, ctx)?;
     let (images, pixels) = decode_images(&checked.images, ctx)?;
@@ -129,13 +148,6 @@ pub fn parse_request(body: RequestBody, ctx: &ParseContext) -> Result<ParsedRequ
         request: DecisionRequest { state: checked.state, questions: checked.questions, images },
         pixels,
     })
-}
-
-/// Parses JSON bytes (a leading UTF-8 BOM is skipped, as Python's `json.loads(bytes)` does).
-pub fn parse_json(body: &[u8], loc: Loc) -> Result<Value, ApiError> {
-    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_json(loc, format!("the body is not valid JSON: {e}")))
 }
 
 /// Applies every rule of the contract to a parsed body (steps 1–6 above, in that order).
@@ -192,7 +204,7 @@ mod tests {
         assert_eq!((e.status, e.code), (422, "bad_json"));
         assert!(parse_json(b"\xEF\xBB\xBF{}", Loc::body()).is_ok());
         // Duplicate keys: the last value wins at the first key's position (as json.loads).
-        let v = parse_json(br#"{"a": 1, "b": 2, "a": 3}"#, Loc::body()).unwrap();
-        assert_eq!(serde_json::to_string(&v).unwrap(), r#"{"a":3,"b":2}"#);
+        let v = parse_json(br#"{"state": 1, "images": 2, "state": 3}"#, Loc::body()).unwrap();
+        assert_eq!(serde_json::to_string(&v).unwrap(), r#"{"state":3,"images":2}"#);
     }
 }
