@@ -8,6 +8,7 @@
 //! * [`body`] — media types, `Content-Encoding` with a decoded-size cap, multipart;
 //! * [`error`] — every refusal and its JSON shape (422 `detail[]`, else `{error_type, message}`);
 //! * [`schema`] — the wire types behind `schemas/*.json` and the OpenAPI document;
+//! * [`conn`] — the connection layer: connection cap, request-head checks, head and body timeouts;
 //! * [`server`] — actix-web routes, auth, request ids, metrics, readiness, graceful shutdown;
 //! * [`playground`] — the page at `/` for trying questions in a browser (assets compiled in).
 //!
@@ -16,6 +17,7 @@
 //! [`crate::decision::Decider`].
 
 pub mod body;
+pub mod conn;
 pub mod error;
 pub mod metrics;
 pub mod parse;
