@@ -389,6 +389,19 @@ async fn run_queued(
             }
             JobError::Engine(e) => ApiError::internal(format!("the engine failed: {e:#}")),
             JobError::Cancelled => ApiError::internal("the request was cancelled"),
+            JobError::OverBudget { estimate_s, whole: true, .. } => ApiError::too_large(format!(
+                "the engine would need about {estimate_s:.0} s for this request (its images: their patches, \
+                 quadratically per image), more than --request-timeout ({:.0} s): send smaller images",
+                cfg.request_timeout.as_secs_f64()
+            )),
+            JobError::OverBudget { estimate_s, left_s, whole: false } => ApiError::message(
+                504,
+                "timeout",
+                format!(
+                    "abandoned before the engine started: it would need about {estimate_s:.1} s and \
+                     {left_s:.1} s of the request's deadline were left; retry later or send less"
+                ),
+            ),
         }),
         Ok(Ok(Ok(out))) => Ok(out),
     }
