@@ -129,6 +129,26 @@ impl ModelArgs {
     }
 }
 
+/// What a connection may hold and for how long (`serve`).
+#[derive(Args, Debug, Clone)]
+pub struct ConnArgs {
+    /// Most open connections; one more is answered 503 `too_many_connections` and closed.
+    #[arg(long, default_value_t = 512, value_parser = at_least_one, env = "IMAJEV_MAX_CONNECTIONS")]
+    pub max_connections: usize,
+    /// Seconds a request body may take before --min-body-rate counts; a body slower than that is
+    /// answered 408 and its connection closed.
+    #[arg(long, default_value_t = 10, env = "IMAJEV_BODY_TIMEOUT")]
+    pub body_timeout: u64,
+    /// KiB per second a request body must average after --body-timeout.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one, env = "IMAJEV_MIN_BODY_RATE")]
+    pub min_body_rate: usize,
+    /// On SIGTERM/SIGINT, seconds accepted requests may still take before the server exits
+    /// anyway (keep it under the orchestrator's kill timeout: Docker --stop-timeout, Kubernetes
+    /// terminationGracePeriodSeconds).
+    #[arg(long, default_value_t = 25, value_parser = at_least_one, env = "IMAJEV_SHUTDOWN_GRACE")]
+    pub shutdown_grace: usize,
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve POST /v1/systemone, GET /v1/models, /healthz, /metrics, /openapi.json and the
@@ -169,6 +189,8 @@ pub enum Command {
         /// Do not serve the playground page at `/` (then `/` is a 404 like any unknown path).
         #[arg(long, env = "IMAJEV_NO_PLAYGROUND")]
         no_playground: bool,
+        #[command(flatten)]
+        conn: ConnArgs,
     },
     /// Answer requests offline: one JSON request (or JSONL, one per line) → one line each, the
     /// response or the error object the HTTP API would answer; exits 1 if any request failed.
@@ -291,6 +313,7 @@ pub fn run(cli: Cli) -> Result<()> {
             max_inflight_mb,
             http_workers,
             no_playground,
+            conn,
         } => {
             crate::api::budget::set_global_capacity(max_inflight_mb << 20);
             serve_cmd(
@@ -304,6 +327,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 max_body_mb,
                 http_workers,
                 !no_playground,
+                &conn,
             )
         }
         Command::Decide { model, request, out, repeat, emit_passes, timings } => {
@@ -411,8 +435,11 @@ fn serve_cmd(
     max_body_mb: usize,
     http_workers: usize,
     playground: bool,
+    conn: &ConnArgs,
 ) -> Result<()> {
+    use std::time::Duration;
     let api_keys = api_key_file.as_deref().map(app::read_api_keys).transpose()?.unwrap_or_default();
+    crate::api::conn::raise_fd_limit(conn.max_connections)?;
     let http = crate::api::ServerConfig {
         host,
         port,
@@ -420,8 +447,15 @@ fn serve_cmd(
         max_body_bytes: max_body_mb << 20,
         max_questions,
         api_keys,
-        request_timeout: std::time::Duration::from_secs(request_timeout.max(1)),
+        request_timeout: Duration::from_secs(request_timeout.max(1)),
         playground,
+        conn: crate::api::conn::ConnLimits {
+            max_connections: conn.max_connections,
+            body_timeout: Duration::from_secs(conn.body_timeout),
+            min_body_rate: (conn.min_body_rate as u64) << 10,
+            ..Default::default()
+        },
+        shutdown_grace: Duration::from_secs(conn.shutdown_grace as u64),
         ..Default::default()
     };
     app::serve_http(&model.options(queue_depth)?, http)

@@ -78,14 +78,16 @@ fn gpu_answers_agree_with_the_cpu() {
             image_limits: ImageLimits::default(),
             image_config: ImageProcessorConfig::default(),
         };
-        let body = RequestBody::json(serde_json::to_vec(&case["request"]).unwrap());
-        if parse_request(body.clone(), &ctx).is_err() {
+        // A body holds its share of the in-flight memory budget, so it is not Clone: one per use.
+        let json = serde_json::to_vec(&case["request"]).unwrap();
+        let body = || RequestBody::json(json.clone());
+        if parse_request(body(), &ctx).is_err() {
             continue;
         }
         // The same request through the request pipeline on each engine.
         let answer = |engine: &dyn DecisionEngine| {
             let run = |call| run_engine(engine, call, BatchLimits::default());
-            decide_direct(body.clone(), ctx.clone(), d.clone(), run).unwrap().response
+            decide_direct(body(), ctx.clone(), d.clone(), run).unwrap().response
         };
         let ra = answer(&cpu);
         let rb = answer(&gpu);

@@ -9,6 +9,7 @@
 //! * [`budget`] — the process-wide budget of request memory in flight (413 / 529);
 //! * [`error`] — every refusal and its JSON shape (422 `detail[]`, else `{error_type, message}`);
 //! * [`schema`] — the wire types behind `schemas/*.json` and the OpenAPI document;
+//! * [`conn`] — the connection layer: connection cap, request-head checks, head and body timeouts;
 //! * [`server`] — actix-web routes, auth, request ids, metrics, readiness, graceful shutdown;
 //! * [`playground`] — the page at `/` for trying questions in a browser (assets compiled in).
 //!
@@ -18,6 +19,7 @@
 
 pub mod body;
 pub mod budget;
+pub mod conn;
 pub mod error;
 pub mod metrics;
 pub mod parse;

@@ -1,13 +1,16 @@
 //! The HTTP server: routes, auth, request ids, metrics, liveness (`/livez`) apart from readiness
-//! (`/healthz`), and graceful shutdown.
+//! (`/healthz`), and graceful shutdown bounded by `--shutdown-grace`. Connections go through
+//! [`super::conn`] (connection cap, head checks, head and body timeouts) into actix-http's HTTP/1
+//! dispatcher, which runs the actix-web app below.
 //!
 //! `POST /v1/systemone` runs the request pipeline ([`super::pipeline`]) and never blocks an
 //! async thread: body decoding, JSON parsing, image decoding and planning run on the blocking
 //! pool; the engine call puts the plan on the engine thread's bounded queue and awaits the reply.
-//! A full queue is 529 at once; a caller that goes away drops its reply channel, and the engine
-//! skips its job.
+//! A full queue is 529 at once; a caller whose connection is reset drops its reply channel, and
+//! the engine skips its job (a half-closed connection still gets its answer).
 
 use super::body::{self, BodyKind};
+use super::conn::{ConnCounter, ConnLimits, ConnShared, Guarded, REFUSAL_HEADER};
 use super::error::{ApiError, Loc};
 use super::metrics::{token_bucket, HttpMetrics};
 use super::parse::{ParseContext, RequestBody, DEFAULT_MAX_QUESTIONS};
@@ -18,7 +21,7 @@ use crate::image::ImageProcessorConfig;
 use crate::worker::{EngineOutput, EngineStatus, Job, JobError, SubmitError, WorkerHandle};
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderName, HeaderValue};
-use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, ResponseError};
 use anyhow::Context;
 use prometheus::{Encoder, Registry, TextEncoder};
 use serde_json::json;
@@ -55,6 +58,10 @@ pub struct ServerConfig {
     pub adapter_label: Option<String>,
     /// Serve the playground page at `/` ([`super::playground`]); `--no-playground` turns it off.
     pub playground: bool,
+    /// Connection cap, head and body timeouts ([`super::conn`]).
+    pub conn: ConnLimits,
+    /// On SIGTERM, how long accepted requests may still take before the server stops anyway.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for ServerConfig {
@@ -71,6 +78,8 @@ impl Default for ServerConfig {
             release_date: crate::release::Manifest::builtin().release.release_date.clone(),
             adapter_label: None,
             playground: true,
+            conn: ConnLimits::default(),
+            shutdown_grace: Duration::from_secs(25),
         }
     }
 }
@@ -204,36 +213,13 @@ impl AppState {
 #[derive(Clone)]
 struct RequestId(String);
 
-/// The connection's socket, recorded when the connection opens (see [`run_http_server`]), so a handler
-/// can notice that its caller went away: actix-web keeps running an HTTP/1 handler after the
-/// client disconnects, and a queued job must be skipped when nobody waits for it.
-#[derive(Clone, Copy)]
-struct PeerSocket(std::os::fd::RawFd);
-
-impl PeerSocket {
-    /// True once the peer closed or reset the connection (a non-consuming peek reads EOF or an
-    /// error). Pipelined bytes or silence mean the caller is still there.
-    fn gone(self) -> bool {
-        use std::os::fd::FromRawFd;
-        // SAFETY: the fd belongs to the connection that is running this handler; actix closes
-        // it only after the handler's future is dropped, so it is open (and the same socket)
-        // for every call made from the handler. ManuallyDrop keeps us from closing it.
-        let sock = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(self.0) });
-        let mut b = [0u8; 1];
-        match sock.peek(&mut b) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted),
-        }
-    }
-}
-
-/// Resolves when the peer has gone (checked every 50 ms); never, without a recorded socket.
-async fn peer_gone(peer: Option<PeerSocket>) {
-    let Some(peer) = peer else { return std::future::pending().await };
+/// Resolves when the caller's connection was reset (checked every 50 ms); never, without one.
+/// A read-side EOF is not a disconnect ([`ConnShared::peer_reset`]).
+async fn peer_gone(conn: Option<Arc<ConnShared>>) {
+    let Some(conn) = conn else { return std::future::pending().await };
     loop {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        if peer.gone() {
+        if conn.peer_reset() {
             return;
         }
     }
@@ -296,9 +282,19 @@ async fn systemone(
     st.authorize(&req)?;
     let (decider, _, _) = st.ready_or_503()?;
     let cfg = &st.shared.cfg;
-    let body = read_body(&req, payload, cfg.max_body_bytes).await?;
+    let conn = req.conn_data::<Arc<ConnShared>>().cloned();
+    let body = match read_body(&req, payload, cfg.max_body_bytes).await {
+        Err(_) if conn.as_ref().is_some_and(|c| c.body_timed_out()) => {
+            return Err(super::conn::request_timeout(format!(
+                "the request body did not arrive in time: {} s plus 1 s per {} bytes sent (--body-timeout, --min-body-rate)",
+                cfg.conn.body_timeout.as_secs_f64(),
+                cfg.conn.min_body_rate
+            )))
+        }
+        r => r?,
+    };
     let ctx = ParseContext::for_decider(&decider, cfg.max_questions, st.shared.image_config.clone());
-    let peer = req.conn_data::<PeerSocket>().copied();
+    let peer = conn;
     let queued = |call| run_queued(&st, call, id, started, peer);
     let decided = pipeline::decide(body, ctx, decider, started, ParseOn::BlockingPool, queued).await?;
     st.shared
@@ -345,7 +341,7 @@ async fn run_queued(
     call: EngineCall,
     id: String,
     started: Instant,
-    peer: Option<PeerSocket>,
+    peer: Option<Arc<ConnShared>>,
 ) -> Result<EngineOutput, ApiError> {
     let cfg = &st.shared.cfg;
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -380,8 +376,8 @@ async fn run_queued(
         r = tokio::time::timeout(timeout + Duration::from_secs(2), rx) => r,
         _ = peer_gone(peer) => {
             // Dropping the reply channel (with this future) tells the engine to skip the job.
-            tracing::info!("the caller disconnected while waiting for the engine");
-            return Err(ApiError::message(499, "client_closed_request", "the client closed the connection"));
+            tracing::info!("the caller reset its connection while waiting for the engine");
+            return Err(ApiError::message(499, "client_closed_request", "the client reset the connection"));
         }
     };
     match reply {
@@ -394,6 +390,19 @@ async fn run_queued(
             }
             JobError::Engine(e) => ApiError::internal(format!("the engine failed: {e:#}")),
             JobError::Cancelled => ApiError::internal("the request was cancelled"),
+            JobError::OverBudget { estimate_s, whole: true, .. } => ApiError::too_large(format!(
+                "the engine would need about {estimate_s:.0} s for this request (its images: their patches, \
+                 quadratically per image), more than --request-timeout ({:.0} s): send smaller images",
+                cfg.request_timeout.as_secs_f64()
+            )),
+            JobError::OverBudget { estimate_s, left_s, whole: false } => ApiError::message(
+                504,
+                "timeout",
+                format!(
+                    "abandoned before the engine started: it would need about {estimate_s:.1} s and \
+                     {left_s:.1} s of the request's deadline were left; retry later or send less"
+                ),
+            ),
         }),
         Ok(Ok(Ok(out))) => Ok(out),
     }
@@ -555,25 +564,43 @@ impl Observed {
     }
 }
 
+/// The refusal a stand-in request of [`super::conn`] carries, if this is one.
+fn connection_refusal(req: &ServiceRequest) -> Option<ApiError> {
+    if !req.headers().contains_key(REFUSAL_HEADER) {
+        return None;
+    }
+    req.conn_data::<Arc<ConnShared>>()?.take_refusal()
+}
+
 /// Serves HTTP on `listener` until `shutdown` resolves, then stops accepting, lets accepted
-/// requests finish (up to the request timeout plus a margin) and returns.
+/// requests finish for up to `--shutdown-grace` and returns (requests still running then are
+/// dropped: their callers' connections close, and the engine skips or stops their jobs).
 pub async fn run_http_server(
     listener: std::net::TcpListener,
     cfg: ServerConfig,
     app: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let grace = cfg.request_timeout.as_secs() + 5;
+    use actix_service::{fn_service, map_config, IntoServiceFactory, ServiceFactoryExt};
+    let grace = cfg.shutdown_grace;
+    let limits = cfg.conn;
     let playground = cfg.playground;
     let state = app.clone();
     let addr = listener.local_addr()?;
-    let server = HttpServer::new(move || {
+    let counter = Arc::new(ConnCounter::new());
+    let make_app = move || {
         let st = state.clone();
         App::new()
             .app_data(web::Data::new(state.clone()))
             .wrap_fn(move |req, srv| {
                 let obs = Observed::start(&req, &st);
-                let fut = srv.call(req).instrument(obs.span.clone());
+                let fut = match connection_refusal(&req) {
+                    Some(e) => futures_util::future::Either::Left(std::future::ready(Ok(
+                        req.into_response(e.error_response())
+                    ))),
+                    None => futures_util::future::Either::Right(srv.call(req)),
+                };
+                let fut = fut.instrument(obs.span.clone());
                 async move { Ok(obs.finish(fut.await?)) }
             })
             .service(
@@ -612,21 +639,39 @@ pub async fn run_http_server(
                 }
             })
             .default_service(web::to(not_found))
-    })
-    .on_connect(|conn, ext| {
-        use std::os::fd::AsRawFd;
-        if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
-            ext.insert(PeerSocket(tcp.as_raw_fd()));
-        }
-    })
-    .workers(cfg.workers.max(1))
-    .shutdown_timeout(grace)
-    .shutdown_signal(shutdown)
-    .listen(listener)
-    .with_context(|| format!("listening on {addr}"))?;
+    };
+    // What actix_web::HttpServer::listen builds, with the connection layer's I/O in between
+    // (see super::conn for why).
+    let server = actix_web::dev::Server::build()
+        .workers(cfg.workers.max(1))
+        .shutdown_timeout(grace.as_secs().max(1))
+        .shutdown_signal(shutdown)
+        .listen("imajev-http", listener, move || {
+            let counter = counter.clone();
+            let accept = fn_service(move |io: actix_web::rt::net::TcpStream| {
+                let peer = io.peer_addr().ok();
+                let conn = Guarded::new(io, limits, &counter);
+                std::future::ready(Ok::<_, actix_http::error::DispatchError>((conn, peer)))
+            });
+            let app = make_app().into_factory().map_err(|e| e.error_response());
+            let http = actix_http::HttpService::build()
+                .keep_alive(actix_http::KeepAlive::Timeout(Duration::from_secs(5)))
+                // The connection layer times heads itself (answering 408 with a body).
+                .client_request_timeout(Duration::ZERO)
+                .client_disconnect_timeout(Duration::from_secs(1))
+                .h1_allow_half_closed(true)
+                .local_addr(addr)
+                .on_connect_ext(|io: &Guarded, ext: &mut actix_http::Extensions| {
+                    ext.insert(io.shared());
+                })
+                .h1(map_config(app, |_| actix_web::dev::AppConfig::default()));
+            accept.and_then(http)
+        })
+        .with_context(|| format!("listening on {addr}"))?
+        .run();
     tracing::info!(%addr, "serving POST /v1/systemone");
     drop(app);
-    server.run().await.context("the HTTP server failed")?;
-    tracing::info!("HTTP server stopped; accepted requests finished");
+    server.await.context("the HTTP server failed")?;
+    tracing::info!("HTTP server stopped");
     Ok(())
 }

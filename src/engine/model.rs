@@ -477,8 +477,19 @@ impl<B: Backend> Qwen35<B> {
     /// Runs the vision tower once over all images; returns each image's merged features
     /// `[tokens_i, text hidden]`.
     pub fn encode_images(&self, images: &[&PatchedImage]) -> Result<Vec<B::Tensor>> {
+        Ok(self.encode_images_until(images, &|| false)?.unwrap_or_default())
+    }
+
+    /// [`Qwen35::encode_images`], asking `stop` before every vision block: `Ok(None)` when it
+    /// said stop (a request past its deadline or whose caller left must not hold the engine for
+    /// the rest of its vision tower).
+    pub fn encode_images_until(
+        &self,
+        images: &[&PatchedImage],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<B::Tensor>>> {
         if images.is_empty() {
-            return Ok(vec![]);
+            return Ok(Some(vec![]));
         }
         let vt = self
             .vision
@@ -527,6 +538,9 @@ impl<B: Backend> Qwen35<B> {
         let cos = b.upload(&cos, &[row, vc.head_dim()])?;
         let sin = b.upload(&sin, &[row, vc.head_dim()])?;
         for blk in &vt.blocks {
+            if stop() {
+                return Ok(None);
+            }
             let h = b.layer_norm(&x, &blk.norm1.0, &blk.norm1.1, 1e-6)?;
             let qkv = b.matmul(&h, &blk.qkv)?;
             let a = b.vision_attention(&qkv, &cos, &sin, vc.num_heads, &segments)?;
@@ -543,7 +557,34 @@ impl<B: Backend> Qwen35<B> {
         let mut h = b.matmul(&h, &vt.merger_fc1)?;
         b.gelu(&mut h, Gelu::Erf)?;
         let merged = b.matmul(&h, &vt.merger_fc2)?;
-        per_image.into_iter().map(|r| b.gather_rows(&merged, &r.collect::<Vec<_>>())).collect()
+        per_image
+            .into_iter()
+            .map(|r| b.gather_rows(&merged, &r.collect::<Vec<_>>()))
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
+    /// Multiply-accumulates of the vision tower for `grids` (`[t, h, w]` patches each): per block,
+    /// the projections and MLP per patch, and attention over each frame's patches (quadratic).
+    pub fn vision_macs(&self, grids: &[[usize; 3]]) -> f64 {
+        let vc = &self.config.vision_config;
+        let (d, inter) = (vc.hidden_size as f64, vc.intermediate_size as f64);
+        let per_block: f64 = grids
+            .iter()
+            .map(|&[t, h, w]| {
+                let n = (h * w) as f64;
+                t as f64 * (n * (4.0 * d * d + 2.0 * d * inter) + 2.0 * n * n * d)
+            })
+            .sum();
+        per_block * vc.depth as f64
+    }
+
+    /// Multiply-accumulates of the decoder for `tokens` tokens (projections and MLPs; attention
+    /// over the context is left out: it is small next to them at the lengths allowed).
+    pub fn decoder_macs(&self, tokens: usize) -> f64 {
+        let t = &self.config.text_config;
+        let (d, inter) = (t.hidden_size as f64, t.intermediate_size as f64);
+        tokens as f64 * t.num_hidden_layers as f64 * (4.0 * d * d + 3.0 * d * inter)
     }
 
     /// Runs the decoder over a packed batch of sequences, each continuing its own state, and

@@ -17,7 +17,7 @@ pub mod runner;
 
 pub use limits::{BatchLimits, QuestionTree, TreeSize};
 pub use metrics::EngineMetrics;
-pub use runner::{DecisionEngine, EngineOutput, PackedJob, RunError, StopReason};
+pub use runner::{DecisionEngine, EngineOutput, PackedJob, RunError, StopReason, WorkEstimate, DROP_REASONS};
 
 use crate::decision::Plan;
 use crate::image::PatchedImage;
@@ -39,6 +39,12 @@ pub enum JobError {
     Engine(anyhow::Error),
     #[error("the model failed to load: {0}")]
     NotLoaded(String),
+    /// Refused before it started: its estimated engine time does not fit what is left of its
+    /// deadline (`whole`: nor would it fit the whole request timeout, so a retry cannot help).
+    #[error(
+        "the request would take the engine about {estimate_s:.1} s; {left_s:.1} s of its deadline are left"
+    )]
+    OverBudget { estimate_s: f64, left_s: f64, whole: bool },
 }
 
 /// One accepted request for the engine thread.
@@ -172,11 +178,15 @@ where
     };
     // The thread keeps everything but the sender: once the last WorkerHandle is dropped, the
     // channel closes and the loop ends after draining the queue.
+    for reason in DROP_REASONS {
+        handle.metrics.dropped.with_label_values(&[reason]);
+    }
     let h = Shared {
         depth: handle.depth.clone(),
         avg_job_ms: handle.avg_job_ms.clone(),
         status: handle.status.clone(),
         metrics: handle.metrics.clone(),
+        rates: Mutex::new(Rates::default()),
     };
     let join = std::thread::Builder::new()
         .name("engine".into())
@@ -189,6 +199,10 @@ where
                     // Seconds to 0.01 in the log; the status keeps the exact value.
                     let seconds = (load_seconds * 100.0).round() / 100.0;
                     tracing::info!(%backend, load_seconds = seconds, "model loaded");
+                    if let Some(v) = e.calibrate_vision() {
+                        tracing::info!(ns_per_kmac = v * 1e12, "vision tower timed for admission by cost");
+                        h.rates.lock().unwrap_or_else(|p| p.into_inner()).vision = Some(v);
+                    }
                     h.metrics.loaded.set(1);
                     *h.status.lock().unwrap() = EngineStatus::Ready { backend, load_seconds };
                     Some(e)
@@ -205,12 +219,36 @@ where
     (handle, join)
 }
 
+/// Seconds per multiply-accumulate of each stage, as measured (None until measured).
+#[derive(Debug, Default, Clone, Copy)]
+struct Rates {
+    vision: Option<f64>,
+    decoder: Option<f64>,
+}
+
+impl Rates {
+    /// The engine seconds `w` should take, counting only the stages already measured.
+    fn seconds(&self, w: WorkEstimate) -> f64 {
+        self.vision.map_or(0.0, |r| r * w.vision_macs) + self.decoder.map_or(0.0, |r| r * w.decoder_macs)
+    }
+
+    /// Folds in a run that took `seconds` for `macs` (short runs time overheads, not work).
+    fn learn(rate: &mut Option<f64>, seconds: f64, macs: f64) {
+        if seconds < 0.02 || macs <= 0.0 {
+            return;
+        }
+        let r = seconds / macs;
+        *rate = Some(rate.map_or(r, |old| 0.7 * old + 0.3 * r));
+    }
+}
+
 /// The engine thread's view of the shared counters (no sender, so it cannot keep the queue open).
 struct Shared {
     depth: Arc<AtomicUsize>,
     avg_job_ms: Arc<AtomicU64>,
     status: Arc<Mutex<EngineStatus>>,
     metrics: Arc<EngineMetrics>,
+    rates: Mutex<Rates>,
 }
 
 impl Shared {
@@ -238,15 +276,49 @@ impl Shared {
         None
     }
 
+    /// Admission by cost: the job, unless its estimated engine time ([`WorkEstimate`] at the
+    /// measured [`Rates`]) does not fit what is left of its deadline — then it is refused here,
+    /// before it holds the engine (and every request queued behind it).
+    fn afford(&self, engine: &dyn DecisionEngine, job: Job) -> Option<(Job, WorkEstimate)> {
+        let images: Vec<&PatchedImage> = job.images.iter().collect();
+        let work = engine.estimate(&job.plan, &images);
+        let estimate_s = self.rates.lock().unwrap_or_else(|p| p.into_inner()).seconds(work);
+        let left_s = job.deadline.saturating_duration_since(Instant::now()).as_secs_f64();
+        if estimate_s <= left_s {
+            return Some((job, work));
+        }
+        let whole = estimate_s > job.timeout.as_secs_f64();
+        self.metrics.dropped.with_label_values(&["over_budget"]).inc();
+        tracing::warn!(
+            request_id = %job.id,
+            estimate_s = (estimate_s * 10.0).round() / 10.0,
+            left_s = (left_s * 10.0).round() / 10.0,
+            images = images.len(),
+            "work abandoned before it started: it would not finish before its deadline"
+        );
+        let _ = job.reply.send(Err(JobError::OverBudget { estimate_s, left_s, whole }));
+        None
+    }
+
     /// Answers a job with the engine's result.
-    fn answer(&self, job: Job, result: Result<EngineOutput, RunError>) {
+    fn answer(&self, job: Job, work: WorkEstimate, result: Result<EngineOutput, RunError>) {
         let reply = match result {
             Ok(out) => {
                 self.metrics.record(&out);
+                let mut rates = self.rates.lock().unwrap_or_else(|p| p.into_inner());
+                Rates::learn(&mut rates.vision, out.vision_ms / 1e3, work.vision_macs);
+                if out.packed_with <= 1 {
+                    Rates::learn(
+                        &mut rates.decoder,
+                        (out.prefill_ms + out.questions_ms) / 1e3,
+                        work.decoder_macs,
+                    );
+                }
                 Ok(out)
             }
             Err(RunError::Stopped(why)) => {
                 self.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
+                tracing::warn!(request_id = %job.id, reason = %why, "work abandoned while running");
                 Err(job.stopped(why))
             }
             Err(RunError::Engine(e)) => {
@@ -276,8 +348,9 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
             let _ = first.reply.send(Err(JobError::NotLoaded(why)));
             continue;
         };
+        let Some(first) = h.afford(engine.as_ref(), first) else { continue };
         let mut batch = vec![first];
-        if let Some(mut used) = limits.one_forward(&batch[0].plan) {
+        if let Some(mut used) = limits.one_forward(&batch[0].0.plan) {
             // Everything already waiting that fits, in order; the first that does not fit
             // opens the next round.
             while let Ok(job) = rx.try_recv() {
@@ -288,7 +361,7 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
                 match limits.one_forward(&job.plan) {
                     Some(size) if limits.admits(used, size) => {
                         used = used + size;
-                        batch.extend(h.admit(job));
+                        batch.extend(h.admit(job).and_then(|j| h.afford(engine.as_ref(), j)));
                     }
                     _ => {
                         next = Some(job);
@@ -303,7 +376,8 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
 }
 
 /// Runs one round's jobs (one packed forward, or a job alone) and answers each.
-fn run_batch(engine: &dyn DecisionEngine, batch: Vec<Job>, h: &Shared, limits: BatchLimits) {
+fn run_batch(engine: &dyn DecisionEngine, batch: Vec<(Job, WorkEstimate)>, h: &Shared, limits: BatchLimits) {
+    let (batch, work): (Vec<Job>, Vec<WorkEstimate>) = batch.into_iter().unzip();
     let started = Instant::now();
     let images: Vec<Vec<&PatchedImage>> = batch.iter().map(|j| j.images.iter().collect()).collect();
     let checks: Vec<_> = batch.iter().map(|j| move || j.stop_reason().map_or(Ok(()), Err)).collect();
@@ -325,8 +399,8 @@ fn run_batch(engine: &dyn DecisionEngine, batch: Vec<Job>, h: &Shared, limits: B
     let per_job_ms = secs * 1000.0 / batch.len() as f64;
     let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
     h.avg_job_ms.store((0.8 * prev + 0.2 * per_job_ms) as u64, Ordering::Relaxed);
-    for (job, result) in batch.into_iter().zip(results) {
-        h.answer(job, result);
+    for ((job, work), result) in batch.into_iter().zip(work).zip(results) {
+        h.answer(job, work, result);
     }
 }
 

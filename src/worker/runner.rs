@@ -42,6 +42,11 @@ pub enum StopReason {
     CallerGone,
 }
 
+/// Every `reason` label of `imajev_jobs_dropped_total` (preinitialised at 0): `deadline` and
+/// `disconnected` ([`StopReason`]), and `over_budget` — a job refused before it started because
+/// its estimated engine time ([`WorkEstimate`]) does not fit its deadline.
+pub const DROP_REASONS: [&str; 3] = ["deadline", "disconnected", "over_budget"];
+
 impl StopReason {
     /// The `reason` label of `imajev_jobs_dropped_total`.
     pub fn metric_label(self) -> &'static str {
@@ -50,6 +55,16 @@ impl StopReason {
             StopReason::CallerGone => "disconnected",
         }
     }
+}
+
+/// What a request would cost the engine, in multiply-accumulates per stage (the worker turns it
+/// into seconds with the rates it measures, and refuses work that cannot finish in time).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkEstimate {
+    /// The vision tower: linear in the images' patches, quadratic in each image's.
+    pub vision_macs: f64,
+    /// The decoder over every token the request runs.
+    pub decoder_macs: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +100,17 @@ pub trait DecisionEngine: Send {
     fn run_packed(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
         jobs.iter().map(|j| self.run(j.plan, j.images, limits, j.keep_going)).collect()
     }
+    /// What `plan` with `images` would cost ([`WorkEstimate`]); zero (always admitted) for
+    /// engines that cannot say.
+    fn estimate(&self, _plan: &Plan, _images: &[&PatchedImage]) -> WorkEstimate {
+        WorkEstimate::default()
+    }
+    /// Seconds per vision multiply-accumulate, measured on a synthetic image once the model is
+    /// loaded (`None`: no vision tower, or an engine that cannot say). It lets the first large
+    /// image be refused before it holds the engine; measured requests refine it.
+    fn calibrate_vision(&self) -> Option<f64> {
+        None
+    }
     /// Backend description for `/v1/models` and logs.
     fn backend_name(&self) -> String;
     fn readout_rows(&self) -> Option<usize>;
@@ -113,6 +139,31 @@ struct PackedSegment {
 }
 
 impl<B: Backend> Qwen35<B> {
+    /// The vision tower over `images`, stopped between blocks when `keep_going` says so.
+    fn vision_checked(
+        &self,
+        images: &[&PatchedImage],
+        keep_going: &dyn Fn() -> Result<(), StopReason>,
+    ) -> Result<Vec<B::Tensor>, RunError> {
+        let why = std::cell::Cell::new(None);
+        let t = Instant::now();
+        let stop = || match keep_going() {
+            Ok(()) => false,
+            Err(r) => {
+                why.set(Some(r));
+                true
+            }
+        };
+        match self.encode_images_until(images, &stop)? {
+            Some(f) => Ok(f),
+            None => {
+                let why = why.get().unwrap_or(StopReason::Deadline);
+                tracing::warn!(reason = %why, ms = ms(t).round(), "vision abandoned between blocks");
+                Err(RunError::Stopped(why))
+            }
+        }
+    }
+
     /// The layouts of one job's tree: its prefix, its questions' shared tokens (two-level trees)
     /// and its passes, each pass with the shared tokens it continues (`None`: the prefix).
     fn job_layouts(
@@ -169,7 +220,7 @@ impl<B: Backend> Qwen35<B> {
             let prepared = (|| -> Result<_, RunError> {
                 (job.keep_going)().map_err(RunError::Stopped)?;
                 let t = Instant::now();
-                let feats = self.encode_images(job.images)?;
+                let feats = self.vision_checked(job.images, job.keep_going)?;
                 let out = EngineOutput { vision_ms: ms(t), ..Default::default() };
                 let layouts = self.job_layouts(job.plan, job.images, limits.question_tree)?;
                 (job.keep_going)().map_err(RunError::Stopped)?;
@@ -263,7 +314,7 @@ impl<B: Backend> Qwen35<B> {
     ) -> Result<EngineOutput, RunError> {
         let mut out = EngineOutput { packed_with: 1, ..Default::default() };
         let t = Instant::now();
-        let feats = self.encode_images(images)?;
+        let feats = self.vision_checked(images, keep_going)?;
         out.vision_ms = ms(t);
         keep_going().map_err(RunError::Stopped)?;
 
@@ -413,6 +464,31 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
             results[j] = Some(self.run_alone(job.plan, job.images, limits, job.keep_going));
         }
         results.into_iter().map(|r| r.expect("every job has a result")).collect()
+    }
+
+    fn estimate(&self, plan: &Plan, images: &[&PatchedImage]) -> WorkEstimate {
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        WorkEstimate {
+            vision_macs: if images.is_empty() { 0.0 } else { self.vision_macs(&grids) },
+            decoder_macs: self.decoder_macs(plan.processed_tokens),
+        }
+    }
+
+    fn calibrate_vision(&self) -> Option<f64> {
+        let vc = &self.config.vision_config;
+        // 32 × 32 patches (a 512 × 512 image): long enough to time, short enough for any load.
+        let side = 32 * vc.spatial_merge_size.max(1) / 2;
+        let img = PatchedImage {
+            pixel_values: vec![0.0; side * side * vc.patch_dim()],
+            grid_thw: [1, side, side],
+            resized_hw: (side * vc.patch_size, side * vc.patch_size),
+            patch_dim: vc.patch_dim(),
+            merge_size: vc.spatial_merge_size,
+        };
+        let t = Instant::now();
+        self.encode_images(&[&img]).ok()?;
+        let secs = t.elapsed().as_secs_f64();
+        Some(secs / self.vision_macs(&[img.grid_thw]).max(1.0))
     }
 
     fn backend_name(&self) -> String {
