@@ -14,7 +14,7 @@
 #   (adapter/release.lock.json, or $IMAJEV_LOCK), then execs the server as PID 1.
 # * An empty or missing /models stops the container with the download commands.
 # * --stop-timeout 30: on SIGTERM the server finishes accepted requests for up to its
-#   --request-timeout (120 s) + 5 s; Docker's default of 10 s would cut them off.
+#   --shutdown-grace (25 s), then exits; Docker's default of 10 s would cut them off.
 # * The NVRTC kernel cache is ~/.cache/imajev-serve/kernels of the user imajev; the named volume
 #   keeps it across `--rm` runs (a first start compiles the kernels).
 # * The binary needs no CUDA toolkit to build: cudarc loads libcuda, NVRTC and cuBLASLt at run time.
