@@ -2,7 +2,7 @@
 # readout, FP8 projections, 4 rotations, calibration-rot4.json) from the folder mounted at /models.
 #
 #   docker build --build-arg IMAJEV_GIT_COMMIT="$(git rev-parse --short=12 HEAD)" -t imajev-serve .
-#   docker run --gpus all --stop-timeout 130 -p 8765:8765 -v "$PWD/models:/models:ro" \
+#   docker run --gpus all --stop-timeout 30 -p 8765:8765 -v "$PWD/models:/models:ro" \
 #     -v imajev-cache:/home/imajev/.cache imajev-serve
 #   docker run --rm -p 8765:8765 imajev-serve serve --demo
 #
@@ -13,8 +13,8 @@
 #   `-e` (never to --demo), runs `imajev-serve verify` first when a hash lock exists
 #   (adapter/release.lock.json, or $IMAJEV_LOCK), then execs the server as PID 1.
 # * An empty or missing /models stops the container with the download commands.
-# * --stop-timeout 130: on SIGTERM the server finishes accepted requests for up to its
-#   --request-timeout (120 s) + 5 s; Docker's default of 10 s would cut them off.
+# * --stop-timeout 30: on SIGTERM the server finishes accepted requests for up to its
+#   --shutdown-grace (25 s), then exits; Docker's default of 10 s would cut them off.
 # * The NVRTC kernel cache is ~/.cache/imajev-serve/kernels of the user imajev; the named volume
 #   keeps it across `--rm` runs (a first start compiles the kernels).
 # * The binary needs no CUDA toolkit to build: cudarc loads libcuda, NVRTC and cuBLASLt at run time.

@@ -275,7 +275,7 @@ fn image(data: &[u8]) {
 /// The obvious quadratic scan the replacer replaced: the reference for its output.
 fn naive_replace(pairs: &[(String, String)], s: &str) -> String {
     let mut pairs: Vec<&(String, String)> = pairs.iter().filter(|p| !p.0.is_empty()).collect();
-    pairs.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+    pairs.sort_by_key(|p| std::cmp::Reverse(p.0.len()));
     let mut out = String::new();
     let mut i = 0;
     'scan: while i < s.len() {

@@ -236,11 +236,11 @@ fn the_docker_commands_are_the_dockerfiles_and_fit_the_image() {
         }
     }
     assert!(mounts.contains(&format!("imajev-cache:{}/.cache", env["HOME"]).as_str()), "{mounts:?}");
-    // docker stop must outlast the drain: --request-timeout's default + 5 s.
+    // docker stop must outlast the drain: --shutdown-grace's default (+ 5 s to exit).
     let stop: u64 = option(run, "--stop-timeout")[0].parse().unwrap();
     let timeout: u64 = subcommand("serve")
         .get_arguments()
-        .find(|a| a.get_long() == Some("request-timeout"))
+        .find(|a| a.get_long() == Some("shutdown-grace"))
         .unwrap()
         .get_default_values()[0]
         .to_str()

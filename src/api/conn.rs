@@ -638,16 +638,14 @@ pub fn raise_fd_limit(max_connections: usize) -> anyhow::Result<()> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return Ok(());
     }
-    if lim.rlim_cur as u64 >= need {
+    if lim.rlim_cur >= need {
         return Ok(());
     }
-    let raised = libc::rlimit {
-        rlim_cur: lim.rlim_max.min(need.max(lim.rlim_cur as u64) as _),
-        rlim_max: lim.rlim_max,
-    };
+    let raised =
+        libc::rlimit { rlim_cur: lim.rlim_max.min(need.max(lim.rlim_cur) as _), rlim_max: lim.rlim_max };
     // SAFETY: as above.
     let ok = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0;
-    let now = if ok { raised.rlim_cur as u64 } else { lim.rlim_cur as u64 };
+    let now = if ok { raised.rlim_cur } else { lim.rlim_cur };
     anyhow::ensure!(
         now >= need,
         "--max-connections {max_connections} needs {need} open files, and this process may open {now} \
@@ -698,13 +696,10 @@ mod tests {
         let mut c = Chunk::Size { size: 0, digits: 0, ext: false };
         let mut i = 0;
         let end = loop {
-            match c {
-                Chunk::Data(n) => {
-                    i += n as usize;
-                    c = Chunk::DataCr;
-                    continue;
-                }
-                _ => {}
+            if let Chunk::Data(n) = c {
+                i += n as usize;
+                c = Chunk::DataCr;
+                continue;
             }
             match chunk_step(c, body[i]).expect("valid framing") {
                 Some(next) => c = next,

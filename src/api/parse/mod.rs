@@ -110,6 +110,13 @@ pub struct RequestBody {
     pub held: Reservation,
 }
 
+/// A copy holds none of the in-flight memory budget.
+impl Clone for RequestBody {
+    fn clone(&self) -> Self {
+        RequestBody { json: self.json.clone(), files: self.files.clone(), held: Reservation::none() }
+    }
+}
+
 impl RequestBody {
     /// A JSON body.
     pub fn json(json: Vec<u8>) -> Self {
