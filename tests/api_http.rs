@@ -1247,8 +1247,9 @@ fn a_caller_that_leaves_while_queued_is_skipped() {
         assert!(t.elapsed() < Duration::from_secs(10), "the request never reached the queue");
         std::thread::sleep(Duration::from_millis(10));
     }
-    c.shutdown(std::net::Shutdown::Both).unwrap();
-    drop(c);
+    // Hang up with a reset (SO_LINGER 0, then close): a FIN alone is a half-close, which HTTP/1.1
+    // allows while the client still waits for its answer, so only a reset means "gone".
+    reset(c);
     assert_eq!(first.join().unwrap().status, 200);
     let t = Instant::now();
     while s.metric("imajev_jobs_dropped_total{reason=\"disconnected\"}") < before + 1.0 {
@@ -1389,4 +1390,22 @@ fn offline_decide_json_matches_the_http_answers() {
     assert_eq!(offline["usage"]["images"], online["usage"]["images"]);
     let e = decide_json(b"{\"questions\": {}}").unwrap_err();
     assert_eq!((e.status, e.code), (422, "invalid_request"));
+}
+
+/// Closes a connection with a reset: SO_LINGER on with a zero timeout makes close() send RST.
+fn reset(c: TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a valid socket descriptor and a correctly sized `linger` value.
+    let rc = unsafe {
+        libc::setsockopt(
+            c.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "setsockopt(SO_LINGER)");
+    drop(c);
 }
