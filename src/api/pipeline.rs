@@ -8,6 +8,7 @@
 
 use super::error::{ApiError, Loc};
 use super::parse::{parse_request, ParseContext, ParsedRequest, RequestBody};
+use crate::decision::answer::{tallies, Tally};
 use crate::decision::{Decider, DecisionRequest, Plan, PlanError, Timings};
 use crate::image::PatchedImage;
 use crate::worker::{BatchLimits, DecisionEngine, EngineOutput};
@@ -41,6 +42,8 @@ pub struct Decided {
     pub plan: Arc<Plan>,
     pub output: EngineOutput,
     pub timings: Timings,
+    /// What each question's answer counts for in the metrics, in request order.
+    pub tallies: Vec<Tally>,
 }
 
 /// Answers one request: parses `body` under `ctx`'s rules, plans it, hands the plan and the
@@ -91,8 +94,10 @@ where
         questions_ms: output.questions_ms,
         total_ms: started.elapsed().as_secs_f64() * 1e3,
     };
-    let response = decider.respond(&request, &plan, &output.logits, timings);
-    Ok(Decided { response, request, plan, output, timings })
+    let outcomes = decider.outcomes(&request, &plan, &output.logits);
+    let response = decider.respond_with(&request, &plan, &outcomes, timings);
+    let tallies = tallies(&request, &outcomes);
+    Ok(Decided { response, request, plan, output, timings, tallies })
 }
 
 /// [`decide`] for callers without an async runtime (the `decide` command, tests): everything

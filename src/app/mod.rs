@@ -15,6 +15,7 @@ pub mod device;
 
 pub use device::{cuda_backend, load_engine, Device, Quantize};
 
+use crate::api::metrics::{register_build_info, BuildInfo};
 use crate::api::ServerConfig;
 use crate::decision::{Calibration, Codebook, ContractMode, Decider, DecisionSettings};
 use crate::engine::adapter::{readout_path, ReadoutFile};
@@ -96,10 +97,19 @@ pub fn start(opts: &ServeOptions) -> Result<Service> {
     let p = prepare(opts)?;
     let registry = prometheus::Registry::new();
     let metrics = Arc::new(EngineMetrics::new(&registry)?);
-    metrics.weight_bytes.set(dir_bytes(&p.model_dir) as i64);
+    let (contract, model) = (opts.contract.name().to_string(), p.info.model.clone());
+    let calibration_version = p.info.calibration_version.clone().unwrap_or_else(|| "none".into());
+    let build_registry = registry.clone();
     let (device, quantize, m, a) = (p.device, p.quantize, p.model_dir.clone(), p.adapter_dir.clone());
-    let (worker, engine_thread) =
-        worker::spawn(move || load_engine(device, quantize, &m, &a), p.queue_depth, p.batch, metrics);
+    // `imajev_build_info` appears once the model is loaded: only then is the backend known
+    // (`--device auto` may fall back to the CPU).
+    let load = move || {
+        let engine = load_engine(device, quantize, &m, &a)?;
+        let build = BuildInfo { backend: engine.backend_kind().into(), contract, model, calibration_version };
+        register_build_info(&build_registry, &build).context("registering imajev_build_info")?;
+        Ok(engine)
+    };
+    let (worker, engine_thread) = worker::spawn(load, p.queue_depth, p.batch, metrics);
     Ok(Service {
         decider: p.decider,
         worker,
@@ -354,16 +364,4 @@ pub fn read_api_keys(path: &Path) -> Result<Vec<String>> {
         bail!("--api-key-file {} holds no keys (one per line)", path.display());
     }
     Ok(keys)
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|it| {
-            it.filter_map(|e| e.ok())
-                .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-                .filter_map(|e| e.metadata().ok())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
 }

@@ -19,6 +19,18 @@ pub mod tree;
 use crate::weights::TensorRef;
 use anyhow::Result;
 use std::ops::Range;
+use std::sync::Arc;
+
+/// Memory of the device a backend runs on, in bytes: all of it, and what is in use (by any process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub used: u64,
+    pub total: u64,
+}
+
+/// Reads the device's memory now; callable from any thread while the backend lives (it holds
+/// what it needs, not the backend).
+pub type MemoryProbe = Arc<dyn Fn() -> Result<DeviceMemory> + Send + Sync>;
 
 /// One block of rows of a projection `y = x·Wᵀ + b + scale·(x·Aᵀ)·Bᵀ`.
 #[derive(Clone, Copy)]
@@ -179,6 +191,14 @@ pub trait Backend: Send + Sync + 'static {
     /// A one-line description for logs and `/v1/models`.
     fn describe(&self) -> String;
 
+    /// The backend's short name (`cpu`, `cuda`): the `backend` label of `imajev_build_info`.
+    fn kind(&self) -> &'static str;
+
+    /// A reader of the device's memory, for backends that run on one (None: host memory only).
+    fn memory_probe(&self) -> Option<MemoryProbe> {
+        None
+    }
+
     /// Waits until queued device work has finished (for stage timings; a no-op on the CPU).
     fn synchronize(&self) -> Result<()> {
         Ok(())
@@ -199,6 +219,11 @@ pub trait Backend: Send + Sync + 'static {
     fn linear(&self, parts: &[LinearPart]) -> Result<Self::Linear>;
     /// Output width of a projection.
     fn linear_out(&self, w: &Self::Linear) -> usize;
+    /// Bytes a tensor holds (host or device), in the precision it is kept in.
+    fn tensor_bytes(&self, t: &Self::Tensor) -> usize;
+    /// Bytes a projection holds: its weights as kept (FP8 codes and scales, BF16 or f32), bias
+    /// and LoRA factors.
+    fn linear_bytes(&self, w: &Self::Linear) -> usize;
 
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<Self::Tensor>;
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;

@@ -1,7 +1,8 @@
 //! Answers in the public shapes: imajev's (noul = P(true) + ½·P(unknown); choice/score over the
 //! real options; confidence = concentration × (1 − unknown); `unknown_probability`, `abstained`,
 //! `calibration_version`) or TypeSafe's (the same numbers with imajev's extra fields prefixed
-//! `x_`, and TypeSafe's confidence formulas).
+//! `x_`, and TypeSafe's confidence formulas). [`tallies`] says what each answer counts for in the
+//! metrics (type, abstained, unknown probabilities), from the same outcomes.
 
 use super::outcome::{known, Outcome};
 use super::prompt::ScoredQuestion;
@@ -75,6 +76,38 @@ impl Extras {
             m.insert(self.name("calibration_version"), json!(v));
         }
     }
+}
+
+/// What one answered question counts for in the metrics: its type, whether it abstained (a
+/// multi: every label abstained, as its answer says) and the unknown probability of each scored
+/// question behind it (one; a multi has one per label).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tally {
+    pub kind: &'static str,
+    pub abstained: bool,
+    pub unknowns: Vec<f64>,
+}
+
+/// One [`Tally`] per question of `req`, in request order, from the outcomes the answers are
+/// built from.
+pub fn tallies(req: &DecisionRequest, outcomes: &[Outcome]) -> Vec<Tally> {
+    let mut next = 0; // index into outcomes
+    req.questions
+        .iter()
+        .map(|q| {
+            let scored = match &q.kind {
+                QuestionKind::Multi { labels, .. } => labels.len(),
+                _ => 1,
+            };
+            let own = &outcomes[next..next + scored];
+            next += scored;
+            Tally {
+                kind: q.kind.type_name(),
+                abstained: own.iter().all(Outcome::abstained),
+                unknowns: own.iter().map(Outcome::unknown).collect(),
+            }
+        })
+        .collect()
 }
 
 /// The `answers` object: one entry per question, in request order.
@@ -178,5 +211,65 @@ mod tests {
         assert_eq!(concentration(&[0.5, 0.5]), 0.0);
         assert_eq!(concentration(&[1.0, 0.0, 0.0]), 1.0);
         assert!((concentration(&[0.6, 0.3, 0.1]) - 0.4).abs() < 1e-12);
+    }
+
+    fn outcome(scores: &[f64], selected: usize) -> Outcome {
+        Outcome {
+            keys: (0..scores.len()).map(|i| i.to_string()).collect(),
+            scores: scores.to_vec(),
+            raw_logits: scores.to_vec(),
+            selected,
+            calibration_version: None,
+        }
+    }
+
+    #[test]
+    fn tallies_follow_the_questions_and_fold_multi_labels() {
+        let q = |id: &str, kind: QuestionKind| super::super::Question { id: id.into(), kind };
+        let multi = QuestionKind::Multi {
+            instructions: "tags".into(),
+            labels: vec![("a".into(), None), ("b".into(), None)],
+            threshold: 0.5,
+        };
+        let req = DecisionRequest {
+            state: json!("s"),
+            questions: vec![
+                q("n", QuestionKind::Noul { question: "?".into(), yes: None, no: None }),
+                q("m", multi.clone()),
+                q("m2", multi),
+            ],
+            images: vec![],
+        };
+        let outcomes = [
+            outcome(&[0.1, 0.2, 0.7], 2), // noul: unknown selected
+            outcome(&[0.6, 0.3, 0.1], 0), // multi m, label a answered
+            outcome(&[0.2, 0.2, 0.6], 2), // multi m, label b abstained
+            outcome(&[0.1, 0.1, 0.8], 2), // multi m2: both labels abstained
+            outcome(&[0.1, 0.2, 0.7], 2),
+        ];
+        let t = tallies(&req, &outcomes);
+        let summary: Vec<(&str, bool, Vec<f64>)> =
+            t.into_iter().map(|t| (t.kind, t.abstained, t.unknowns)).collect();
+        assert_eq!(
+            summary,
+            vec![
+                ("noul", true, vec![0.7]),
+                ("multi", false, vec![0.1, 0.6]),
+                ("multi", true, vec![0.8, 0.7])
+            ]
+        );
+        // The same folding as the answers' `abstained`.
+        let scored: Vec<ScoredQuestion> = [0, 1, 1, 2, 2]
+            .into_iter()
+            .map(|owner| ScoredQuestion {
+                kind: super::super::prompt::ScoredKind::Boolean,
+                text: "q".into(),
+                candidates: vec![],
+                owner,
+            })
+            .collect();
+        let answers = answers(&req, &scored, &outcomes, ContractMode::Imajev);
+        assert_eq!(answers["m"]["abstained"], false);
+        assert_eq!(answers["m2"]["abstained"], true);
     }
 }

@@ -126,9 +126,19 @@ impl Decider {
 
     /// The full response body.
     pub fn respond(&self, req: &DecisionRequest, plan: &Plan, logits: &[Vec<Vec<f32>>], t: Timings) -> Value {
-        let outcomes = self.outcomes(req, plan, logits);
+        self.respond_with(req, plan, &self.outcomes(req, plan, logits), t)
+    }
+
+    /// The full response body from the request's outcomes ([`Decider::outcomes`]).
+    pub fn respond_with(
+        &self,
+        req: &DecisionRequest,
+        plan: &Plan,
+        outcomes: &[outcome::Outcome],
+        t: Timings,
+    ) -> Value {
         let scored: Vec<prompt::ScoredQuestion> = plan.scored.iter().map(|q| q.question.clone()).collect();
-        let answers = answer::answers(req, &scored, &outcomes, self.settings.mode);
+        let answers = answer::answers(req, &scored, outcomes, self.settings.mode);
         let images: Vec<Value> = req
             .images
             .iter()

@@ -39,6 +39,21 @@ pub enum QuestionKind {
     Multi { instructions: String, labels: Vec<(String, Option<String>)>, threshold: f64 },
 }
 
+impl QuestionKind {
+    /// Every question type's wire name (the `type` of a question and of its answer).
+    pub const TYPE_NAMES: [&'static str; 4] = ["choice", "noul", "score", "multi"];
+
+    /// The wire name of this question's type.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            QuestionKind::Choice { .. } => "choice",
+            QuestionKind::Noul { .. } => "noul",
+            QuestionKind::Score { .. } => "score",
+            QuestionKind::Multi { .. } => "multi",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Question {
     /// The client's id: echoed back, never shown to the model.

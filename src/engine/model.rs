@@ -142,6 +142,9 @@ pub struct LoadReport {
     pub lora_rank: Option<usize>,
     pub readout_rows: Option<usize>,
     pub fp8_weights: usize,
+    /// Bytes of weights the backend holds after placing them (converted, quantised, padded):
+    /// what the model costs in host or device memory, not its checkpoint's size.
+    pub weight_bytes: u64,
 }
 
 /// A loaded Qwen3.5 model (+ optional LoRA and readout) on backend `B`.
@@ -167,6 +170,8 @@ struct Loader<'s, 'a> {
     used_lora: BTreeSet<String>,
     progress: LoadProgress,
     fp8: usize,
+    /// Bytes the backend holds for what was placed so far.
+    held: u64,
 }
 
 impl<'s, 'a> Loader<'s, 'a> {
@@ -178,7 +183,20 @@ impl<'s, 'a> Loader<'s, 'a> {
 
     fn param<B: Backend>(&mut self, b: &B, name: &str, shape: &[usize]) -> Result<B::Tensor> {
         let t = self.get(name, shape)?;
-        b.param(&t).with_context(|| format!("placing {name}"))
+        let placed = b.param(&t).with_context(|| format!("placing {name}"))?;
+        Ok(self.held_tensor(b, placed))
+    }
+
+    /// Counts a placed tensor's bytes.
+    fn held_tensor<B: Backend>(&mut self, b: &B, t: B::Tensor) -> B::Tensor {
+        self.held += b.tensor_bytes(&t) as u64;
+        t
+    }
+
+    /// Counts a placed projection's bytes.
+    fn held_linear<B: Backend>(&mut self, b: &B, w: B::Linear) -> B::Linear {
+        self.held += b.linear_bytes(&w) as u64;
+        w
     }
 
     /// A projection made of the given modules (`<module>.weight` `[out, in]`, optional bias),
@@ -210,7 +228,8 @@ impl<'s, 'a> Loader<'s, 'a> {
             tensors.push(LinearPart { weight: w, bias: bias_t, lora });
         }
         let names: Vec<&str> = modules.iter().map(|m| m.0).collect();
-        b.linear(&tensors).with_context(|| format!("placing {}", names.join(" + ")))
+        let placed = b.linear(&tensors).with_context(|| format!("placing {}", names.join(" + ")))?;
+        Ok(self.held_linear(b, placed))
     }
 }
 
@@ -260,6 +279,7 @@ impl<B: Backend> Qwen35<B> {
             used_lora: BTreeSet::new(),
             progress: LoadProgress::new("loading weights", store.total_bytes()),
             fp8: 0,
+            held: 0,
         };
         let b = &backend;
         let (h, inter) = (t.hidden_size, t.intermediate_size);
@@ -310,6 +330,7 @@ impl<B: Backend> Qwen35<B> {
                     let conv_t = ld.get(&format!("{la}conv1d.weight"), &[c, 1, d.conv_kernel])?;
                     let conv_shape = [c, d.conv_kernel];
                     let conv = b.param(&TensorRef { shape: &conv_shape, ..conv_t })?;
+                    let conv = ld.held_tensor(b, conv);
                     Mixer::DeltaNet {
                         in_proj,
                         conv,
@@ -353,7 +374,7 @@ impl<B: Backend> Qwen35<B> {
             }
         }
         let readout = match &readout_file {
-            Some(f) => Some((b.param_f32(&f.tensor()?)?, f.rows())),
+            Some(f) => Some((ld.held_tensor(b, b.param_f32(&f.tensor()?)?), f.rows())),
             None => None,
         };
         ld.progress.finish();
@@ -364,6 +385,7 @@ impl<B: Backend> Qwen35<B> {
             lora_rank: adapter.as_ref().map(|a| a.config.r),
             readout_rows: readout.as_ref().map(|r| r.1),
             fp8_weights: ld.fp8,
+            weight_bytes: ld.held,
         };
         Ok(Qwen35 {
             backend,
@@ -395,6 +417,7 @@ impl<B: Backend> Qwen35<B> {
         let pb = ld.get("model.visual.patch_embed.proj.bias", &[d])?;
         let patch =
             b.linear(&[LinearPart { weight: TensorRef { shape: &flat, ..pw }, bias: Some(pb), lora: None }])?;
+        let patch = ld.held_linear(b, patch);
         let pos = ld.param(b, "model.visual.pos_embed.weight", &[v.num_position_embeddings, d])?;
         let mut blocks = Vec::with_capacity(v.depth);
         for i in 0..v.depth {

@@ -17,7 +17,9 @@ pub mod runner;
 
 pub use limits::{BatchLimits, QuestionTree, TreeSize};
 pub use metrics::EngineMetrics;
-pub use runner::{DecisionEngine, EngineOutput, PackedJob, RunError, StopReason, WorkEstimate, DROP_REASONS};
+pub use runner::{
+    DecisionEngine, EngineOutput, ForwardShape, PackedJob, RunError, StopReason, WorkEstimate, DROP_REASONS,
+};
 
 use crate::decision::Plan;
 use crate::image::PatchedImage;
@@ -168,6 +170,7 @@ where
     F: FnOnce() -> anyhow::Result<Box<dyn DecisionEngine>> + Send + 'static,
 {
     let (tx, rx) = sync_channel::<Job>(capacity.max(1));
+    metrics.queue_capacity.set(capacity.max(1) as i64);
     let handle = WorkerHandle {
         tx,
         depth: Arc::new(AtomicUsize::new(0)),
@@ -178,9 +181,6 @@ where
     };
     // The thread keeps everything but the sender: once the last WorkerHandle is dropped, the
     // channel closes and the loop ends after draining the queue.
-    for reason in DROP_REASONS {
-        handle.metrics.dropped.with_label_values(&[reason]);
-    }
     let h = Shared {
         depth: handle.depth.clone(),
         avg_job_ms: handle.avg_job_ms.clone(),
@@ -199,6 +199,13 @@ where
                     // Seconds to 0.01 in the log; the status keeps the exact value.
                     let seconds = (load_seconds * 100.0).round() / 100.0;
                     tracing::info!(%backend, load_seconds = seconds, "model loaded");
+                    h.metrics.load_seconds.set(load_seconds);
+                    if let Some(bytes) = e.weight_bytes() {
+                        h.metrics.weight_bytes.set(bytes as i64);
+                    }
+                    if let Some(probe) = e.memory_probe() {
+                        h.metrics.set_memory_probe(probe);
+                    }
                     if let Some(v) = e.calibrate_vision() {
                         tracing::info!(ns_per_kmac = v * 1e12, "vision tower timed for admission by cost");
                         h.rates.lock().unwrap_or_else(|p| p.into_inner()).vision = Some(v);
@@ -387,6 +394,7 @@ fn run_batch(engine: &dyn DecisionEngine, batch: Vec<(Job, WorkEstimate)>, h: &S
         .zip(&checks)
         .map(|((j, imgs), check)| PackedJob { plan: &j.plan, images: imgs, keep_going: check })
         .collect();
+    h.metrics.requests_running.set(batch.len() as i64);
     let results = engine.run_packed(&jobs, limits);
     let secs = started.elapsed().as_secs_f64();
     drop(jobs);
@@ -402,6 +410,7 @@ fn run_batch(engine: &dyn DecisionEngine, batch: Vec<(Job, WorkEstimate)>, h: &S
     for ((job, work), result) in batch.into_iter().zip(work).zip(results) {
         h.answer(job, work, result);
     }
+    h.metrics.requests_running.set(0);
 }
 
 #[cfg(test)]
@@ -538,6 +547,7 @@ mod tests {
         let first = submit(&w, plan(1, 10, 2), long);
         // The engine holds the first job until released; everything below waits behind it.
         wait_calls(&calls, 1);
+        assert_eq!((metrics.requests_running.get(), metrics.queue_capacity.get()), (1, 16));
         let mut replies = vec![(1, first)];
         replies.push((2, submit(&w, plan(2, 30, 2), long)));
         let gone = submit(&w, plan(99, 10, 1), long); // its caller leaves: skipped, never run
@@ -566,6 +576,7 @@ mod tests {
         assert_eq!(metrics.dropped.with_label_values(&["deadline"]).get(), 1);
         drop(w);
         join.join().unwrap();
+        assert_eq!(metrics.requests_running.get(), 0);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! logits do not depend on which requests share its forward.
 
 use super::limits::{BatchLimits, QuestionTree};
-use crate::backend::Backend;
+use crate::backend::{Backend, MemoryProbe};
 use crate::decision::Plan;
 use crate::engine::positions::SequenceLayout;
 use crate::engine::{Qwen35, Segment, State};
@@ -24,6 +24,14 @@ pub struct EngineOutput {
     pub logits: Vec<Vec<Vec<f32>>>,
     pub vision_ms: f64,
     pub prefill_ms: f64,
+    /// Whether the vision tower ran for this request (it had images).
+    pub vision_ran: bool,
+    /// Whether the shared prefix ran as its own stage (the request ran alone, prefix first);
+    /// in a packed forward it is fused with the passes and `prefill_ms` is 0.
+    pub prefill_ran: bool,
+    /// The forwards this request's run opened, in order. A packed forward shared by several
+    /// requests is listed on the first of them only, so a round's outputs count each forward once.
+    pub forwards: Vec<ForwardShape>,
     /// The passes' time; in a packed forward, that forward's (shared by its requests).
     pub questions_ms: f64,
     /// Tokens the engine ran for this request.
@@ -31,6 +39,14 @@ pub struct EngineOutput {
     pub passes: usize,
     /// Requests in the forward that answered this one (1: it ran alone).
     pub packed_with: usize,
+}
+
+/// One forward of the model: how many sequences it ran and how many of them were passes
+/// (read out); the others are prefixes and shared question tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ForwardShape {
+    pub sequences: usize,
+    pub passes: usize,
 }
 
 /// Why a run stops before its end (checked between its steps).
@@ -48,6 +64,10 @@ pub enum StopReason {
 pub const DROP_REASONS: [&str; 3] = ["deadline", "disconnected", "over_budget"];
 
 impl StopReason {
+    /// Every reason, so that each label of `imajev_jobs_dropped_total` exists (at 0) before the
+    /// first drop. A new reason goes here too (the test below fails otherwise).
+    pub const ALL: [StopReason; 2] = [StopReason::Deadline, StopReason::CallerGone];
+
     /// The `reason` label of `imajev_jobs_dropped_total`.
     pub fn metric_label(self) -> &'static str {
         match self {
@@ -113,7 +133,20 @@ pub trait DecisionEngine: Send {
     }
     /// Backend description for `/v1/models` and logs.
     fn backend_name(&self) -> String;
+    /// The backend's short name (`cpu`, `cuda`) for `imajev_build_info`.
+    fn backend_kind(&self) -> &'static str {
+        "unknown"
+    }
     fn readout_rows(&self) -> Option<usize>;
+    /// Bytes of weights the engine holds (host or device, after conversion and quantisation),
+    /// when it knows.
+    fn weight_bytes(&self) -> Option<u64> {
+        None
+    }
+    /// A reader of the device's memory, when the engine runs on one.
+    fn memory_probe(&self) -> Option<MemoryProbe> {
+        None
+    }
 }
 
 fn ms(t: Instant) -> f64 {
@@ -221,7 +254,11 @@ impl<B: Backend> Qwen35<B> {
                 (job.keep_going)().map_err(RunError::Stopped)?;
                 let t = Instant::now();
                 let feats = self.vision_checked(job.images, job.keep_going)?;
-                let out = EngineOutput { vision_ms: ms(t), ..Default::default() };
+                let out = EngineOutput {
+                    vision_ms: ms(t),
+                    vision_ran: !job.images.is_empty(),
+                    ..Default::default()
+                };
                 let layouts = self.job_layouts(job.plan, job.images, limits.question_tree)?;
                 (job.keep_going)().map_err(RunError::Stopped)?;
                 Ok((feats, layouts, out))
@@ -276,9 +313,14 @@ impl<B: Backend> Qwen35<B> {
             }
         };
         let packed_with = live.len();
+        let shape = ForwardShape {
+            sequences: tree.len(),
+            passes: tree.iter().filter(|s| matches!(s.part, Part::Pass(_))).count(),
+        };
         let mut outs: Vec<EngineOutput> = live
             .iter()
-            .map(|(j, _, l, out)| {
+            .enumerate()
+            .map(|(i, (j, _, l, out))| {
                 let plan = jobs[*j].plan;
                 EngineOutput {
                     logits: plan.scored.iter().map(|sp| vec![Vec::new(); sp.passes.len()]).collect(),
@@ -286,6 +328,8 @@ impl<B: Backend> Qwen35<B> {
                     tokens: l.tokens(),
                     passes: l.passes.len(),
                     packed_with,
+                    // The shared forward is counted once, on the first request.
+                    forwards: if i == 0 { vec![shape] } else { Vec::new() },
                     ..out.clone()
                 }
             })
@@ -316,6 +360,7 @@ impl<B: Backend> Qwen35<B> {
         let t = Instant::now();
         let feats = self.vision_checked(images, keep_going)?;
         out.vision_ms = ms(t);
+        out.vision_ran = !images.is_empty();
         keep_going().map_err(RunError::Stopped)?;
 
         let layout = self.layout(&plan.prefix, images, 0)?;
@@ -350,6 +395,8 @@ impl<B: Backend> Qwen35<B> {
         prefix.share(&self.backend)?;
         out.tokens += layout.ids.len();
         out.prefill_ms = ms(t);
+        out.prefill_ran = true;
+        out.forwards.push(ForwardShape { sequences: 1, passes: 0 });
         keep_going().map_err(RunError::Stopped)?;
 
         let t = Instant::now();
@@ -363,6 +410,7 @@ impl<B: Backend> Qwen35<B> {
             let mut states: Vec<State<B>> = chunk.iter().map(|_| prefix.fork()).collect();
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| plan.scored[i].common.as_slice()).collect();
             self.extend(&mut states, &suffixes)?;
+            out.forwards.push(ForwardShape { sequences: chunk.len(), passes: 0 });
             out.tokens += suffixes.iter().map(|s| s.len()).sum::<usize>();
             for (&i, mut s) in chunk.iter().zip(states) {
                 s.share(&self.backend)?;
@@ -381,6 +429,7 @@ impl<B: Backend> Qwen35<B> {
             prof.mark(&self.backend, "fork");
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| suffix[i].as_ref()).collect();
             let hidden = self.extend(&mut states, &suffixes)?;
+            out.forwards.push(ForwardShape { sequences: chunk.len(), passes: chunk.len() });
             prof.mark(&self.backend, "extend");
             let logits = self.readout(&hidden)?;
             prof.mark(&self.backend, "readout");
@@ -498,6 +547,18 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
     fn readout_rows(&self) -> Option<usize> {
         Qwen35::readout_rows(self)
     }
+
+    fn backend_kind(&self) -> &'static str {
+        self.backend.kind()
+    }
+
+    fn weight_bytes(&self) -> Option<u64> {
+        Some(self.report.weight_bytes)
+    }
+
+    fn memory_probe(&self) -> Option<MemoryProbe> {
+        self.backend.memory_probe()
+    }
 }
 
 /// Splits items into consecutive batches within the limits (an item larger than the token
@@ -525,6 +586,24 @@ fn batches<T: Copy>(items: &[T], tokens: impl Fn(&T) -> usize, limits: BatchLimi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_stop_reason_is_listed_once() {
+        // A reason missing from ALL would have no preinitialised label: the match makes a new
+        // variant fail to compile here until it is counted.
+        let listed = |r: StopReason| match r {
+            StopReason::Deadline | StopReason::CallerGone => StopReason::ALL.contains(&r),
+        };
+        assert!(listed(StopReason::Deadline) && listed(StopReason::CallerGone));
+        let mut labels: Vec<&str> = StopReason::ALL.iter().map(|r| r.metric_label()).collect();
+        labels.sort();
+        labels.dedup();
+        assert_eq!(labels.len(), StopReason::ALL.len());
+        // ... and every stop reason's label is among the preinitialised drop reasons.
+        for r in StopReason::ALL {
+            assert!(DROP_REASONS.contains(&r.metric_label()), "{} not in DROP_REASONS", r.metric_label());
+        }
+    }
 
     #[test]
     fn batches_respect_limits() {

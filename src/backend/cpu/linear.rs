@@ -112,6 +112,16 @@ pub struct CpuLinear {
     pub(super) out_dim: usize,
 }
 
+impl CpuLinear {
+    /// Bytes of its f32 weights, bias and LoRA factors.
+    pub fn bytes(&self) -> usize {
+        let floats = self.weight.len()
+            + self.bias.as_ref().map_or(0, Vec::len)
+            + self.loras.iter().map(|l| l.a.len() + l.b.len()).sum::<usize>();
+        floats * std::mem::size_of::<f32>()
+    }
+}
+
 fn check_2d(t: &TensorRef) -> Result<(usize, usize)> {
     match t.shape {
         [r, c] => Ok((*r, *c)),

@@ -68,6 +68,10 @@ impl Backend for CpuBackend {
     type KvCache = CpuKvCache;
     type DeltaState = CpuDeltaState;
 
+    fn kind(&self) -> &'static str {
+        "cpu"
+    }
+
     fn describe(&self) -> String {
         format!("cpu (f32, {} threads)", rayon::current_num_threads())
     }
@@ -86,6 +90,14 @@ impl Backend for CpuBackend {
 
     fn linear_out(&self, w: &CpuLinear) -> usize {
         w.out_dim
+    }
+
+    fn tensor_bytes(&self, t: &CpuTensor) -> usize {
+        std::mem::size_of_val(t.data.as_slice())
+    }
+
+    fn linear_bytes(&self, w: &CpuLinear) -> usize {
+        w.bytes()
     }
 
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CpuTensor> {

@@ -72,6 +72,22 @@ impl CudaLinear {
         }
         s.join(" ")
     }
+    /// Bytes of its device buffers: weights as kept (FP8 codes and scales, or BF16), the f32
+    /// bias and the BF16 LoRA factors.
+    pub fn bytes(&self) -> usize {
+        let weights: usize = self
+            .groups
+            .iter()
+            .map(|g| match &g.weight {
+                GroupWeight::Bf16(w) => w.len() * std::mem::size_of::<bf16>(),
+                GroupWeight::Fp8 { w, scales } => w.len() + scales.len() * std::mem::size_of::<f32>(),
+            })
+            .sum();
+        let bias = self.bias.as_ref().map_or(0, |b| b.len() * std::mem::size_of::<f32>());
+        let lora: usize =
+            self.loras.iter().map(|l| (l.a.len() + l.b.len()) * std::mem::size_of::<bf16>()).sum();
+        weights + bias + lora
+    }
     pub fn has_fp8(&self) -> bool {
         self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
     }

@@ -122,7 +122,6 @@ struct DeviceState {
     funcs: HashMap<&'static str, CudaFunction>,
     staging: std::sync::Mutex<staging::Staging>,
     stream: Arc<CudaStream>,
-    #[allow(dead_code)]
     ctx: Arc<CudaContext>,
     options: CudaOptions,
     info: DeviceInfo,
@@ -302,6 +301,10 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn kind(&self) -> &'static str {
+        "cuda"
+    }
+
     fn describe(&self) -> String {
         let i = &self.state.info;
         format!(
@@ -330,6 +333,24 @@ impl Backend for CudaBackend {
 
     fn linear_out(&self, w: &CudaLinear) -> usize {
         w.out_dim
+    }
+
+    fn tensor_bytes(&self, t: &CudaTensor) -> usize {
+        t.bytes()
+    }
+
+    fn linear_bytes(&self, w: &CudaLinear) -> usize {
+        w.bytes()
+    }
+
+    fn memory_probe(&self) -> Option<crate::backend::MemoryProbe> {
+        // The driver's free/total of the device (cuMemGetInfo, which binds the context to the
+        // calling thread first): callable from the HTTP threads at scrape time.
+        let ctx = self.state.ctx.clone();
+        Some(std::sync::Arc::new(move || {
+            let (free, total) = ctx.mem_get_info()?;
+            Ok(crate::backend::DeviceMemory { used: total.saturating_sub(free) as u64, total: total as u64 })
+        }))
     }
 
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CudaTensor> {

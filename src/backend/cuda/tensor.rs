@@ -47,6 +47,14 @@ impl CudaTensor {
         let cols = *self.shape.last().unwrap_or(&1);
         (self.numel().checked_div(cols).unwrap_or(0), cols)
     }
+    /// Bytes of its device buffers: the values (padding included) and any FP8 attachment.
+    pub fn bytes(&self) -> usize {
+        let values = match &self.buf {
+            Buf::Bf16(b) => b.len() * std::mem::size_of::<bf16>(),
+            Buf::F32(b) => b.len() * std::mem::size_of::<f32>(),
+        };
+        values + self.fp8.as_ref().map_or(0, |a| a.q.len() + a.s.len() * std::mem::size_of::<f32>())
+    }
     pub fn is_bf16(&self) -> bool {
         matches!(self.buf, Buf::Bf16(_))
     }
