@@ -208,7 +208,7 @@ mod tests {
         let mut labels: Vec<String> =
             family.get_metric().iter().map(|m| m.get_label()[0].value().to_string()).collect();
         labels.sort();
-        assert_eq!(labels, ["deadline", "disconnected"]);
+        assert_eq!(labels, ["deadline", "disconnected", "over_budget"]);
         assert!(family.get_metric().iter().all(|m| m.get_counter().get_value() == 0.0));
     }
 
