@@ -157,6 +157,14 @@ pub fn parse_json_within(body: &[u8], loc: Loc, held: &mut Reservation) -> Resul
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let bad =
         |e: serde_json::Error| ApiError::bad_json(loc.clone(), format!("the body is not valid JSON: {e}"));
+    // serde_json skips ignored strings without checking their UTF-8, so the whole body is checked
+    // here (linear, no allocation): a body a full parse refuses is refused the same way.
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(ApiError::bad_json(
+            loc,
+            format!("the body is not valid JSON: invalid UTF-8 at byte {}", e.valid_up_to()),
+        ));
+    }
     serde_json::from_slice::<serde::de::IgnoredAny>(body).map_err(bad)?;
     let Some(members) = top_level_members(body) else {
         return Ok(Value::Null);
@@ -222,6 +230,11 @@ mod tests {
         .unwrap();
         assert_eq!(serde_json::to_string(&v).unwrap(), r#"{"questions":2,"state":{"a":1}}"#);
         assert_eq!(parse_json(b"[1, 2]", Loc::body()).unwrap(), Value::Null);
+        // Invalid UTF-8 in a string nothing reads is still not JSON (found by tests/fuzz.rs).
+        let e = parse_json(b"[1, {\"st\xF0\xF8ate\": 1}]", Loc::body()).unwrap_err();
+        assert_eq!(e.code, "bad_json");
+        let e = parse_json(b"{\"pad\": \"\xFF\", \"state\": \"x\"}", Loc::body()).unwrap_err();
+        assert_eq!(e.code, "bad_json");
         assert_eq!(parse_json(b"\xEF\xBB\xBF{\"images\": []}", Loc::body()).unwrap(), json!({"images": []}));
         // Ignored members must still be JSON.
         let e = parse_json(br#"{"pad": [0, 0,], "state": 1}"#, Loc::body()).unwrap_err();
