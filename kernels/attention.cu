@@ -697,6 +697,130 @@ __device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a,
   }
 }
 
+// The online softmax of one 64-key tile for this thread's two rows r0 (qi0) and r0 + 8 (qi1), shared
+// by attn_fwd_wgmma and attn_fwd_wgmma_ov so that both compute the same bits. s[4j + e] is row
+// (e < 2 ? qi0 : qi1), key kcol0 + 8j + 2tg + (e & 1); when `masked`, keys past kvlen (and, causal,
+// after the row's position offset + qi) become -inf. The max is taken over the raw scores (the scale
+// is positive) and the scale folded into the one FMA before ex2: p = 2^(s·scale − max·scale), left in
+// s. Updates the running max m and sum l per row and returns in c the factors by which O must be
+// rescaled. At head dim 64 the softmax is what limits these kernels (issue-bound: ncu, NOTES), so
+// every instruction per score counts.
+__device__ __forceinline__ void wgmma_softmax_tile(float (&s)[32], bool masked, int kcol0, int kvlen, int causal,
+                                                   int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
+                                                   float& m1, float& l0, float& l1, float& c0, float& c1) {
+  float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      float v = s[4 * j + e];
+      if (masked) {
+        const int col = kcol0 + 8 * j + 2 * tg + (e & 1);
+        const int qi = e < 2 ? qi0 : qi1;
+        if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+        s[4 * j + e] = v;
+      }
+      if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
+  c0 = ex2_ftz(fmaf(m0, scale_log2, -b0));
+  c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
+    s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
+    s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
+    s[4 * j + 3] = ex2_ftz(fmaf(s[4 * j + 3], scale_log2, -b1));
+    ps0 += s[4 * j + 0] + s[4 * j + 1];
+    ps1 += s[4 * j + 2] + s[4 * j + 3];
+  }
+  ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+  ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+  ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+  ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+  l0 = l0 * c0 + ps0;
+  l1 = l1 * c1 + ps1;
+  m0 = mn0;
+  m1 = mn1;
+}
+
+// O *= c per row, only when some row of the warp saw a new max: multiplying by 1 changes no bit,
+// so skipping it is exact, and after the first tiles the max rarely moves (at head dim 256 the
+// rescale is 128 multiplies per thread against 32 scores).
+template <int NO>
+__device__ __forceinline__ void wgmma_rescale_o(float (&o)[NO], float c0, float c1) {
+  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      o[4 * j + 0] *= c0;
+      o[4 * j + 1] *= c0;
+      o[4 * j + 2] *= c1;
+      o[4 * j + 3] *= c1;
+    }
+  }
+}
+
+// P's k16 slices as BF16 A fragments of the P V MMA (the S accumulator layout is the A layout).
+__device__ __forceinline__ void wgmma_pack_p(const float (&s)[32], unsigned (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; kk++) {
+    pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// The P V MMAs of one 64-key tile: O += P V_t (V_t N-major in the swizzled layout).
+template <int HDP, int NO>
+__device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&pa)[4][4], const unsigned char* Vt) {
+#pragma unroll
+  for (int kk = 0; kk < 4; kk++) {
+    const unsigned long long db = smem_desc(Vt + kk * 16 * 128, 64 * 128, 1024);
+    if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
+    else wgmma_rs_m64n256(o, pa[kk], db);
+  }
+}
+
+// The S MMAs of one 64-key tile: s = Q_w K_t^T (the warpgroup's 64 rows of Q at Qw, BQ rows per
+// column block).
+template <int HDP, int BQ>
+__device__ __forceinline__ void wgmma_qk_tile(float (&s)[32], const unsigned char* Qw, const unsigned char* Kt) {
+#pragma unroll
+  for (int ks = 0; ks < HDP / 16; ks++) {
+    const int cb = ks >> 2, off = (ks & 3) * 32;
+    const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
+    const unsigned long long db = smem_desc(Kt + cb * 64 * 128 + off, 16, 1024);
+    wgmma_ss_m64n64(s, da, db, ks > 0);
+  }
+}
+
+// Writes this thread's two rows of O / l (rows qi0 and qi1 of the sequence, those below nq), gated.
+template <int NO>
+__device__ __forceinline__ void wgmma_store_rows(const float (&o)[NO], float l0, float l1, int qi0, int qi1, int nq,
+                                                 int hd, int tg, bf16* out, const bf16* gate, i64 gate_row,
+                                                 int gate_head, i64 q_start, int heads, int h) {
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int qi = hr == 0 ? qi0 : qi1;
+    const float inv = (hr == 0 ? l0 : l1) > 0.f ? 1.f / (hr == 0 ? l0 : l1) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      const int col = 8 * j + 2 * tg;
+      if (qi >= nq || col >= hd) continue;
+      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * j + 2 * hr] * inv,
+                  o[4 * j + 2 * hr + 1] * inv);
+    }
+  }
+}
+
 template <int HDP>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
@@ -764,107 +888,25 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     // S = Q K^T (64 rows x 64 keys per warpgroup).
     float s[32];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ks++) {
-      const int cb = ks >> 2, off = (ks & 3) * 32;
-      const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
-      const unsigned long long db = smem_desc(Kt + cb * BK * 128 + off, 16, 1024);
-      wgmma_ss_m64n64(s, da, db, ks > 0);
-    }
+    wgmma_qk_tile<HDP, BQ>(s, Qw, Kt);
     wgmma_commit();
     wgmma_wait0();
 
-    // Mask, online softmax: s[4j + e] is row (e < 2 ? r0 : r0 + 8), key 8j + 2tg + (e & 1). The
-    // max is taken over the raw scores (the scale is positive) and the scale folded into the one
-    // FMA before ex2: p = 2^(s·scale − max·scale). The softmax is what limits this kernel at head
-    // dim 64 (issue-bound: ncu, NOTES), so every instruction per score counts.
     const bool masked = (kt + 1) * BK > clean;
-    float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float v = s[4 * j + e];
-        if (masked) {
-          const int col = kt * BK + 8 * j + 2 * tg + (e & 1);
-          const int qi = e < 2 ? qi0 : qi1;
-          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
-          s[4 * j + e] = v;
-        }
-        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
-    const float c0 = ex2_ftz(fmaf(m0, scale_log2, -b0)), c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
-      s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
-      s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
-      s[4 * j + 3] = ex2_ftz(fmaf(s[4 * j + 3], scale_log2, -b1));
-      ps0 += s[4 * j + 0] + s[4 * j + 1];
-      ps1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-    l0 = l0 * c0 + ps0;
-    l1 = l1 * c1 + ps1;
-    m0 = mn0;
-    m1 = mn1;
-    // Rescale O only when some row of the warp saw a new max: multiplying by 1 changes no bit, so
-    // skipping it is exact, and after the first tiles the max rarely moves (at head dim 256 the
-    // rescale is 128 multiplies per thread against 32 scores).
-    if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < NO / 4; j++) {
-        o[4 * j + 0] *= c0;
-        o[4 * j + 1] *= c0;
-        o[4 * j + 2] *= c1;
-        o[4 * j + 3] *= c1;
-      }
-    }
+    float c0, c1;
+    wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
+    wgmma_rescale_o(o, c0, c1);
     // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
     // fence, so no register the MMAs read changes between them).
     unsigned pa[BK / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    wgmma_pack_p(s, pa);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      const unsigned long long db = smem_desc(Vt + kk * 16 * 128, BK * 128, 1024);
-      if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
-      else wgmma_rs_m64n256(o, pa[kk], db);
-    }
+    wgmma_pv_tile<HDP>(o, pa, Vt);
     wgmma_commit();
     wgmma_wait0();
   }
   cp_async_wait_all_groups();
-
-#pragma unroll
-  for (int hr = 0; hr < 2; hr++) {
-    const int qi = hr == 0 ? qi0 : qi1;
-    const float inv = (hr == 0 ? l0 : l1) > 0.f ? 1.f / (hr == 0 ? l0 : l1) : 0.f;
-#pragma unroll
-    for (int j = 0; j < NO / 4; j++) {
-      const int col = 8 * j + 2 * tg;
-      if (qi >= nq || col >= hd) continue;
-      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * j + 2 * hr] * inv,
-                  o[4 * j + 2 * hr + 1] * inv);
-    }
-  }
+  wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }
 // ---------------------------------------------------------------------------------------------
 // attn_fwd_ws_<HDP> (Hopper, sm_90a): attn_fwd_wgmma's attention, warp-specialised as

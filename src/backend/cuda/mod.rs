@@ -86,7 +86,7 @@ pub struct CudaOptions {
     /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
     pub unfused_act_quant: bool,
     /// Which attention kernel runs (see [`AttentionKernel`]): the reference kernels are kept for
-    /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ws|wgmma|q128|q64` overrides it when this
+    /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ov|ws|wgmma|q128|q64` overrides it when this
     /// field is left at `Auto`.
     pub attention: AttentionKernel,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
@@ -145,7 +145,7 @@ impl CudaBackend {
                 Ok("") | Err(_) => {}
                 Ok(v) => {
                     options.attention = AttentionKernel::parse(v).ok_or_else(|| {
-                        anyhow!("IMAJEV_ATTENTION={v}: expected auto, ws, wgmma, q128 or q64")
+                        anyhow!("IMAJEV_ATTENTION={v}: expected auto, ov, ws, wgmma, q128 or q64")
                     })?
                 }
             }
