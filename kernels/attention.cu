@@ -697,6 +697,29 @@ __device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a,
   }
 }
 
+// issue_tile_sw for one 64-row K or V tile by the 256 threads of attn_fwd_wgmma(_ov). When the
+// tile is whole (64 valid rows, all in the shared prefix or all in the own rows, hd = HDP: every
+// tile of a long sequence but its last), each thread copies its fixed 16-byte chunk c = t % (HDP/8)
+// of rows t / (HDP/8) + u·(2048/HDP) with one pointer increment per copy, instead of issue_tile_sw's
+// per-copy division, row select and 64-bit address arithmetic (~35 instructions per copy; at head
+// dim 64 as many issue slots as the softmax, and the kernel is issue-bound). The same bytes land in
+// the same places either way.
+template <int HDP>
+__device__ __forceinline__ void issue_kv_tile_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b,
+                                                 i64 stride, int j0, int valid, int hd) {
+  constexpr int V = HDP / 8, RS = 256 / V, NU = 64 / RS;  // chunks per row, row step, copies per thread
+  static_assert(RS % 8 == 0, "the row step must keep the swizzle phase");
+  if (valid >= 64 && hd == HDP && (j0 + 64 <= alen || j0 >= alen)) {
+    const int t = threadIdx.x, c = t % V, r0 = t / V;
+    const bf16* src = (j0 >= alen ? b + (i64)(j0 - alen) * stride : a + (i64)j0 * stride) + (i64)r0 * stride + c * 8;
+    unsigned char* d = dst + (c >> 3) * 64 * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+#pragma unroll
+    for (int u = 0; u < NU; u++) cp_async16(d + u * RS * 128, src + (i64)u * RS * stride, true);
+  } else {
+    issue_tile_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, 64);
+  }
+}
+
 // The online softmax of one 64-key tile for this thread's two rows r0 (qi0) and r0 + 8 (qi1), shared
 // by attn_fwd_wgmma and attn_fwd_wgmma_ov so that both compute the same bits. s[4j + e] is row
 // (e < 2 ? qi0 : qi1), key kcol0 + 8j + 2tg + (e & 1); when `masked`, keys past kvlen (and, causal,
@@ -856,8 +879,8 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
   if (ntiles > 0) {
-    issue_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
-    issue_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd, BK);
+    issue_kv_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd);
+    issue_kv_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd);
   }
   cp_async_commit();
 
@@ -878,8 +901,8 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      issue_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
-      issue_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+      issue_kv_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+      issue_kv_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
     }
     cp_async_commit();
     const unsigned char* Kt = Ks + buf * BK * HDP * 2;

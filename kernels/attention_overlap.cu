@@ -53,7 +53,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
   constexpr int TILE = BK * HDP * 2;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
-  if (ntiles > 0) issue_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
+  if (ntiles > 0) issue_kv_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd);
   cp_async_commit();
 
   float o[NO];
@@ -74,11 +74,11 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int j0 = (kt + 1) * BK;
-      issue_tile_sw<HDP>(Ks + (buf ^ 1) * TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
+      issue_kv_tile_sw<HDP>(Ks + (buf ^ 1) * TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
     }
     {
       const int j0 = kt * BK;
-      issue_tile_sw<HDP>(Vs + buf * TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+      issue_kv_tile_sw<HDP>(Vs + buf * TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
     }
     cp_async_commit();
 
