@@ -315,6 +315,27 @@ __device__ __forceinline__ void store_gated(bf16* out, const bf16* gate, i64 gat
   dst[1] = to_bf(v1);
 }
 
+// issue_tile for one ROWS-row K or V tile by the (256) threads of attn_fwd_q128 (issue_kv_tile_sw's
+// fast path for the padded layout): when the tile is whole (ROWS valid rows, all in the shared
+// prefix or all in the own rows, hd = HDP), each thread copies its fixed 16-byte chunk of every
+// (256 / (HDP/8))-th row with one pointer increment per copy. The same bytes land in the same places.
+template <int HDP, int LD, int ROWS>
+__device__ __forceinline__ void issue_kv_tile(bf16* dst, const bf16* a, int alen, const bf16* b, i64 stride, int j0,
+                                              int valid, int hd) {
+  constexpr int V = HDP / 8, RS = 256 / V, NU = ROWS / RS;
+  if constexpr (NU > 0 && ROWS % RS == 0) {
+    if (blockDim.x == 256 && valid >= ROWS && hd == HDP && (j0 + ROWS <= alen || j0 >= alen)) {
+      const int t = threadIdx.x, c = (t % V) * 8, r0 = t / V;
+      const bf16* src = (j0 >= alen ? b + (i64)(j0 - alen) * stride : a + (i64)j0 * stride) + (i64)r0 * stride + c;
+      bf16* d = dst + r0 * LD + c;
+#pragma unroll
+      for (int u = 0; u < NU; u++) cp_async16(d + u * RS * LD, src + (i64)u * RS * stride, true);
+      return;
+    }
+  }
+  issue_tile<HDP, LD>(dst, a, alen, b, stride, j0, valid, hd, ROWS);
+}
+
 // MT m-tiles of 16 rows per warp: each K/V fragment read from shared memory then serves 16·MT rows
 // (half the shared-memory traffic per FLOP at MT = 2). Measured at head dim 64 (4 warps of 32 rows,
 // 2 blocks per SM): 203 TFLOP/s vs 213 with MT = 1 (8 warps of 16 rows), so every instance uses
@@ -361,8 +382,8 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   issue_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
   if (ntiles > kt0) {
     const int j0 = kt0 * BK, nb = kt0 & 1;
-    issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
-    issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+    issue_kv_tile<HDP, LD, BK>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+    issue_kv_tile<HDP, LD, BK>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
   }
   cp_async_commit();
 
@@ -389,8 +410,8 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
-      issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+      issue_kv_tile<HDP, LD, BK>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+      issue_kv_tile<HDP, LD, BK>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
     }
     cp_async_commit();
     const bf16* Kt = Ks + buf * BK * LD;
@@ -709,7 +730,7 @@ __device__ __forceinline__ void issue_kv_tile_sw(unsigned char* dst, const bf16*
                                                  i64 stride, int j0, int valid, int hd) {
   constexpr int V = HDP / 8, RS = 256 / V, NU = 64 / RS;  // chunks per row, row step, copies per thread
   static_assert(RS % 8 == 0, "the row step must keep the swizzle phase");
-  if (valid >= 64 && hd == HDP && (j0 + 64 <= alen || j0 >= alen)) {
+  if (blockDim.x == 256 && valid >= 64 && hd == HDP && (j0 + 64 <= alen || j0 >= alen)) {
     const int t = threadIdx.x, c = t % V, r0 = t / V;
     const bf16* src = (j0 >= alen ? b + (i64)(j0 - alen) * stride : a + (i64)j0 * stride) + (i64)r0 * stride + c * 8;
     unsigned char* d = dst + (c >> 3) * 64 * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
