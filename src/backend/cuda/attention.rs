@@ -20,14 +20,14 @@ use std::sync::Arc;
 /// with `attn_fwd_q128` whatever is chosen here.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// `attn_fwd_wgmma_ov` on Hopper (head dims 64 and 256), else `attn_fwd_q128`.
+    /// `attn_fwd_wgmma` on Hopper (head dims 64 and 256), else `attn_fwd_q128`.
     #[default]
     Auto,
-    /// `attn_fwd_wgmma` where the GPU and head dim allow it.
+    /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
     Wgmma,
     /// `attn_fwd_wgmma_ov`: `attn_fwd_wgmma` with each tile's softmax overlapped with the previous
-    /// tile's P·V MMAs in the warpgroup (the same bits; 445 vs 429 TFLOP/s at 16K causal, equal at
-    /// head dim 64: bench/NOTES.md), where the GPU and head dim allow it (as `Auto`).
+    /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
+    /// runs: bench/NOTES.md), where the GPU and head dim allow it.
     Overlap,
     /// `attn_fwd_ws`: warpgroup MMAs, warp-specialised (a producer warpgroup, two consumers that
     /// overlap the softmax with the MMAs) where the GPU and head dim allow it.
@@ -212,10 +212,10 @@ impl CudaBackend {
             if hopper && kernel == AttentionKernel::WarpSpecialized {
                 let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
-            } else if hopper && matches!(kernel, AttentionKernel::Auto | AttentionKernel::Overlap) {
+            } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
-            } else if hopper && kernel == AttentionKernel::Wgmma {
+            } else if hopper && matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma) {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_{hdp}"), cfg, &args(tp))?;
             } else {
