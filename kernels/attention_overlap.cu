@@ -29,28 +29,15 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   unsigned char* Ks = Qs + BQ * HDP * 2;      // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;  // [2] BK x HDP
   const int h = blockIdx.x;
-  const i64* sg = segs + SEG * blockIdx.z;
-  const i64 q_start = sg[0];
-  const int nq = (int)sg[1];
-  const int tiles = (nq + BQ - 1) / BQ;
-  const int tile = tiles - 1 - (int)blockIdx.y;
-  if (tile < 0) return;
-  const int shared_len = (int)sg[4];
-  const int kvlen = shared_len + (int)sg[7] + nq;
-  const int g = h / (heads / kvh);
+  WgmmaBlock B;
+  if (!wgmma_block<BQ, BK>(B, segs, heads, kvh, hd, causal)) return;
+  const i64 q_start = B.q_start;
+  const int nq = B.nq, shared_len = B.shared_len, kvlen = B.kvlen, qbase = B.qbase, offset = B.offset;
+  const int clean = B.clean, ntiles = B.ntiles;
+  const i64 kstride = B.kstride;
+  const bf16 *ks_ = B.ks, *vs_ = B.vs, *ko_ = B.ko, *vo_ = B.vo;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
-  const int qbase = tile * BQ;
-  const int offset = kvlen - nq;
-  const int qlast = min(nq, qbase + BQ) - 1;
-  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
-  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
-  const int ntiles = (klimit + BK - 1) / BK;
-  const i64 kstride = (i64)kvh * hd;
-  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
-  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
-  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
-  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
   constexpr int TILE = BK * HDP * 2;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
   if (ntiles > 0) issue_kv_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd);
