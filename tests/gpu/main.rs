@@ -35,6 +35,7 @@ fn elementwise_ops_match_cpu() {
     let (mut rep, mut rng) = (Report::default(), SplitMix::new(7));
     rep.guard("elem", "data movement", |rep| elementwise::data_movement(&d.g, &d.c, rep, &mut rng));
     rep.guard("elem", "activations", |rep| elementwise::activations(&d.g, &d.c, rep, &mut rng));
+    rep.guard("elem", "image patch rows", |rep| elementwise::image_patch_rows(&d.g, rep, &mut rng));
     rep.finish("elementwise");
 }
 

@@ -46,6 +46,7 @@ pub const KERNELS: &[KernelFile] = &[
             k("scatter_rows"),
             k("copy_cols"),
             k("embed_bag"),
+            k("image_patches"),
             k("add_bf16"),
             k("add_bias"),
             k("swiglu"),

@@ -47,7 +47,10 @@ pub use deltanet::{CudaDeltaState, GdnScan};
 pub use linear::CudaLinear;
 pub use tensor::CudaTensor;
 
-use super::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use super::{
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart, PatchGeometry,
+    RgbImage,
+};
 use crate::weights::TensorRef;
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
@@ -371,6 +374,10 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
         elementwise::embed(self, table, ids)
+    }
+
+    fn image_patches(&self, images: &[RgbImage<'_>], g: PatchGeometry) -> Result<CudaTensor> {
+        elementwise::image_patches(self, images, g)
     }
 
     fn embed_bag(&self, table: &CudaTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CudaTensor> {
