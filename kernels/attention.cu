@@ -703,6 +703,20 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
          ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// smem_desc's low word (start address / 16 and leading byte offset / 16). Descriptors of two
+// addresses a multiple of 16 bytes apart differ only in it, by the distance / 16 (the 14-bit
+// address field never carries: shared memory is below 256 KB), so attn_fwd_wgmma(_ov) compute it
+// once per buffer and add compile-time offsets, where building each descriptor from its address
+// took ~5 instructions, 8 descriptors per tile (SASS, NOTES).
+__device__ __forceinline__ unsigned smem_desc_lo(const void* p, unsigned lbo) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return ((a & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+// The descriptor of a low word from smem_desc_lo and the stride byte offset: equal to smem_desc.
+__device__ __forceinline__ unsigned long long smem_desc_of(unsigned lo, unsigned sbo) {
+  return (unsigned long long)lo | ((unsigned long long)(((sbo & 0x3FFFF) >> 4) | (1u << 30)) << 32);
+}
+
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile at dst (see above), zero-
 // filling rows past `valid` and columns past hd; rows as issue_tile's.
 template <int HDP>
@@ -718,28 +732,85 @@ __device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a,
   }
 }
 
-// issue_tile_sw for one 64-row K or V tile by the 256 threads of attn_fwd_wgmma(_ov). When the
-// tile is whole (64 valid rows, all in the shared prefix or all in the own rows, hd = HDP: every
-// tile of a long sequence but its last), each thread copies its fixed 16-byte chunk c = t % (HDP/8)
-// of rows t / (HDP/8) + u·(2048/HDP) with one pointer increment per copy, instead of issue_tile_sw's
-// per-copy division, row select and 64-bit address arithmetic (~35 instructions per copy; at head
-// dim 64 as many issue slots as the softmax, and the kernel is issue-bound). The same bytes land in
-// the same places either way.
-template <int HDP>
-__device__ __forceinline__ void issue_kv_tile_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b,
-                                                 i64 stride, int j0, int valid, int hd) {
-  constexpr int V = HDP / 8, RS = 256 / V, NU = 64 / RS;  // chunks per row, row step, copies per thread
-  static_assert(RS % 8 == 0, "the row step must keep the swizzle phase");
-  if (blockDim.x == 256 && valid >= 64 && hd == HDP && (j0 + 64 <= alen || j0 >= alen)) {
-    const int t = threadIdx.x, c = t % V, r0 = t / V;
-    const bf16* src = (j0 >= alen ? b + (i64)(j0 - alen) * stride : a + (i64)j0 * stride) + (i64)r0 * stride + c * 8;
-    unsigned char* d = dst + (c >> 3) * 64 * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
-#pragma unroll
-    for (int u = 0; u < NU; u++) cp_async16(d + u * RS * 128, src + (i64)u * RS * stride, true);
-  } else {
-    issue_tile_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, 64);
-  }
+// The K and V tile copies of attn_fwd_wgmma(_ov): issue_tile_sw for one 64-row tile by the 256
+// threads of the block, with a fast path for whole tiles (64 valid rows, all in the shared prefix
+// or all in the own rows, hd = HDP: every tile of a long sequence but its last), where each thread
+// copies its fixed 16-byte chunk c = t % (HDP/8) of rows t / (HDP/8) + u·(2048/HDP). Everything of
+// that path that does not change from tile to tile is computed once per block, here: the byte
+// address of this thread's chunk in row 0 of the shared prefix and, rebased so that sequence row j
+// is at the same offset j·stride, of the own rows, for K and for V, and its place in the swizzled
+// tile. A whole tile then costs a select, a multiply-add and the copies per matrix (computing them
+// per tile was ~45 instructions per matrix, ~90 of the ~350 per tile and thread at head dim 64,
+// where the kernel is issue-bound: SASS, NOTES). The same bytes land in the same places either way.
+// Values the compiler must keep in a register rather than recompute where they are used (it
+// rematerialises cheap-looking address arithmetic inside the loop, which is what KvTileCopies
+// exists to avoid): a volatile asm cannot be re-executed.
+__device__ __forceinline__ unsigned kept_u32(unsigned x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
 }
+__device__ __forceinline__ unsigned long long kept_u64(unsigned long long x) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+  return x;
+}
+
+template <int HDP>
+struct KvTileCopies {
+  static constexpr int V = HDP / 8, RS = 256 / V, NU = 64 / RS;  // chunks per row, row step, copies
+  static constexpr int TILE = 64 * HDP * 2;                        // bytes of one tile buffer
+  static_assert(RS % 8 == 0, "the row step must keep the swizzle phase");
+  unsigned char *kt, *vt;         // the K and V tile buffers (buffer b at + b·TILE)
+  const bf16 *ks, *ko, *vs, *vo;  // the shared prefix's and the own rows' keys and values
+  i64 stride;
+  int alen;
+  unsigned long long off;  // byte offset of this thread's chunk in a block of rows
+  unsigned kd, vd;         // shared-space address of this thread's chunk in buffer 0 of K and of V
+  unsigned fast;           // 256 threads and hd == HDP: the fast path's block-wide conditions
+
+  __device__ __forceinline__ KvTileCopies(unsigned char* kt_, unsigned char* vt_, const bf16* ks_, const bf16* ko_,
+                                          const bf16* vs_, const bf16* vo_, int alen_, i64 stride_, int hd)
+      : kt(kt_), vt(vt_), ks(ks_), ko(ko_), vs(vs_), vo(vo_), stride(stride_), alen(alen_) {
+    const int t = threadIdx.x, c = t % V, r0 = t / V;
+    off = kept_u64((unsigned long long)(((i64)r0 * stride + c * 8) * 2));
+    const unsigned doff = (c >> 3) * 64 * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+    kd = kept_u32((unsigned)__cvta_generic_to_shared(kt) + doff);
+    vd = kept_u32((unsigned)__cvta_generic_to_shared(vt) + doff);
+    fast = kept_u32(blockDim.x == 256 && hd == HDP);
+  }
+  __device__ __forceinline__ bool whole(int j0, int valid) const {
+    return fast && valid >= 64 && (j0 + 64 <= alen || j0 >= alen);
+  }
+  // The fast path's copies of one matrix: `rows` is its first row j0 (prefix or own rows).
+  __device__ __forceinline__ void copy_whole(unsigned d, const bf16* rows) const {
+    const unsigned long long src = (unsigned long long)rows + off;
+#pragma unroll
+    for (int u = 0; u < NU; u++)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d + u * RS * 128),
+                   "l"(src + (unsigned long long)((i64)u * RS * stride * 2)));
+  }
+  // Rows j0.. of K (v = false) or V into tile buffer `buf`; `valid` rows exist from j0.
+  __device__ __forceinline__ void issue(int buf, bool v, int j0, int valid, int hd) const {
+    if (whole(j0, valid)) {
+      const bool own = j0 >= alen;
+      const i64 row = (i64)(own ? j0 - alen : j0) * stride;
+      copy_whole((v ? vd : kd) + buf * TILE, (v ? (own ? vo : vs) : (own ? ko : ks)) + row);
+    } else {
+      issue_tile_sw<HDP>((v ? vt : kt) + buf * TILE, v ? vs : ks, alen, v ? vo : ko, stride, j0, valid, hd, 64);
+    }
+  }
+  // Both K and V of the rows j0.. into tile buffer `buf` (one test and one row offset for both).
+  __device__ __forceinline__ void issue_both(int buf, int j0, int valid, int hd) const {
+    if (whole(j0, valid)) {
+      const bool own = j0 >= alen;
+      const i64 row = (i64)(own ? j0 - alen : j0) * stride;
+      copy_whole(kd + buf * TILE, (own ? ko : ks) + row);
+      copy_whole(vd + buf * TILE, (own ? vo : vs) + row);
+    } else {
+      issue_tile_sw<HDP>(kt + buf * TILE, ks, alen, ko, stride, j0, valid, hd, 64);
+      issue_tile_sw<HDP>(vt + buf * TILE, vs, alen, vo, stride, j0, valid, hd, 64);
+    }
+  }
+};
 
 // The online softmax of one 64-key tile for this thread's two rows r0 (qi0) and r0 + 8 (qi1), shared
 // by attn_fwd_wgmma and attn_fwd_wgmma_ov so that both compute the same bits. s[4j + e] is row
@@ -822,26 +893,27 @@ __device__ __forceinline__ void wgmma_pack_p(const float (&s)[32], unsigned (&pa
   }
 }
 
-// The P V MMAs of one 64-key tile: O += P V_t (V_t N-major in the swizzled layout).
+// The P V MMAs of one 64-key tile: O += P V_t (V_t N-major in the swizzled layout; vlo is
+// smem_desc_lo(V_t, 64 · 128)).
 template <int HDP, int NO>
-__device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&pa)[4][4], const unsigned char* Vt) {
+__device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&pa)[4][4], unsigned vlo) {
 #pragma unroll
   for (int kk = 0; kk < 4; kk++) {
-    const unsigned long long db = smem_desc(Vt + kk * 16 * 128, 64 * 128, 1024);
+    const unsigned long long db = smem_desc_of(vlo + ((kk * 16 * 128) >> 4), 1024);
     if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
     else wgmma_rs_m64n256(o, pa[kk], db);
   }
 }
 
-// The S MMAs of one 64-key tile: s = Q_w K_t^T (the warpgroup's 64 rows of Q at Qw, BQ rows per
-// column block).
+// The S MMAs of one 64-key tile: s = Q_w K_t^T (the warpgroup's 64 rows of Q, BQ rows per column
+// block; qlo and klo are smem_desc_lo(Q_w, 16) and smem_desc_lo(K_t, 16)).
 template <int HDP, int BQ>
-__device__ __forceinline__ void wgmma_qk_tile(float (&s)[32], const unsigned char* Qw, const unsigned char* Kt) {
+__device__ __forceinline__ void wgmma_qk_tile(float (&s)[32], unsigned qlo, unsigned klo) {
 #pragma unroll
   for (int ks = 0; ks < HDP / 16; ks++) {
     const int cb = ks >> 2, off = (ks & 3) * 32;
-    const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
-    const unsigned long long db = smem_desc(Kt + cb * 64 * 128 + off, 16, 1024);
+    const unsigned long long da = smem_desc_of(qlo + ((cb * BQ * 128 + off) >> 4), 1024);
+    const unsigned long long db = smem_desc_of(klo + ((cb * 64 * 128 + off) >> 4), 1024);
     wgmma_ss_m64n64(s, da, db, ks > 0);
   }
 }
@@ -916,14 +988,11 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const int nq = B.nq, shared_len = B.shared_len, kvlen = B.kvlen, qbase = B.qbase, offset = B.offset;
   const int clean = B.clean, ntiles = B.ntiles;
   const i64 kstride = B.kstride;
-  const bf16 *ks_ = B.ks, *vs_ = B.vs, *ko_ = B.ko, *vo_ = B.vo;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
-  if (ntiles > 0) {
-    issue_kv_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd);
-    issue_kv_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd);
-  }
+  const KvTileCopies<HDP> kv(Ks, Vs, B.ks, B.ko, B.vs, B.vo, shared_len, kstride, hd);
+  if (ntiles > 0) kv.issue_both(0, 0, kvlen, hd);
   cp_async_commit();
 
   float o[NO];
@@ -934,7 +1003,10 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const int r0 = wg * 64 + warp * 16 + gr;
   const int qi0 = qbase + r0, qi1 = qi0 + 8;
   // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
-  const unsigned char* Qw = Qs + wg * 64 * 128;
+  // Descriptor low words of this warpgroup's Q and of buffer 0 of K and V (buffer 1: + TILE / 16).
+  constexpr unsigned TILE16 = BK * HDP * 2 / 16;
+  const unsigned qlo = kept_u32(smem_desc_lo(Qs + wg * 64 * 128, 16));
+  const unsigned klo = kept_u32(smem_desc_lo(Ks, 16)), vlo = kept_u32(smem_desc_lo(Vs, 64 * 128));
 
   for (int kt = 0; kt < ntiles; kt++) {
     cp_async_wait_all_groups();
@@ -943,17 +1015,14 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      issue_kv_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
-      issue_kv_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
+      kv.issue_both(nb, j0, kvlen - j0, hd);
     }
     cp_async_commit();
-    const unsigned char* Kt = Ks + buf * BK * HDP * 2;
-    const unsigned char* Vt = Vs + buf * BK * HDP * 2;
 
     // S = Q K^T (64 rows x 64 keys per warpgroup).
     float s[32];
     wgmma_fence();
-    wgmma_qk_tile<HDP, BQ>(s, Qw, Kt);
+    wgmma_qk_tile<HDP, BQ>(s, qlo, klo + buf * TILE16);
     wgmma_commit();
     wgmma_wait0();
 
@@ -966,7 +1035,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     unsigned pa[BK / 16][4];
     wgmma_pack_p(s, pa);
     wgmma_fence();
-    wgmma_pv_tile<HDP>(o, pa, Vt);
+    wgmma_pv_tile<HDP>(o, pa, vlo + buf * TILE16);
     wgmma_commit();
     wgmma_wait0();
   }

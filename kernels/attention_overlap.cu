@@ -35,12 +35,12 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   const int nq = B.nq, shared_len = B.shared_len, kvlen = B.kvlen, qbase = B.qbase, offset = B.offset;
   const int clean = B.clean, ntiles = B.ntiles;
   const i64 kstride = B.kstride;
-  const bf16 *ks_ = B.ks, *vs_ = B.vs, *ko_ = B.ko, *vo_ = B.vo;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
   constexpr int TILE = BK * HDP * 2;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
-  if (ntiles > 0) issue_kv_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd);
+  const KvTileCopies<HDP> kv(Ks, Vs, B.ks, B.ko, B.vs, B.vo, shared_len, kstride, hd);
+  if (ntiles > 0) kv.issue(0, false, 0, kvlen, hd);
   cp_async_commit();
 
   float o[NO];
@@ -49,7 +49,10 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   const int r0 = wg * 64 + warp * 16 + gr;
   const int qi0 = qbase + r0, qi1 = qi0 + 8;
-  const unsigned char* Qw = Qs + wg * 64 * 128;
+  // Descriptor low words of this warpgroup's Q and of buffer 0 of K and V (attn_fwd_wgmma's).
+  constexpr unsigned TILE16 = TILE / 16;
+  const unsigned qlo = kept_u32(smem_desc_lo(Qs + wg * 64 * 128, 16));
+  const unsigned klo = kept_u32(smem_desc_lo(Ks, 16)), vlo = kept_u32(smem_desc_lo(Vs, 64 * 128));
   unsigned pprev[BK / 16][4];  // P of tile kt - 1, read by its P·V MMAs issued in iteration kt
 #pragma unroll
   for (int kk = 0; kk < BK / 16; kk++) pprev[kk][0] = pprev[kk][1] = pprev[kk][2] = pprev[kk][3] = 0u;
@@ -61,20 +64,20 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int j0 = (kt + 1) * BK;
-      issue_kv_tile_sw<HDP>(Ks + (buf ^ 1) * TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+      kv.issue(buf ^ 1, false, j0, kvlen - j0, hd);
     }
     {
       const int j0 = kt * BK;
-      issue_kv_tile_sw<HDP>(Vs + buf * TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
+      kv.issue(buf, true, j0, kvlen - j0, hd);
     }
     cp_async_commit();
 
     float s[32];
     wgmma_fence();  // s, o and pprev were last written by ordinary instructions
-    wgmma_qk_tile<HDP, BQ>(s, Qw, Ks + buf * TILE);
+    wgmma_qk_tile<HDP, BQ>(s, qlo, klo + buf * TILE16);
     wgmma_commit();
     if (kt > 0) {
-      wgmma_pv_tile<HDP>(o, pprev, Vs + (buf ^ 1) * TILE);
+      wgmma_pv_tile<HDP>(o, pprev, vlo + (buf ^ 1) * TILE16);
       wgmma_commit();
       wgmma_wait1();  // S_kt done; the P·V of tile kt - 1 may still run
     } else {
@@ -102,7 +105,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   __syncthreads();
   if (ntiles > 0) {
     wgmma_fence();
-    wgmma_pv_tile<HDP>(o, pprev, Vs + ((ntiles - 1) & 1) * TILE);
+    wgmma_pv_tile<HDP>(o, pprev, vlo + ((ntiles - 1) & 1) * TILE16);
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
