@@ -315,7 +315,7 @@ __device__ __forceinline__ void store_gated(bf16* out, const bf16* gate, i64 gat
   dst[1] = to_bf(v1);
 }
 
-// issue_tile for one ROWS-row K or V tile by the (256) threads of attn_fwd_q128 (issue_kv_tile_sw's
+// issue_tile for one ROWS-row K or V tile by the (256) threads of attn_fwd_q128 (KvTileCopies'
 // fast path for the padded layout): when the tile is whole (ROWS valid rows, all in the shared
 // prefix or all in the own rows, hd = HDP), each thread copies its fixed 16-byte chunk of every
 // (256 / (HDP/8))-th row with one pointer increment per copy. The same bytes land in the same places.
