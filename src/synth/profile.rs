@@ -46,10 +46,12 @@
 //!   moves it little. Measured on the `mid` preset (seed 0, CPU, the 324 decisions of
 //!   `bench/fidelity_fp8.py --config mid --text-requests 100 --image-requests 8`): median top
 //!   probability 0.78, p10 0.42, p90 0.98, 8% near-ties (top two within 0.1); `noul` questions
-//!   0.97 (their options' first words never change), `score` 0.75, `choice` 0.50. Single passes
-//!   are less decided: each code gets a bias that does not depend on the options (the second code
-//!   +1.2 to +2.5 in logits), so all rotations of a question pick the same option in only 28% of
-//!   the questions; combining the rotations cancels that bias where they cover every position.
+//!   0.97 (their options' first words never change), `score` 0.75, `choice` 0.50; seed 1 (120
+//!   decisions, `--text-requests 40 --image-requests 0`): median 0.74, p10 0.36. Single passes
+//!   are less decided: each code gets a bias that does not depend on the options (seed 0: the
+//!   second code +1.2 to +2.5 in logits; which code, and how much, changes with the seed), so all
+//!   rotations of a question pick the same option in only 28% (seed 1: 11%) of the questions;
+//!   combining the rotations cancels that bias where they cover every position.
 //!   The readout's gain is [`READOUT_GAIN`].
 //! * **LoRA**: B·A·(α/r) has a Frobenius norm of [`LORA_RATIO`] × the base weight's, the order the
 //!   LoRA paper reports for trained adapters (Hu et al. 2021, Table 7: ‖ΔW_q‖_F = 6.91 vs
