@@ -1,5 +1,5 @@
 // Data movement and elementwise kernels.
-// Rust bindings: src/backend/cuda/elementwise.rs (add_bias and readout_f32: linear.rs; the casts:
+// Rust bindings: src/backend/cuda/elementwise.rs (add_bias, add_bias8 and readout_f32: linear.rs; the casts:
 // tensor.rs). CPU twins: cpu::elementwise::{embed, embed_bag, scatter_rows, gather_rows,
 // split_cols, add_assign, swiglu, silu, gelu} and cpu::linear::readout (src/backend/cpu/).
 
@@ -54,6 +54,26 @@ extern "C" __global__ void add_bf16(bf16* x, const bf16* y, i64 n) {
 // y[r, c] += b[c] for a row-major [m, n] output.
 extern "C" __global__ void add_bias(bf16* y, const float* b, i64 m, int n) {
   FOR_EACH(i, m * n) y[i] = to_bf(bf(y[i]) + b[i % n]);
+}
+
+// add_bias for n % 8 == 0 (rows 16-byte aligned): each thread owns 8 columns, loads their bias
+// once and walks the rows from blockIdx.y in steps of gridDim.y with 16-byte loads and stores —
+// add_bias did a 64-bit modulo and a 2-byte access per element (~2.7× below bandwidth on the
+// vision tower's outputs: 90 ms of the 47.7K request). The same arithmetic per element.
+extern "C" __global__ void add_bias8(bf16* y, const float* b, i64 m, int n) {
+  const int nv = n / 8, cv = blockIdx.x * blockDim.x + threadIdx.x;
+  if (cv >= nv) return;
+  float bb[8];
+#pragma unroll
+  for (int k = 0; k < 8; k++) bb[k] = b[cv * 8 + k];
+  for (i64 r = blockIdx.y; r < m; r += gridDim.y) {
+    uint4* p = reinterpret_cast<uint4*>(y + r * n) + cv;
+    uint4 v = *p;
+    bf16* e = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+    for (int k = 0; k < 8; k++) e[k] = to_bf(bf(e[k]) + bb[k]);
+    *p = v;
+  }
 }
 
 // [n, 2d] -> silu(gate) * up.

@@ -49,6 +49,7 @@ pub const KERNELS: &[KernelFile] = &[
             k("image_patches"),
             k("add_bf16"),
             k("add_bias"),
+            k("add_bias8"),
             k("swiglu"),
             k("gelu"),
             k("readout_f32"),

@@ -192,12 +192,14 @@ impl CudaBackend {
             self.gemm(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
         }
         if let Some(b) = &w.bias {
-            if m > 0 {
-                self.launch(
-                    "add_bias",
-                    launch_config((grid1(m * n, 256), 1, 1), 256, 0),
-                    &[Arg::Ptr(yp), Arg::Ptr(self.p(b)), Arg::I64(m as i64), Arg::I32(n as i32)],
-                )?;
+            let args = [Arg::Ptr(yp), Arg::Ptr(self.p(b)), Arg::I64(m as i64), Arg::I32(n as i32)];
+            if m > 0 && n % 8 == 0 && yp % 16 == 0 {
+                // 128 threads of 8 columns across, row blocks down: ~2K blocks in all.
+                let across = grid1(n / 8, 128);
+                let down = (m as u32).clamp(1, (2048 / across).max(1));
+                self.launch("add_bias8", launch_config((across, down, 1), 128, 0), &args)?;
+            } else if m > 0 {
+                self.launch("add_bias", launch_config((grid1(m * n, 256), 1, 1), 256, 0), &args)?;
             }
         }
         for l in &w.loras {
