@@ -316,16 +316,15 @@ fn main() -> Result<()> {
     let q128 =
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
     let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;
-    let ws = CudaBackend::new(
-        0,
-        CudaOptions { attention: AttentionKernel::WarpSpecialized, ..g.options().clone() },
-    )?;
+    let ov = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Overlap, ..g.options().clone() })?;
+    // The warp-specialised kernel (measured slower than wgmma, NOTES) is left out of the side by
+    // side; `IMAJEV_ATTENTION=ws` still selects it for a profile.
     for &m in lengths.iter().filter(|_| run("attention")) {
         b.attention(&q128, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
         if hopper {
             b.attention(&wg, "wgmma", attn, m)?;
-            b.attention(&ws, "warp-specialised", attn, m)?;
+            b.attention(&ov, "wgmma, softmax overlapped", attn, m)?;
         }
     }
     for &m in lengths.iter().filter(|_| run("vision")) {
@@ -333,13 +332,13 @@ fn main() -> Result<()> {
         b.vision(&q64, "64-row tiles", m)?;
         if hopper {
             b.vision(&wg, "wgmma", m)?;
-            b.vision(&ws, "warp-specialised", m)?;
+            b.vision(&ov, "wgmma, softmax overlapped", m)?;
         }
     }
     // One 4096² photo: 65,536 patches, the vision attention of the long requests.
     if long && hopper && run("vision") {
         b.vision(&wg, "wgmma", 65_536)?;
-        b.vision(&ws, "warp-specialised", 65_536)?;
+        b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
     let scan = |gdn_scan, gdn_tf32| {

@@ -19,7 +19,8 @@ if [ -x .gpu/gpu-service ] && [ "${SERVICE:-1}" = 1 ]; then
   echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"
 fi
 if [ "${GPU_OPS:-0}" = 1 ]; then
-  timeout 200 ./.gpu/gpu-ops --long --json "$OUT/ops.json" >"$OUT/ops.log" 2>&1
+  # OPS_ARGS: the gpu-ops arguments (default --long: every group at 2K, 4K and 16K).
+  timeout "${OPS_TIMEOUT:-200}" ./.gpu/gpu-ops ${OPS_ARGS:---long} --json "$OUT/ops.json" >"$OUT/ops.log" 2>&1
   echo "gpu-ops exit $?" | tee -a "$OUT/ops.log"; grep -E "attention|delta_net" "$OUT/ops.log"
 fi
 [ "${BENCH:-1}" = 1 ] || exit 0

@@ -315,6 +315,27 @@ __device__ __forceinline__ void store_gated(bf16* out, const bf16* gate, i64 gat
   dst[1] = to_bf(v1);
 }
 
+// issue_tile for one ROWS-row K or V tile by the (256) threads of attn_fwd_q128 (issue_kv_tile_sw's
+// fast path for the padded layout): when the tile is whole (ROWS valid rows, all in the shared
+// prefix or all in the own rows, hd = HDP), each thread copies its fixed 16-byte chunk of every
+// (256 / (HDP/8))-th row with one pointer increment per copy. The same bytes land in the same places.
+template <int HDP, int LD, int ROWS>
+__device__ __forceinline__ void issue_kv_tile(bf16* dst, const bf16* a, int alen, const bf16* b, i64 stride, int j0,
+                                              int valid, int hd) {
+  constexpr int V = HDP / 8, RS = 256 / V, NU = ROWS / RS;
+  if constexpr (NU > 0 && ROWS % RS == 0) {
+    if (blockDim.x == 256 && valid >= ROWS && hd == HDP && (j0 + ROWS <= alen || j0 >= alen)) {
+      const int t = threadIdx.x, c = (t % V) * 8, r0 = t / V;
+      const bf16* src = (j0 >= alen ? b + (i64)(j0 - alen) * stride : a + (i64)j0 * stride) + (i64)r0 * stride + c;
+      bf16* d = dst + r0 * LD + c;
+#pragma unroll
+      for (int u = 0; u < NU; u++) cp_async16(d + u * RS * LD, src + (i64)u * RS * stride, true);
+      return;
+    }
+  }
+  issue_tile<HDP, LD>(dst, a, alen, b, stride, j0, valid, hd, ROWS);
+}
+
 // MT m-tiles of 16 rows per warp: each K/V fragment read from shared memory then serves 16·MT rows
 // (half the shared-memory traffic per FLOP at MT = 2). Measured at head dim 64 (4 warps of 32 rows,
 // 2 blocks per SM): 203 TFLOP/s vs 213 with MT = 1 (8 warps of 16 rows), so every instance uses
@@ -361,8 +382,8 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   issue_tile<HDP, LD>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
   if (ntiles > kt0) {
     const int j0 = kt0 * BK, nb = kt0 & 1;
-    issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
-    issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+    issue_kv_tile<HDP, LD, BK>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+    issue_kv_tile<HDP, LD, BK>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
   }
   cp_async_commit();
 
@@ -389,8 +410,8 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      issue_tile<HDP, LD>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
-      issue_tile<HDP, LD>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+      issue_kv_tile<HDP, LD, BK>(Ks + nb * BK * LD, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+      issue_kv_tile<HDP, LD, BK>(Vs + nb * BK * LD, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
     }
     cp_async_commit();
     const bf16* Kt = Ks + buf * BK * LD;
@@ -697,6 +718,187 @@ __device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a,
   }
 }
 
+// issue_tile_sw for one 64-row K or V tile by the 256 threads of attn_fwd_wgmma(_ov). When the
+// tile is whole (64 valid rows, all in the shared prefix or all in the own rows, hd = HDP: every
+// tile of a long sequence but its last), each thread copies its fixed 16-byte chunk c = t % (HDP/8)
+// of rows t / (HDP/8) + u·(2048/HDP) with one pointer increment per copy, instead of issue_tile_sw's
+// per-copy division, row select and 64-bit address arithmetic (~35 instructions per copy; at head
+// dim 64 as many issue slots as the softmax, and the kernel is issue-bound). The same bytes land in
+// the same places either way.
+template <int HDP>
+__device__ __forceinline__ void issue_kv_tile_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b,
+                                                 i64 stride, int j0, int valid, int hd) {
+  constexpr int V = HDP / 8, RS = 256 / V, NU = 64 / RS;  // chunks per row, row step, copies per thread
+  static_assert(RS % 8 == 0, "the row step must keep the swizzle phase");
+  if (blockDim.x == 256 && valid >= 64 && hd == HDP && (j0 + 64 <= alen || j0 >= alen)) {
+    const int t = threadIdx.x, c = t % V, r0 = t / V;
+    const bf16* src = (j0 >= alen ? b + (i64)(j0 - alen) * stride : a + (i64)j0 * stride) + (i64)r0 * stride + c * 8;
+    unsigned char* d = dst + (c >> 3) * 64 * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+#pragma unroll
+    for (int u = 0; u < NU; u++) cp_async16(d + u * RS * 128, src + (i64)u * RS * stride, true);
+  } else {
+    issue_tile_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, 64);
+  }
+}
+
+// The online softmax of one 64-key tile for this thread's two rows r0 (qi0) and r0 + 8 (qi1), shared
+// by attn_fwd_wgmma and attn_fwd_wgmma_ov so that both compute the same bits. s[4j + e] is row
+// (e < 2 ? qi0 : qi1), key kcol0 + 8j + 2tg + (e & 1); when `masked`, keys past kvlen (and, causal,
+// after the row's position offset + qi) become -inf. The max is taken over the raw scores (the scale
+// is positive) and the scale folded into the one FMA before ex2: p = 2^(s·scale − max·scale), left in
+// s. Updates the running max m and sum l per row and returns in c the factors by which O must be
+// rescaled. At head dim 64 the softmax is what limits these kernels (issue-bound: ncu, NOTES), so
+// every instruction per score counts.
+__device__ __forceinline__ void wgmma_softmax_tile(float (&s)[32], bool masked, int kcol0, int kvlen, int causal,
+                                                   int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
+                                                   float& m1, float& l0, float& l1, float& c0, float& c1) {
+  float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      float v = s[4 * j + e];
+      if (masked) {
+        const int col = kcol0 + 8 * j + 2 * tg + (e & 1);
+        const int qi = e < 2 ? qi0 : qi1;
+        if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
+        s[4 * j + e] = v;
+      }
+      if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
+  c0 = ex2_ftz(fmaf(m0, scale_log2, -b0));
+  c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
+    s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
+    s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
+    s[4 * j + 3] = ex2_ftz(fmaf(s[4 * j + 3], scale_log2, -b1));
+    ps0 += s[4 * j + 0] + s[4 * j + 1];
+    ps1 += s[4 * j + 2] + s[4 * j + 3];
+  }
+  ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
+  ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
+  ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
+  ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
+  l0 = l0 * c0 + ps0;
+  l1 = l1 * c1 + ps1;
+  m0 = mn0;
+  m1 = mn1;
+}
+
+// O *= c per row, only when some row of the warp saw a new max: multiplying by 1 changes no bit,
+// so skipping it is exact, and after the first tiles the max rarely moves (at head dim 256 the
+// rescale is 128 multiplies per thread against 32 scores).
+template <int NO>
+__device__ __forceinline__ void wgmma_rescale_o(float (&o)[NO], float c0, float c1) {
+  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      o[4 * j + 0] *= c0;
+      o[4 * j + 1] *= c0;
+      o[4 * j + 2] *= c1;
+      o[4 * j + 3] *= c1;
+    }
+  }
+}
+
+// P's k16 slices as BF16 A fragments of the P V MMA (the S accumulator layout is the A layout).
+__device__ __forceinline__ void wgmma_pack_p(const float (&s)[32], unsigned (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; kk++) {
+    pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// The P V MMAs of one 64-key tile: O += P V_t (V_t N-major in the swizzled layout).
+template <int HDP, int NO>
+__device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&pa)[4][4], const unsigned char* Vt) {
+#pragma unroll
+  for (int kk = 0; kk < 4; kk++) {
+    const unsigned long long db = smem_desc(Vt + kk * 16 * 128, 64 * 128, 1024);
+    if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
+    else wgmma_rs_m64n256(o, pa[kk], db);
+  }
+}
+
+// The S MMAs of one 64-key tile: s = Q_w K_t^T (the warpgroup's 64 rows of Q at Qw, BQ rows per
+// column block).
+template <int HDP, int BQ>
+__device__ __forceinline__ void wgmma_qk_tile(float (&s)[32], const unsigned char* Qw, const unsigned char* Kt) {
+#pragma unroll
+  for (int ks = 0; ks < HDP / 16; ks++) {
+    const int cb = ks >> 2, off = (ks & 3) * 32;
+    const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
+    const unsigned long long db = smem_desc(Kt + cb * 64 * 128 + off, 16, 1024);
+    wgmma_ss_m64n64(s, da, db, ks > 0);
+  }
+}
+
+// Writes this thread's two rows of O / l (rows qi0 and qi1 of the sequence, those below nq), gated.
+template <int NO>
+__device__ __forceinline__ void wgmma_store_rows(const float (&o)[NO], float l0, float l1, int qi0, int qi1, int nq,
+                                                 int hd, int tg, bf16* out, const bf16* gate, i64 gate_row,
+                                                 int gate_head, i64 q_start, int heads, int h) {
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int qi = hr == 0 ? qi0 : qi1;
+    const float inv = (hr == 0 ? l0 : l1) > 0.f ? 1.f / (hr == 0 ? l0 : l1) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NO / 4; j++) {
+      const int col = 8 * j + 2 * tg;
+      if (qi >= nq || col >= hd) continue;
+      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * j + 2 * hr] * inv,
+                  o[4 * j + 2 * hr + 1] * inv);
+    }
+  }
+}
+
+// What one block of attn_fwd_wgmma(_ov) works on, from the segment table (blockIdx: x the head,
+// y the query tile counted from the last, z the sequence): its BQ-row query tile, the key tiles of
+// BK keys it walks (causal: up to its last row's position), the first key that needs a mask, and
+// its KV group's keys and values (the shared prefix's, then the sequence's own). False when the
+// sequence has no such tile.
+struct WgmmaBlock {
+  i64 q_start, kstride;
+  int nq, shared_len, kvlen, qbase, offset, clean, ntiles;
+  const bf16 *ks, *vs, *ko, *vo;
+};
+template <int BQ, int BK>
+__device__ __forceinline__ bool wgmma_block(WgmmaBlock& b, const i64* segs, int heads, int kvh, int hd, int causal) {
+  const i64* sg = segs + SEG * blockIdx.z;
+  b.q_start = sg[0];
+  b.nq = (int)sg[1];
+  const int tile = (b.nq + BQ - 1) / BQ - 1 - (int)blockIdx.y;
+  if (tile < 0) return false;
+  b.shared_len = (int)sg[4];
+  b.kvlen = b.shared_len + (int)sg[7] + b.nq;
+  const int g = (int)blockIdx.x / (heads / kvh);
+  b.qbase = tile * BQ;
+  b.offset = b.kvlen - b.nq;
+  const int qlast = min(b.nq, b.qbase + BQ) - 1;
+  const int klimit = causal ? min(b.kvlen, b.offset + qlast + 1) : b.kvlen;
+  b.clean = causal ? min(b.kvlen, b.offset + b.qbase + 1) : b.kvlen;
+  b.ntiles = (klimit + BK - 1) / BK;
+  b.kstride = (i64)kvh * hd;
+  b.ks = (const bf16*)sg[2] + (i64)g * hd;
+  b.vs = (const bf16*)sg[3] + (i64)g * hd;
+  b.ko = (const bf16*)sg[5] + (i64)g * hd;
+  b.vo = (const bf16*)sg[6] + (i64)g * hd;
+  return true;
+}
+
 template <int HDP>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
@@ -708,32 +910,19 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
   const int h = blockIdx.x;
-  const i64* sg = segs + SEG * blockIdx.z;
-  const i64 q_start = sg[0];
-  const int nq = (int)sg[1];
-  const int tiles = (nq + BQ - 1) / BQ;
-  const int tile = tiles - 1 - (int)blockIdx.y;
-  if (tile < 0) return;
-  const int shared_len = (int)sg[4];
-  const int kvlen = shared_len + (int)sg[7] + nq;
-  const int g = h / (heads / kvh);
+  WgmmaBlock B;
+  if (!wgmma_block<BQ, BK>(B, segs, heads, kvh, hd, causal)) return;
+  const i64 q_start = B.q_start;
+  const int nq = B.nq, shared_len = B.shared_len, kvlen = B.kvlen, qbase = B.qbase, offset = B.offset;
+  const int clean = B.clean, ntiles = B.ntiles;
+  const i64 kstride = B.kstride;
+  const bf16 *ks_ = B.ks, *vs_ = B.vs, *ko_ = B.ko, *vo_ = B.vo;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
-  const int qbase = tile * BQ;
-  const int offset = kvlen - nq;
-  const int qlast = min(nq, qbase + BQ) - 1;
-  const int klimit = causal ? min(kvlen, offset + qlast + 1) : kvlen;
-  const int clean = causal ? min(kvlen, offset + qbase + 1) : kvlen;
-  const int ntiles = (klimit + BK - 1) / BK;
-  const i64 kstride = (i64)kvh * hd;
-  const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
-  const bf16* vs_ = (const bf16*)sg[3] + (i64)g * hd;
-  const bf16* ko_ = (const bf16*)sg[5] + (i64)g * hd;
-  const bf16* vo_ = (const bf16*)sg[6] + (i64)g * hd;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
   if (ntiles > 0) {
-    issue_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd, BK);
-    issue_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd, BK);
+    issue_kv_tile_sw<HDP>(Ks, ks_, shared_len, ko_, kstride, 0, kvlen, hd);
+    issue_kv_tile_sw<HDP>(Vs, vs_, shared_len, vo_, kstride, 0, kvlen, hd);
   }
   cp_async_commit();
 
@@ -754,8 +943,8 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
       const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      issue_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK);
-      issue_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK);
+      issue_kv_tile_sw<HDP>(Ks + nb * BK * HDP * 2, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd);
+      issue_kv_tile_sw<HDP>(Vs + nb * BK * HDP * 2, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd);
     }
     cp_async_commit();
     const unsigned char* Kt = Ks + buf * BK * HDP * 2;
@@ -764,107 +953,25 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     // S = Q K^T (64 rows x 64 keys per warpgroup).
     float s[32];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ks++) {
-      const int cb = ks >> 2, off = (ks & 3) * 32;
-      const unsigned long long da = smem_desc(Qw + cb * BQ * 128 + off, 16, 1024);
-      const unsigned long long db = smem_desc(Kt + cb * BK * 128 + off, 16, 1024);
-      wgmma_ss_m64n64(s, da, db, ks > 0);
-    }
+    wgmma_qk_tile<HDP, BQ>(s, Qw, Kt);
     wgmma_commit();
     wgmma_wait0();
 
-    // Mask, online softmax: s[4j + e] is row (e < 2 ? r0 : r0 + 8), key 8j + 2tg + (e & 1). The
-    // max is taken over the raw scores (the scale is positive) and the scale folded into the one
-    // FMA before ex2: p = 2^(s·scale − max·scale). The softmax is what limits this kernel at head
-    // dim 64 (issue-bound: ncu, NOTES), so every instruction per score counts.
     const bool masked = (kt + 1) * BK > clean;
-    float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float v = s[4 * j + e];
-        if (masked) {
-          const int col = kt * BK + 8 * j + 2 * tg + (e & 1);
-          const int qi = e < 2 ? qi0 : qi1;
-          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
-          s[4 * j + e] = v;
-        }
-        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
-    const float c0 = ex2_ftz(fmaf(m0, scale_log2, -b0)), c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
-      s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
-      s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
-      s[4 * j + 3] = ex2_ftz(fmaf(s[4 * j + 3], scale_log2, -b1));
-      ps0 += s[4 * j + 0] + s[4 * j + 1];
-      ps1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-    l0 = l0 * c0 + ps0;
-    l1 = l1 * c1 + ps1;
-    m0 = mn0;
-    m1 = mn1;
-    // Rescale O only when some row of the warp saw a new max: multiplying by 1 changes no bit, so
-    // skipping it is exact, and after the first tiles the max rarely moves (at head dim 256 the
-    // rescale is 128 multiplies per thread against 32 scores).
-    if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < NO / 4; j++) {
-        o[4 * j + 0] *= c0;
-        o[4 * j + 1] *= c0;
-        o[4 * j + 2] *= c1;
-        o[4 * j + 3] *= c1;
-      }
-    }
+    float c0, c1;
+    wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
+    wgmma_rescale_o(o, c0, c1);
     // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
     // fence, so no register the MMAs read changes between them).
     unsigned pa[BK / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    wgmma_pack_p(s, pa);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      const unsigned long long db = smem_desc(Vt + kk * 16 * 128, BK * 128, 1024);
-      if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
-      else wgmma_rs_m64n256(o, pa[kk], db);
-    }
+    wgmma_pv_tile<HDP>(o, pa, Vt);
     wgmma_commit();
     wgmma_wait0();
   }
   cp_async_wait_all_groups();
-
-#pragma unroll
-  for (int hr = 0; hr < 2; hr++) {
-    const int qi = hr == 0 ? qi0 : qi1;
-    const float inv = (hr == 0 ? l0 : l1) > 0.f ? 1.f / (hr == 0 ? l0 : l1) : 0.f;
-#pragma unroll
-    for (int j = 0; j < NO / 4; j++) {
-      const int col = 8 * j + 2 * tg;
-      if (qi >= nq || col >= hd) continue;
-      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * j + 2 * hr] * inv,
-                  o[4 * j + 2 * hr + 1] * inv);
-    }
-  }
+  wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }
 // ---------------------------------------------------------------------------------------------
 // attn_fwd_ws_<HDP> (Hopper, sm_90a): attn_fwd_wgmma's attention, warp-specialised as

@@ -91,3 +91,23 @@ extern "C" __global__ void readout_f32(const bf16* h, const float* w, float* y, 
   acc = warp_sum(acc);
   if (lane == 0) y[warp] = acc;
 }
+
+// Merge-ordered patch rows of one RGB8 image (HWC, `width` pixels wide, gh × gw patches of ps²):
+// y[r, (c·tp + t)·ps² + py·ps + px] = lut[c][pixel (y0 + py, x0 + px), channel c] for every
+// temporal copy t, where patch r runs over merge-block row, merge-block column, in-block row,
+// in-block column. CPU twin: crate::image::patchify (through Backend::image_patches' default).
+extern "C" __global__ void image_patches(const unsigned char* rgb, const float* lut, bf16* y, int gh, int gw,
+                                         int ps, int tp, int m) {
+  const int plane = ps * ps, d = 3 * tp * plane;
+  const i64 n = (i64)gh * gw * d;
+  const int width = gw * ps, blocks_w = gw / m;
+  FOR_EACH(i, n) {
+    const i64 r = i / d;
+    const int j = (int)(i - r * d);
+    const int c = j / (tp * plane), in = j % plane, py = in / ps, px = in % ps;
+    const i64 blk = r / (m * m);
+    const int mh = (int)(r / m % m), mw = (int)(r % m);
+    const i64 yy = (blk / blocks_w * m + mh) * ps + py, xx = (blk % blocks_w * m + mw) * ps + px;
+    y[i] = to_bf(lut[c * 256 + rgb[(yy * width + xx) * 3 + c]]);
+  }
+}

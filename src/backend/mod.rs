@@ -51,6 +51,42 @@ pub struct LoraPair<'a> {
     pub scale: f32,
 }
 
+pub use crate::image::PatchGeometry;
+
+/// One 8-bit RGB image for [`Backend::image_patches`]: HWC pixels and its per-channel
+/// `u8 → f32` table.
+#[derive(Debug, Clone, Copy)]
+pub struct RgbImage<'a> {
+    pub rgb: &'a [u8],
+    pub width: usize,
+    pub height: usize,
+    pub lut: &'a [[f32; 256]; 3],
+}
+
+/// Rows of [`Backend::image_patches`] over `images`, after checking that each image's pixels fill
+/// its size and that its sides are whole merge blocks of patches.
+pub fn image_patch_rows(images: &[RgbImage<'_>], g: PatchGeometry) -> Result<usize> {
+    let block = g.patch * g.merge;
+    let mut rows = 0;
+    for (i, im) in images.iter().enumerate() {
+        anyhow::ensure!(
+            im.rgb.len() == im.width * im.height * 3,
+            "image {i}: {} bytes of pixels for {}×{} RGB",
+            im.rgb.len(),
+            im.width,
+            im.height
+        );
+        anyhow::ensure!(
+            block > 0 && im.width % block == 0 && im.height % block == 0 && im.width > 0,
+            "image {i}: {}×{} is not a whole number of {block}-pixel merge blocks",
+            im.width,
+            im.height
+        );
+        rows += (im.width / g.patch) * (im.height / g.patch);
+    }
+    Ok(rows)
+}
+
 /// Which GELU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gelu {
@@ -231,6 +267,23 @@ pub trait Backend: Send + Sync + 'static {
     /// Same data, new row-major shape with the same element count.
     fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
 
+    /// Rows of image patches cut from 8-bit RGB images, each value looked up in its image's
+    /// per-channel table: `[Σ rows, g.row_len()]`, the images one after another, each in the
+    /// merge order of [`crate::image::patchify`]. The default cuts them on the host and uploads
+    /// the f32 rows; a device backend uploads the pixels (an eighth of the bytes at
+    /// `row_len` 1536) and cuts them there.
+    fn image_patches(&self, images: &[RgbImage<'_>], g: PatchGeometry) -> Result<Self::Tensor> {
+        let rows = image_patch_rows(images, g)?;
+        let d = g.row_len();
+        let mut v = vec![0f32; rows * d];
+        let mut at = 0;
+        for im in images {
+            let n = (im.height / g.patch) * (im.width / g.patch) * d;
+            crate::image::patchify(im.rgb, im.width, im.lut, g, &mut v[at..at + n]);
+            at += n;
+        }
+        self.upload(&v, &[rows, d])
+    }
     /// `table[ids]` → `[ids.len(), d]`.
     fn embed(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
     /// Weighted sum of `taps` rows per output row: `out[r] = Σ_j w[r·taps+j]·table[idx[r·taps+j]]`.

@@ -8,7 +8,9 @@ use super::config::{LayerKind, ModelConfig, TextRope};
 use super::positions::{self, SequenceLayout};
 use super::progress::LoadProgress;
 use crate::backend::tree::{self, TreeCalls};
-use crate::backend::{AttentionDims, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use crate::backend::{
+    AttentionDims, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart, PatchGeometry, RgbImage,
+};
 use crate::image::PatchedImage;
 use crate::weights::{TensorRef, WeightStore};
 use anyhow::{anyhow, bail, ensure, Context, Result};
@@ -522,27 +524,45 @@ impl<B: Backend> Qwen35<B> {
         let b = &self.backend;
         let pd = vc.patch_dim();
         let merge = vc.spatial_merge_size;
-        let mut pixels = Vec::new();
+        let mut rgb = Vec::new();
         let mut idx = Vec::new();
         let mut wts = Vec::new();
         let mut coords = Vec::new();
         let mut segments = Vec::new();
         let mut per_image = Vec::new();
         let mut row = 0;
+        let geometry = PatchGeometry { patch: vc.patch_size, temporal: vc.temporal_patch_size, merge };
+        ensure!(
+            geometry.row_len() == pd,
+            "the vision tower takes {pd} values per patch, RGB patches have {}",
+            geometry.row_len()
+        );
         for img in images {
             let [gt, gh, gw] = img.grid_thw;
             let n = gt * gh * gw;
             ensure!(
-                img.pixel_values.len() == n * pd,
-                "image pixel rows do not match grid {:?}",
-                img.grid_thw
+                gt == 1
+                    && img.patch_dim == pd
+                    && (img.patch_size, img.temporal_patch_size, img.merge_size)
+                        == (vc.patch_size, vc.temporal_patch_size, merge)
+                    && img.resized_hw == (gh * vc.patch_size, gw * vc.patch_size),
+                "image of grid {:?} was cut for another vision tower (patch {}, temporal {}, merge {})",
+                img.grid_thw,
+                img.patch_size,
+                img.temporal_patch_size,
+                img.merge_size
             );
             ensure!(
                 gh % merge == 0 && gw % merge == 0,
                 "image grid {:?} is not divisible by the merge size",
                 img.grid_thw
             );
-            pixels.extend_from_slice(&img.pixel_values);
+            rgb.push(RgbImage {
+                rgb: &img.rgb,
+                width: img.resized_hw.1,
+                height: img.resized_hw.0,
+                lut: &img.lut,
+            });
             let (i, w) = positions::pos_embed_taps(img.grid_thw, merge, vc.pos_grid_side());
             idx.extend(i);
             wts.extend(w);
@@ -553,7 +573,7 @@ impl<B: Backend> Qwen35<B> {
             per_image.push(row / (merge * merge)..(row + n) / (merge * merge));
             row += n;
         }
-        let x = b.upload(&pixels, &[row, pd])?;
+        let x = b.image_patches(&rgb, geometry)?;
         let mut x = b.matmul(&x, &vt.patch)?;
         let pos = b.embed_bag(&vt.pos, &idx, &wts, 4)?;
         b.add_assign(&mut x, &pos)?;

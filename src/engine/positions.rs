@@ -144,25 +144,36 @@ pub fn patch_coords(grid: [usize; 3], merge: usize) -> Vec<(usize, usize)> {
 }
 
 /// Vision rotary tables `[n, head_dim]`: angles `[row·f | col·f | row·f | col·f]` with
-/// `f_i = 1/θ^(2i/(head_dim/2))`, `i < head_dim/4`.
+/// `f_i = 1/θ^(2i/(head_dim/2))`, `i < head_dim/4`. Rows and columns take few distinct values
+/// (256 for a 4096² photo against its 65,536 patches), so each `(v·f_i).sin_cos()` is computed
+/// once per value and the rows are filled from those, in parallel when there are many.
 pub fn vision_rope_tables(coords: &[(usize, usize)], head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
     let inv = inv_freq(theta, head_dim / 2);
     let q = inv.len();
+    let values = coords.iter().map(|&(r, c)| r.max(c) + 1).max().unwrap_or(0);
+    // (sin, cos) of v·f_i at [v·q + i].
+    let angles: Vec<(f32, f32)> =
+        (0..values).flat_map(|v| inv.iter().map(move |f| (v as f32 * f).sin_cos())).collect();
     let mut cos = vec![0f32; coords.len() * head_dim];
     let mut sin = vec![0f32; coords.len() * head_dim];
-    for (p, &(r, c)) in coords.iter().enumerate() {
-        let base = p * head_dim;
-        for (i, f) in inv.iter().enumerate() {
-            let (sr, cr) = (r as f32 * f).sin_cos();
-            let (sc, cc) = (c as f32 * f).sin_cos();
+    let fill = |((cos, sin), &(r, c)): ((&mut [f32], &mut [f32]), &(usize, usize))| {
+        for i in 0..q {
+            let (sr, cr) = angles[r * q + i];
+            let (sc, cc) = angles[c * q + i];
             for rep in 0..2 {
-                let o = base + rep * 2 * q;
+                let o = rep * 2 * q;
                 cos[o + i] = cr;
                 sin[o + i] = sr;
                 cos[o + q + i] = cc;
                 sin[o + q + i] = sc;
             }
         }
+    };
+    if coords.len() >= 4096 {
+        use rayon::prelude::*;
+        cos.par_chunks_mut(head_dim).zip(sin.par_chunks_mut(head_dim)).zip(coords.par_iter()).for_each(fill);
+    } else {
+        cos.chunks_mut(head_dim).zip(sin.chunks_mut(head_dim)).zip(coords.iter()).for_each(fill);
     }
     (cos, sin)
 }
@@ -203,6 +214,26 @@ pub fn pos_embed_taps(grid: [usize; 3], merge: usize, side: usize) -> (Vec<u32>,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vision_rope_tables_equal_the_angles_computed_per_patch() {
+        // Enough patches for the parallel fill, and a non-square grid (rows ≠ columns).
+        let coords = patch_coords([1, 64, 96], 2);
+        let (hd, theta) = (64, 10000.0);
+        let (cos, sin) = vision_rope_tables(&coords, hd, theta);
+        let inv = inv_freq(theta, hd / 2);
+        let q = inv.len();
+        for (p, &(r, c)) in coords.iter().enumerate() {
+            for (i, f) in inv.iter().enumerate() {
+                let (sr, cr) = (r as f32 * f).sin_cos();
+                let (sc, cc) = (c as f32 * f).sin_cos();
+                for o in [p * hd, p * hd + 2 * q] {
+                    assert_eq!((cos[o + i], sin[o + i]), (cr, sr), "patch {p} row angle {i}");
+                    assert_eq!((cos[o + q + i], sin[o + q + i]), (cc, sc), "patch {p} column angle {i}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn spec_two_image_example() {

@@ -50,7 +50,7 @@ pub mod resize;
 
 pub use config::ImageProcessorConfig;
 pub use decode::{decode_image, sniff_format, DecodedImage, ImageFormat, ImageLimits};
-pub use patches::{preprocess, preprocess_rgb, resized_rgb, PatchedImage};
+pub use patches::{patchify, preprocess, preprocess_rgb, resized_rgb, PatchGeometry, PatchedImage};
 pub use resize::{resize_bicubic_aa_u8, smart_resize};
 
 /// Why an image was refused. Every message says what the caller can do about it.

@@ -1,5 +1,8 @@
 //! Rescale + normalise in float32 and cut into merge-ordered patches (`pixel_values`).
 //!
+//! [`preprocess_rgb`] stops at the resized 8-bit pixels and the normalisation table; the rows are
+//! cut where they are used ([`patchify`] on the CPU, the `image_patches` kernel on the GPU).
+//!
 //! Exists because the order and the float32 rounding must match transformers exactly:
 //!
 //! * `TorchvisionBackend.rescale_and_normalize` fuses the two steps: `mean' = f32(mean) ·
@@ -15,17 +18,28 @@ use super::{
     resize::resize_bicubic_aa_u8, resize::smart_resize, DecodedImage, ImageError, ImageProcessorConfig,
 };
 
-/// The processor's output for one image.
+/// The processor's output for one image: the resized 8-bit pixels and what turns them into rows.
+///
+/// The f32 rows themselves (`pixel_values`, 1536 values per patch: 400 MB for a 4096² photo,
+/// eight times its pixels) are not kept: [`PatchedImage::pixel_values`] computes them for the
+/// CPU and the goldens, and the CUDA backend cuts them on the device from the uploaded pixels
+/// (`Backend::image_patches`) — the same values, looked up in the same table.
 #[derive(Debug, Clone)]
 pub struct PatchedImage {
-    /// `[n_patches, 3 · temporal_patch_size · patch_size²]` row-major (1536 wide for Qwen3.5).
-    pub pixel_values: Vec<f32>,
+    /// The image after smart_resize, RGB8 HWC `[resized_h, resized_w, 3]`.
+    pub rgb: Vec<u8>,
+    /// Per channel, `u8 → f32` of the processor's fused rescale + normalise.
+    pub lut: [[f32; 256]; 3],
     /// `image_grid_thw = [1, H/patch, W/patch]`.
     pub grid_thw: [usize; 3],
     /// Size after smart_resize, `(height, width)`.
     pub resized_hw: (usize, usize),
     /// `3 · temporal_patch_size · patch_size²`.
     pub patch_dim: usize,
+    /// `patch_size` (pixels per patch side).
+    pub patch_size: usize,
+    /// `temporal_patch_size` (copies of the frame in each row).
+    pub temporal_patch_size: usize,
     /// `merge_size` (for [`PatchedImage::merged_tokens`]).
     pub merge_size: usize,
 }
@@ -43,9 +57,90 @@ impl PatchedImage {
         self.grid_thw.iter().product()
     }
 
+    /// The transformers processor's `pixel_values`, `[n_patches, patch_dim]` row-major.
+    pub fn pixel_values(&self) -> Vec<f32> {
+        let mut pv = vec![0f32; self.n_patches() * self.patch_dim];
+        self.write_pixel_values(&mut pv);
+        pv
+    }
+
+    /// [`PatchedImage::pixel_values`] into `out` (`n_patches · patch_dim` values).
+    pub fn write_pixel_values(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), self.n_patches() * self.patch_dim, "pixel_values buffer size");
+        patchify(
+            &self.rgb,
+            self.resized_hw.1,
+            &self.lut,
+            PatchGeometry {
+                patch: self.patch_size,
+                temporal: self.temporal_patch_size,
+                merge: self.merge_size,
+            },
+            out,
+        );
+    }
+
     /// `pixel_values` as little-endian bytes (what the goldens hash).
     pub fn pixel_values_le_bytes(&self) -> Vec<u8> {
-        self.pixel_values.iter().flat_map(|v| v.to_le_bytes()).collect()
+        self.pixel_values().iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+}
+
+/// How an image is cut into rows: square patches of `patch` pixels, each row holding the patch
+/// `temporal` times, rows in `merge × merge` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PatchGeometry {
+    pub patch: usize,
+    pub temporal: usize,
+    pub merge: usize,
+}
+
+impl PatchGeometry {
+    /// Values per row: `3 · temporal · patch²`.
+    pub fn row_len(&self) -> usize {
+        3 * self.temporal * self.patch * self.patch
+    }
+}
+
+/// Cuts an RGB8 HWC image `width` pixels wide into merge-ordered patch rows of `lut` values
+/// (`Qwen2VLImageProcessor.patchify`): rows run over merge-block row, merge-block column, in-block
+/// row, in-block column; each row is `[channel][temporal][patch row][patch col]`. `out` holds
+/// `(height/patch) · (width/patch)` rows. The CPU twin of the CUDA kernel `image_patches`.
+pub fn patchify(rgb: &[u8], width: usize, lut: &[[f32; 256]; 3], g: PatchGeometry, out: &mut [f32]) {
+    let (ps, m, tp) = (g.patch, g.merge, g.temporal);
+    let patch_dim = g.row_len();
+    let plane = tp * ps * ps;
+    let gw = width / ps;
+    // One merge-block row (m patch rows of the grid) is a contiguous run of m·gw output rows.
+    let block_row_len = m * gw * patch_dim;
+    let fill = |(bh, out): (usize, &mut [f32])| {
+        for (r, dst) in out.chunks_exact_mut(patch_dim).enumerate() {
+            // r = (bw·m + mh)·m + mw within this merge-block row
+            let (bw, mh, mw) = (r / (m * m), r / m % m, r % m);
+            let y0 = (bh * m + mh) * ps;
+            let x0 = (bw * m + mw) * ps;
+            for (c, table) in lut.iter().enumerate() {
+                let base = c * plane;
+                for py in 0..ps {
+                    let start = ((y0 + py) * width + x0) * 3;
+                    let src = &rgb[start..start + ps * 3];
+                    let d = &mut dst[base + py * ps..base + (py + 1) * ps];
+                    for (o, p) in d.iter_mut().zip(src.chunks_exact(3)) {
+                        *o = table[p[c] as usize];
+                    }
+                }
+                // the temporal copies repeat the frame
+                for t in 1..tp {
+                    dst.copy_within(base..base + ps * ps, base + t * ps * ps);
+                }
+            }
+        }
+    };
+    if out.len() >= 1 << 20 {
+        use rayon::prelude::*;
+        out.par_chunks_mut(block_row_len).enumerate().for_each(fill);
+    } else {
+        out.chunks_mut(block_row_len).enumerate().for_each(fill);
     }
 }
 
@@ -73,7 +168,8 @@ pub(crate) fn normalize_lut(cfg: &ImageProcessorConfig) -> [[f32; 256]; 3] {
     lut
 }
 
-/// Full processor on an RGB8 HWC buffer: smart_resize → bicubic AA resize → normalise → patchify.
+/// Full processor on an RGB8 HWC buffer: smart_resize → bicubic AA resize, with the normalise
+/// table and the patch geometry that turn the result into `pixel_values`.
 pub fn preprocess_rgb(
     rgb_hwc: &[u8],
     width: usize,
@@ -102,55 +198,19 @@ pub fn preprocess_rgb(
             ps * m
         )));
     }
-    let resized;
-    let px: &[u8] = if (rh, rw) != (height, width) {
-        resized = resize_bicubic_aa_u8(rgb_hwc, width, height, rw, rh);
-        &resized
+    let rgb = if (rh, rw) != (height, width) {
+        resize_bicubic_aa_u8(rgb_hwc, width, height, rw, rh)
     } else {
-        rgb_hwc
+        rgb_hwc.to_vec()
     };
-
-    let lut = normalize_lut(cfg);
-    let (gh, gw) = (rh / ps, rw / ps);
-    let patch_dim = 3 * tp * ps * ps;
-    let plane = tp * ps * ps;
-    let mut pv = vec![0f32; gh * gw * patch_dim];
-    // One merge-block row (m patch rows of the grid) is a contiguous run of m·gw output rows.
-    let block_row_len = m * gw * patch_dim;
-    let fill = |(bh, out): (usize, &mut [f32])| {
-        for (r, dst) in out.chunks_exact_mut(patch_dim).enumerate() {
-            // r = (bw·m + mh)·m + mw within this merge-block row
-            let (bw, mh, mw) = (r / (m * m), r / m % m, r % m);
-            let y0 = (bh * m + mh) * ps;
-            let x0 = (bw * m + mw) * ps;
-            for (c, table) in lut.iter().enumerate() {
-                let base = c * plane;
-                for py in 0..ps {
-                    let start = ((y0 + py) * rw + x0) * 3;
-                    let src = &px[start..start + ps * 3];
-                    let d = &mut dst[base + py * ps..base + (py + 1) * ps];
-                    for (o, p) in d.iter_mut().zip(src.chunks_exact(3)) {
-                        *o = table[p[c] as usize];
-                    }
-                }
-                // the temporal copies repeat the frame
-                for t in 1..tp {
-                    dst.copy_within(base..base + ps * ps, base + t * ps * ps);
-                }
-            }
-        }
-    };
-    if pv.len() >= 1 << 20 {
-        use rayon::prelude::*;
-        pv.par_chunks_mut(block_row_len).enumerate().for_each(fill);
-    } else {
-        pv.chunks_mut(block_row_len).enumerate().for_each(fill);
-    }
     Ok(PatchedImage {
-        pixel_values: pv,
-        grid_thw: [1, gh, gw],
+        rgb,
+        lut: normalize_lut(cfg),
+        grid_thw: [1, rh / ps, rw / ps],
         resized_hw: (rh, rw),
-        patch_dim,
+        patch_dim: 3 * tp * ps * ps,
+        patch_size: ps,
+        temporal_patch_size: tp,
         merge_size: m,
     })
 }
@@ -184,6 +244,7 @@ mod tests {
         let cfg = ImageProcessorConfig { do_resize: false, ..Default::default() };
         let p = preprocess_rgb(&rgb, w, h, &cfg).unwrap();
         assert_eq!(p.grid_thw, [1, 4, 4]);
+        let pv = p.pixel_values();
         assert_eq!(p.merged_tokens(), 4);
         let lut = normalize_lut(&cfg);
         // row r = ((bh*2 + bw)*2 + mh)*2 + mw for gw/2 = 2
@@ -192,7 +253,7 @@ mod tests {
             for (c, t, py, px) in [(0, 0, 0, 0), (1, 1, 3, 15), (2, 0, 15, 7), (2, 1, 15, 7)] {
                 let y = (bh * 2 + mh) * 16 + py;
                 let x = (bw * 2 + mw) * 16 + px;
-                let v = p.pixel_values[r * 1536 + ((c * 2 + t) * 16 + py) * 16 + px];
+                let v = pv[r * 1536 + ((c * 2 + t) * 16 + py) * 16 + px];
                 assert_eq!(v, lut[c][rgb[(y * w + x) * 3 + c] as usize]);
             }
         }

@@ -572,10 +572,13 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         // 32 × 32 patches (a 512 × 512 image): long enough to time, short enough for any load.
         let side = 32 * vc.spatial_merge_size.max(1) / 2;
         let img = PatchedImage {
-            pixel_values: vec![0.0; side * side * vc.patch_dim()],
+            rgb: vec![0; side * side * vc.patch_size * vc.patch_size * 3],
+            lut: [[0.0; 256]; 3],
             grid_thw: [1, side, side],
             resized_hw: (side * vc.patch_size, side * vc.patch_size),
             patch_dim: vc.patch_dim(),
+            patch_size: vc.patch_size,
+            temporal_patch_size: vc.temporal_patch_size,
             merge_size: vc.spatial_merge_size,
         };
         let t = Instant::now();

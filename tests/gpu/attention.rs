@@ -78,6 +78,7 @@ pub fn hopper_cases(
 ) -> Result<()> {
     let label = match kernel {
         AttentionKernel::WarpSpecialized => "4B ws",
+        AttentionKernel::Overlap => "4B ov",
         _ => "4B wgmma",
     };
     if g.info().compute_capability != (9, 0) {
@@ -260,5 +261,81 @@ pub fn vision_case(
         )?
         .data;
     rep.check("attn", format!("vision_attention h{heads} d{hd} segments {lens:?}"), rel(&og, &oc), 2e-2);
+    Ok(())
+}
+
+/// Two Hopper attention kernels that must compute the same bits (one reorders the other's issue
+/// only): the 4B text attention (head dim 256, causal, a tree of forks over a shared prefix and a
+/// 16K sequence) and the vision attention (head dim 64, ragged segments and one of 16K patches),
+/// each once per kernel on the same inputs, compared bit for bit.
+pub fn same_bits(
+    g: &CudaBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    a: AttentionKernel,
+    b: AttentionKernel,
+) -> Result<()> {
+    if g.info().compute_capability != (9, 0) {
+        rep.flag("attn", format!("{a:?} vs {b:?}: not a Hopper GPU, never launched, not checked"), true, "");
+        return Ok(());
+    }
+    let (ga, gb) = (variant(g, |o| o.attention = a)?, variant(g, |o| o.attention = b)?);
+    let differing =
+        |x: &[f32], y: &[f32]| x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+    for lens in [&[1usize, 63, 64, 65, 127, 4097][..], &[16_384][..]] {
+        let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
+        let n: usize = lens.iter().sum();
+        let segs = tiling(lens);
+        let qkv = rng.bf16_normals(n * d4b.qkv_width(), 1.0);
+        let qn = rng.bf16_normals(256, 0.1);
+        let kn = rng.bf16_normals(256, 0.1);
+        let pos: Vec<i64> = lens.iter().flat_map(|&l| 0..l as i64).collect();
+        let (cos, sin) = positions::text_rope_tables(&[pos.clone(), pos.clone(), pos], 1e7, 64, section(32));
+        let mut outs = vec![];
+        for be in [&ga, &gb] {
+            let mut caches = (0..lens.len()).map(|_| be.new_kv_cache(&d4b)).collect::<Result<Vec<_>>>()?;
+            let t = (
+                be.upload(&qkv, &[n, d4b.qkv_width()])?,
+                be.param(&MemoryTensor::f32("q_norm", &[256], &qn).r())?,
+                be.param(&MemoryTensor::f32("k_norm", &[256], &kn).r())?,
+                be.upload(&cos, &[n, 64])?,
+                be.upload(&sin, &[n, 64])?,
+            );
+            let inputs = AttentionInputs { qkv: &t.0, q_norm: &t.1, k_norm: &t.2, cos: &t.3, sin: &t.4 };
+            let mut refs: Vec<_> = caches.iter_mut().collect();
+            outs.push(be.download(&be.gated_attention(&inputs, &d4b, &segs, &[], &mut refs)?)?);
+        }
+        rep.check(
+            "attn",
+            format!("gated_attention 4B {a:?} vs {b:?} lens {lens:?}: differing values (bitwise count)"),
+            differing(&outs[0], &outs[1]) as f64,
+            0.0,
+        );
+    }
+    for lens in [&[100usize, 64, 256, 1, 127, 4097][..], &[16_384][..]] {
+        let (heads, hd) = (16, 64);
+        let n: usize = lens.iter().sum();
+        let segs = tiling(lens);
+        let qkv = rng.bf16_normals(n * 3 * heads * hd, 1.0);
+        let ang: Vec<f32> = (0..n * hd).map(|_| rng.uniform() * 20.0).collect();
+        let cos: Vec<f32> = ang.iter().map(|x| x.cos()).collect();
+        let sin: Vec<f32> = ang.iter().map(|x| x.sin()).collect();
+        let mut outs = vec![];
+        for be in [&ga, &gb] {
+            outs.push(be.download(&be.vision_attention(
+                &be.upload(&qkv, &[n, 3 * heads * hd])?,
+                &be.upload(&cos, &[n, hd])?,
+                &be.upload(&sin, &[n, hd])?,
+                heads,
+                &segs,
+            )?)?);
+        }
+        rep.check(
+            "attn",
+            format!("vision_attention {a:?} vs {b:?} segments {lens:?}: differing values (bitwise count)"),
+            differing(&outs[0], &outs[1]) as f64,
+            0.0,
+        );
+    }
     Ok(())
 }

@@ -1,11 +1,13 @@
 //! Data movement and elementwise ops (kernels/elementwise.cu) against the CPU: embeddings, row
-//! gathers and scatters, column splits, concatenation (all exact), residual adds, SwiGLU, GELU.
+//! gathers and scatters, column splits, concatenation (all exact), image patch rows (bitwise the
+//! host's f32 rows rounded to BF16), residual adds, SwiGLU, GELU.
 
 use super::harness::{rel, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::cuda::CudaBackend;
-use imajev_serve::backend::{Backend, Gelu};
+use imajev_serve::backend::{Backend, Gelu, PatchGeometry, RgbImage};
+use imajev_serve::image::patchify;
 use imajev_serve::synth::memory::MemoryTensor;
 use imajev_serve::synth::rng::SplitMix;
 
@@ -83,5 +85,41 @@ pub fn activations(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
         c.gelu(&mut hc, kind)?;
         rep.check(p, name, rel(&g.download(&hg)?, &hc.data), 1e-2);
     }
+    Ok(())
+}
+
+/// `image_patches` against the host's rows (`patchify`, what the CPU backend uploads) rounded to
+/// BF16 once, as `cast_f32_bf16` rounded them before: two images of different sizes in one call
+/// (the second starts mid-buffer), one of them a whole 4096² photo, and a table with a distinct
+/// value per channel and level.
+pub fn image_patch_rows(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let geometry = PatchGeometry { patch: 16, temporal: 2, merge: 2 };
+    let mut lut = [[0f32; 256]; 3];
+    for (c, t) in lut.iter_mut().enumerate() {
+        for (v, x) in t.iter_mut().enumerate() {
+            *x = (v as f32 - 127.5) / (127.5 + c as f32) + rng.uniform() * 1e-3;
+        }
+    }
+    let sizes = [(96usize, 64usize), (4096, 4096)];
+    let pixels: Vec<Vec<u8>> =
+        sizes.iter().map(|&(w, h)| (0..w * h * 3).map(|_| rng.below(256) as u8).collect()).collect();
+    let images: Vec<RgbImage<'_>> = sizes
+        .iter()
+        .zip(&pixels)
+        .map(|(&(width, height), rgb)| RgbImage { rgb, width, height, lut: &lut })
+        .collect();
+    let mut want = Vec::new();
+    for im in &images {
+        let mut rows = vec![0f32; (im.width / 16) * (im.height / 16) * geometry.row_len()];
+        patchify(im.rgb, im.width, im.lut, geometry, &mut rows);
+        want.extend(rows.iter().map(|&v| half::bf16::from_f32(v).to_f32()));
+    }
+    let got = g.download(&g.image_patches(&images, geometry)?)?;
+    let differ = if got.len() == want.len() {
+        got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count() as f64
+    } else {
+        f64::INFINITY
+    };
+    rep.check(P, "image_patches 96×64 + 4096² (values that differ from the host rows in BF16)", differ, 0.0);
     Ok(())
 }

@@ -35,6 +35,7 @@ fn elementwise_ops_match_cpu() {
     let (mut rep, mut rng) = (Report::default(), SplitMix::new(7));
     rep.guard("elem", "data movement", |rep| elementwise::data_movement(&d.g, &d.c, rep, &mut rng));
     rep.guard("elem", "activations", |rep| elementwise::activations(&d.g, &d.c, rep, &mut rng));
+    rep.guard("elem", "image patch rows", |rep| elementwise::image_patch_rows(&d.g, rep, &mut rng));
     rep.finish("elementwise");
 }
 
@@ -86,6 +87,21 @@ fn warp_specialised_attention_matches_cpu() {
         attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::WarpSpecialized)
     });
     rep.finish("attention (ws)");
+}
+
+/// The warpgroup-MMA attention with the softmax overlapped with the P·V MMAs (Hopper only):
+/// against the CPU as the others, and bitwise against `Wgmma` (the same arithmetic, reordered issue).
+#[test]
+fn overlapped_attention_matches_cpu_and_wgmma_bitwise() {
+    let Some(d) = gpu("attention (ov)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(14));
+    rep.guard("attn", "attention (ov)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::Overlap)
+    });
+    rep.guard("attn", "attention (ov vs wgmma)", |rep| {
+        attention::same_bits(&d.g, rep, &mut rng, AttentionKernel::Wgmma, AttentionKernel::Overlap)
+    });
+    rep.finish("attention (ov)");
 }
 
 #[test]

@@ -25,6 +25,10 @@ pub enum AttentionKernel {
     Auto,
     /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
     Wgmma,
+    /// `attn_fwd_wgmma_ov`: `attn_fwd_wgmma` with each tile's softmax overlapped with the previous
+    /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
+    /// runs: bench/NOTES.md), where the GPU and head dim allow it.
+    Overlap,
     /// `attn_fwd_ws`: warpgroup MMAs, warp-specialised (a producer warpgroup, two consumers that
     /// overlap the softmax with the MMAs) where the GPU and head dim allow it.
     WarpSpecialized,
@@ -35,11 +39,12 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// From `IMAJEV_ATTENTION` (`auto`, `ws`, `wgmma`, `q128`, `q64`).
+    /// From `IMAJEV_ATTENTION` (`auto`, `ov`, `ws`, `wgmma`, `q128`, `q64`).
     pub fn parse(v: &str) -> Option<Self> {
         Some(match v {
             "auto" => AttentionKernel::Auto,
             "wgmma" => AttentionKernel::Wgmma,
+            "ov" => AttentionKernel::Overlap,
             "ws" => AttentionKernel::WarpSpecialized,
             "q128" => AttentionKernel::Rows128,
             "q64" => AttentionKernel::Rows64,
@@ -207,6 +212,9 @@ impl CudaBackend {
             if hopper && kernel == AttentionKernel::WarpSpecialized {
                 let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
+            } else if hopper && kernel == AttentionKernel::Overlap {
+                let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
+                self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
             } else if hopper && matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma) {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_{hdp}"), cfg, &args(tp))?;

@@ -4,7 +4,7 @@
 use super::launch::{grid1, launch_config, Arg};
 use super::tensor::{Buf, CudaTensor};
 use super::CudaBackend;
-use crate::backend::Gelu;
+use crate::backend::{image_patch_rows, Gelu, PatchGeometry, RgbImage};
 use anyhow::{bail, ensure, Result};
 
 /// `Backend::embed` (the trait documents the contract).
@@ -62,6 +62,44 @@ pub(super) fn embed_bag(
         ],
     )?;
     Ok(be.bf16_tensor(y, &[n, d]))
+}
+
+/// `Backend::image_patches` (the trait documents the contract): each image's pixels and table
+/// uploaded as they are, its rows cut by `image_patches` into its slice of one BF16 buffer — the
+/// values `cast_f32_bf16` makes of the host's f32 rows, bit for bit (the same table entries,
+/// rounded once).
+pub(super) fn image_patches(
+    be: &CudaBackend,
+    images: &[RgbImage<'_>],
+    g: PatchGeometry,
+) -> Result<CudaTensor> {
+    let rows = image_patch_rows(images, g)?;
+    let d = g.row_len();
+    let y = be.alloc_bf16(rows * d)?;
+    let mut row = 0;
+    for im in images {
+        let (gh, gw) = (im.height / g.patch, im.width / g.patch);
+        let n = gh * gw * d;
+        let rgb = be.htod(im.rgb)?;
+        let lut: Vec<f32> = im.lut.iter().flatten().copied().collect();
+        let lut = be.htod(&lut)?;
+        be.launch(
+            "image_patches",
+            launch_config((grid1(n, 256), 1, 1), 256, 0),
+            &[
+                Arg::Ptr(be.p(&rgb)),
+                Arg::Ptr(be.p(&lut)),
+                Arg::Ptr(be.p(&y) + (row * d * std::mem::size_of::<half::bf16>()) as u64),
+                Arg::I32(gh as i32),
+                Arg::I32(gw as i32),
+                Arg::I32(g.patch as i32),
+                Arg::I32(g.temporal as i32),
+                Arg::I32(g.merge as i32),
+            ],
+        )?;
+        row += gh * gw;
+    }
+    Ok(be.bf16_tensor(y, &[rows, d]))
 }
 
 /// `Backend::scatter_rows` (the trait documents the contract).

@@ -46,6 +46,7 @@ pub const KERNELS: &[KernelFile] = &[
             k("scatter_rows"),
             k("copy_cols"),
             k("embed_bag"),
+            k("image_patches"),
             k("add_bf16"),
             k("add_bias"),
             k("swiglu"),
@@ -73,7 +74,11 @@ pub const KERNELS: &[KernelFile] = &[
     },
     KernelFile {
         name: "attention",
-        source: include_str!("../../../kernels/attention.cu"),
+        // attention_overlap.cu continues attention.cu (it uses its helpers): one compilation unit.
+        source: concat!(
+            include_str!("../../../kernels/attention.cu"),
+            include_str!("../../../kernels/attention_overlap.cu")
+        ),
         functions: &[
             k("attn_prep"),
             k_smem("attn_fwd_16", layout::attention_smem_bytes(16)),
@@ -86,6 +91,8 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("attn_fwd_q128_256", layout::attention_q128_smem_bytes(256)),
             k_smem("attn_fwd_wgmma_64", layout::attention_wgmma_smem_bytes(64)),
             k_smem("attn_fwd_wgmma_256", layout::attention_wgmma_smem_bytes(256)),
+            k_smem("attn_fwd_wgmma_ov_64", layout::attention_wgmma_smem_bytes(64)),
+            k_smem("attn_fwd_wgmma_ov_256", layout::attention_wgmma_smem_bytes(256)),
             k_smem("attn_fwd_ws_64", layout::attention_ws_smem_bytes(64)),
             k_smem("attn_fwd_ws_256", layout::attention_ws_smem_bytes(256)),
             k("attn_split_combine_64"),

@@ -47,7 +47,10 @@ pub use deltanet::{CudaDeltaState, GdnScan};
 pub use linear::CudaLinear;
 pub use tensor::CudaTensor;
 
-use super::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart};
+use super::{
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, Gelu, LinearPart, PatchGeometry,
+    RgbImage,
+};
 use crate::weights::TensorRef;
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
@@ -86,7 +89,7 @@ pub struct CudaOptions {
     /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
     pub unfused_act_quant: bool,
     /// Which attention kernel runs (see [`AttentionKernel`]): the reference kernels are kept for
-    /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ws|wgmma|q128|q64` overrides it when this
+    /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ov|ws|wgmma|q128|q64` overrides it when this
     /// field is left at `Auto`.
     pub attention: AttentionKernel,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
@@ -145,7 +148,7 @@ impl CudaBackend {
                 Ok("") | Err(_) => {}
                 Ok(v) => {
                     options.attention = AttentionKernel::parse(v).ok_or_else(|| {
-                        anyhow!("IMAJEV_ATTENTION={v}: expected auto, ws, wgmma, q128 or q64")
+                        anyhow!("IMAJEV_ATTENTION={v}: expected auto, ov, ws, wgmma, q128 or q64")
                     })?
                 }
             }
@@ -371,6 +374,10 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
         elementwise::embed(self, table, ids)
+    }
+
+    fn image_patches(&self, images: &[RgbImage<'_>], g: PatchGeometry) -> Result<CudaTensor> {
+        elementwise::image_patches(self, images, g)
     }
 
     fn embed_bag(&self, table: &CudaTensor, idx: &[u32], w: &[f32], taps: usize) -> Result<CudaTensor> {
