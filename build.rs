@@ -1,6 +1,8 @@
 //! Sets `IMAJEV_GIT_COMMIT` for `--version` and the build-info metric: the short commit of the
 //! source tree, `$IMAJEV_GIT_COMMIT` when the builder passes one (a Docker build has no `.git`),
-//! or `unknown` when neither git nor a repository is there.
+//! or `unknown` when neither git nor a repository is there. Also warns when `nasm` is missing on
+//! x86-64 with `exact-jpeg`: mozjpeg then leaves libjpeg-turbo's SIMD decoders out without a word
+//! in the build output (a dependency's warnings are hidden), and every JPEG decodes slower.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -35,4 +37,13 @@ fn main() {
         Some(sha)
     });
     println!("cargo:rustc-env=IMAJEV_GIT_COMMIT={}", commit.as_deref().unwrap_or("unknown"));
+
+    let x86_64 = std::env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|a| a == "x86_64");
+    let exact_jpeg = std::env::var_os("CARGO_FEATURE_EXACT_JPEG").is_some();
+    if x86_64 && exact_jpeg && !Command::new("nasm").arg("-v").output().is_ok_and(|o| o.status.success()) {
+        println!(
+            "cargo:warning=nasm not found: libjpeg-turbo's SIMD JPEG decoders are left out (JPEG decodes \
+             slower, the answers are the same); install nasm and run `cargo clean -p mozjpeg-sys`"
+        );
+    }
 }

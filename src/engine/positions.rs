@@ -156,7 +156,7 @@ pub fn vision_rope_tables(coords: &[(usize, usize)], head_dim: usize, theta: f64
         (0..values).flat_map(|v| inv.iter().map(move |f| (v as f32 * f).sin_cos())).collect();
     let mut cos = vec![0f32; coords.len() * head_dim];
     let mut sin = vec![0f32; coords.len() * head_dim];
-    let fill = |((cos, sin), &(r, c)): ((&mut [f32], &mut [f32]), &(usize, usize))| {
+    let fill = |cos: &mut [f32], sin: &mut [f32], (r, c): (usize, usize)| {
         for i in 0..q {
             let (sr, cr) = angles[r * q + i];
             let (sc, cc) = angles[c * q + i];
@@ -171,9 +171,14 @@ pub fn vision_rope_tables(coords: &[(usize, usize)], head_dim: usize, theta: f64
     };
     if coords.len() >= 4096 {
         use rayon::prelude::*;
-        cos.par_chunks_mut(head_dim).zip(sin.par_chunks_mut(head_dim)).zip(coords.par_iter()).for_each(fill);
+        cos.par_chunks_mut(head_dim)
+            .zip(sin.par_chunks_mut(head_dim))
+            .zip(coords.par_iter())
+            .for_each(|((c, s), &rc)| fill(c, s, rc));
     } else {
-        cos.chunks_mut(head_dim).zip(sin.chunks_mut(head_dim)).zip(coords.iter()).for_each(fill);
+        for ((c, s), &rc) in cos.chunks_mut(head_dim).zip(sin.chunks_mut(head_dim)).zip(coords) {
+            fill(c, s, rc);
+        }
     }
     (cos, sin)
 }
