@@ -135,6 +135,11 @@ pub struct ConnArgs {
     /// Most open connections; one more is answered 503 `too_many_connections` and closed.
     #[arg(long, default_value_t = 512, value_parser = at_least_one, env = "IMAJEV_MAX_CONNECTIONS")]
     pub max_connections: usize,
+    /// Seconds a request head (request line and headers) may take, from the connection's start
+    /// (a later request's: from its first byte); a slower head is answered 408 and its connection
+    /// closed.
+    #[arg(long, default_value_t = 5, value_parser = at_least_one, env = "IMAJEV_HEAD_TIMEOUT")]
+    pub head_timeout: usize,
     /// Seconds a request body may take before --min-body-rate counts; a body slower than that is
     /// answered 408 and its connection closed.
     #[arg(long, default_value_t = 10, env = "IMAJEV_BODY_TIMEOUT")]
@@ -451,9 +456,9 @@ fn serve_cmd(
         playground,
         conn: crate::api::conn::ConnLimits {
             max_connections: conn.max_connections,
+            head_timeout: Duration::from_secs(conn.head_timeout as u64),
             body_timeout: Duration::from_secs(conn.body_timeout),
             min_body_rate: (conn.min_body_rate as u64) << 10,
-            ..Default::default()
         },
         shutdown_grace: Duration::from_secs(conn.shutdown_grace as u64),
         ..Default::default()

@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::server::{http, Served};
+
 use imajev_serve::api::metrics::token_bucket;
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::engine::Qwen35;
@@ -14,11 +16,7 @@ use imajev_serve::synth::SynthDtype;
 use imajev_serve::worker::DecisionEngine;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 // ------------------------------------------------------------------------------------ a scrape
 
@@ -106,76 +104,26 @@ impl Scrape {
 
 // ------------------------------------------------------------------------------- the demo server
 
-struct Demo {
-    port: u16,
-    child: Child,
-}
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Most tokens in one packed forward: the large request below is over it, the others under.
 const BATCH_TOKENS: usize = 1000;
 const QUEUE_DEPTH: usize = 7;
 
-fn start_demo() -> Demo {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imajev-serve"));
-    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("IMAJEV_")) {
-        cmd.env_remove(k);
-    }
+fn start_demo() -> Served {
     // Two-level trees: a request fits one forward exactly when its processed tokens do.
-    let child = cmd
-        .args(["serve", "--demo", "--port", &port.to_string(), "--queue-depth", &QUEUE_DEPTH.to_string()])
-        .args(["--batch-tokens", &BATCH_TOKENS.to_string(), "--question-tree", "two-level"])
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let demo = Demo { port, child };
-    let t = Instant::now();
-    while http(port, "GET", "/healthz", None).map(|r| r.0) != Some(200) {
-        assert!(t.elapsed() < Duration::from_secs(180), "the demo server never became ready");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    demo
+    Served::demo(&[
+        "--queue-depth",
+        &QUEUE_DEPTH.to_string(),
+        "--batch-tokens",
+        &BATCH_TOKENS.to_string(),
+        "--question-tree",
+        "two-level",
+    ])
 }
 
-/// One request on its own connection: (status, body).
-fn http(port: u16, method: &str, path: &str, json: Option<&Value>) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
-    let body = json.map(|j| serde_json::to_vec(j).unwrap()).unwrap_or_default();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
-    if json.is_some() {
-        head += &format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len());
-    }
-    s.write_all(format!("{head}\r\n").as_bytes()).ok()?;
-    s.write_all(&body).ok()?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).ok()?;
-    let raw = String::from_utf8(raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    assert!(!head.to_ascii_lowercase().contains("transfer-encoding: chunked"), "{head}");
-    Some((head.split(' ').nth(1)?.parse().ok()?, body.to_string()))
-}
-
-impl Demo {
-    fn post(&self, body: &Value) -> (u16, Value) {
-        let (status, text) = http(self.port, "POST", "/v1/systemone", Some(body)).expect("an answer");
-        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
-    }
-
-    fn scrape(&self) -> Scrape {
-        let (status, text) = http(self.port, "GET", "/metrics", None).expect("a scrape");
-        assert_eq!(status, 200, "{text}");
-        Scrape::parse(text)
-    }
+fn scrape(demo: &Served) -> Scrape {
+    let (status, text) = http(demo.port, "GET", "/metrics", None).expect("a scrape");
+    assert_eq!(status, 200, "{text}");
+    Scrape::parse(text)
 }
 
 fn png(w: u32, h: u32) -> String {
@@ -210,7 +158,7 @@ fn a_scrape_after_a_mixed_workload_shows_what_was_served() {
     let demo = start_demo();
 
     // Before any request: every label set that alerts read is there, at 0.
-    let before = demo.scrape();
+    let before = scrape(&demo);
     for reason in ["deadline", "disconnected"] {
         assert_eq!(before.value("imajev_jobs_dropped_total", &[("reason", reason)]), 0.0);
     }
@@ -246,7 +194,7 @@ fn a_scrape_after_a_mixed_workload_shows_what_was_served() {
     assert_eq!(status, 422, "{body}");
     assert_eq!(http(demo.port, "GET", "/no-such-route", None).unwrap().0, 404);
 
-    let m = demo.scrape();
+    let m = scrape(&demo);
     let n = answered.len() as f64;
     let usage = |k: &str| -> Vec<u64> { answered.iter().map(|a| a["usage"][k].as_u64().unwrap()).collect() };
     let tokens = usage("processed_tokens");
@@ -370,7 +318,7 @@ fn readme_metric_names() -> BTreeSet<String> {
 #[test]
 fn the_readme_metrics_table_is_what_metrics_exposes() {
     let demo = start_demo();
-    let scrape = demo.scrape();
+    let scrape = scrape(&demo);
     let readme = readme_metric_names();
     let listed: BTreeSet<String> = readme.iter().filter(|n| n.starts_with("imajev_")).cloned().collect();
     let exposed = scrape.families_with_prefix("imajev_");

@@ -3,15 +3,16 @@
 //! `runtime/serve.env`, and run here on a synthetic release in the same layout; its Docker
 //! commands are the Dockerfile's and fit the image (port, mounts, cache, stop timeout, build
 //! context); its flag
-//! table is `serve --help`'s (every flag, its environment variable, its default); and every flag of
-//! every command has a description.
+//! table is `serve --help`'s (every flag, its environment variable, its default); every flag of
+//! every command has a description; and its error table is every (status, `error` code) the
+//! source builds, no more and no fewer.
 
 mod common;
 
 use clap::CommandFactory;
 use common::fixtures;
 use imajev_serve::release::Manifest;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -344,4 +345,109 @@ fn every_flag_of_every_command_has_a_description() {
         }
     }
     assert!(missing.is_empty(), "no description: {missing:?}");
+}
+
+/// The README's error table: every (status, `error` code) it lists, from rows like
+/// `| 404 / 405 | \`not_found\` / \`method_not_allowed\` | … |` (pairs in order).
+fn readme_error_table() -> BTreeSet<(u16, String)> {
+    let text = section("API");
+    let start = text.find("| status | error | when |").expect("the error table");
+    let mut out = BTreeSet::new();
+    for row in text[start..].lines().skip(2).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = row.trim_matches('|').split(" | ").map(str::trim).collect();
+        let statuses: Vec<u16> = cells[0].split(" / ").map(|s| s.parse().unwrap()).collect();
+        let codes: Vec<&str> = cells[1].split(" / ").map(|c| c.trim_matches('`')).collect();
+        let pairs: Vec<(u16, &str)> = match (statuses.as_slice(), codes.as_slice()) {
+            ([s], codes) => codes.iter().map(|c| (*s, *c)).collect(),
+            (s, c) if s.len() == c.len() => s.iter().copied().zip(c.iter().copied()).collect(),
+            _ => panic!("an error table row pairs no statuses with codes: {row}"),
+        };
+        out.extend(pairs.into_iter().map(|(s, c)| (s, c.to_string())));
+    }
+    out
+}
+
+/// Every `.rs` file under `dir`, recursively.
+fn rust_sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// Every (status, `error` code) of an error the server's source builds: a 4xx/5xx literal
+/// followed by a code literal (`ApiError::message(503, "loading", …)`, `(529, "overloaded")`,
+/// across rustfmt's line breaks), every 422 helper (`Self::validation("bad_json", …)`), and the
+/// image errors, whose pair comes from `ImageError`'s own mapping.
+fn emitted_errors() -> BTreeSet<(u16, String)> {
+    let mut files = Vec::new();
+    rust_sources(&repo().join("src"), &mut files);
+    let mut out = BTreeSet::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let b = text.as_bytes();
+        for (i, _) in text.match_indices(", \"") {
+            let code: String =
+                text[i + 3..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+            let closed = b.get(i + 3 + code.len()) == Some(&b'"');
+            let status = i.checked_sub(3).and_then(|s| text.get(s..i)).and_then(|s| s.parse::<u16>().ok());
+            let alone = i < 4 || !b[i - 4].is_ascii_alphanumeric();
+            if let (Some(status @ 400..=599), true, true, false) = (status, closed, alone, code.is_empty()) {
+                out.insert((status, code));
+            }
+        }
+        for (i, _) in text.match_indices("validation(\"") {
+            let code: String = text[i + 12..].chars().take_while(|c| *c != '"').collect();
+            out.insert((422, code));
+        }
+    }
+    use imajev_serve::image::ImageError;
+    for e in [
+        ImageError::TooLarge { bytes: 2, limit: 1 },
+        ImageError::TooManyPixels { width: 2, height: 1, pixels: 2, limit: 1 },
+        ImageError::Corrupt("x".into()),
+    ] {
+        out.insert((e.http_status(), e.error_code().to_string()));
+    }
+    out
+}
+
+/// The README's error table lists every status and `error` code a client can receive — the
+/// HTTP layer's own (400, 408 head and body timeouts, 431, 503 `too_many_connections`)
+/// included — and nothing the server never sends; the OpenAPI document names each of them for
+/// `POST /v1/systemone`. A status the source starts emitting fails here until the table says
+/// when it happens.
+#[test]
+fn the_error_table_lists_every_error_the_server_sends() {
+    let table = readme_error_table();
+    let emitted = emitted_errors();
+    // The scan finds what it should (else it would pass on nothing).
+    for must in
+        [(408, "request_timeout"), (503, "too_many_connections"), (504, "timeout"), (413, "bad_image")]
+    {
+        assert!(
+            emitted.contains(&(must.0, must.1.to_string())),
+            "the source scan missed {must:?}: {emitted:?}"
+        );
+    }
+    let missing: Vec<_> = emitted.difference(&table).collect();
+    assert!(missing.is_empty(), "errors the server sends that the README's error table lacks: {missing:?}");
+    let extra: Vec<_> = table.difference(&emitted).collect();
+    assert!(extra.is_empty(), "errors the README's table lists that the server never sends: {extra:?}");
+    // The OpenAPI document's POST /v1/systemone lists each status too, but 499 (logged only,
+    // never received) and 404/405 (another route or method).
+    let api = imajev_serve::api::schema::openapi();
+    let responses = &api["paths"]["/v1/systemone"]["post"]["responses"];
+    for (status, code) in &table {
+        if [404, 405, 499].contains(status) {
+            continue;
+        }
+        let desc = responses[status.to_string()]["description"].as_str().unwrap_or_default();
+        assert!(desc.contains(code.as_str()), "OpenAPI's {status} response does not name {code}: {desc:?}");
+    }
 }

@@ -4,6 +4,9 @@
 //! anything loads, `decide` answers every JSONL line (or gives its error object), and the demo
 //! and the logs behave as the README says.
 
+mod common;
+
+use common::server::{bin, free_port};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -11,17 +14,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_imajev-serve"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("IMAJEV_") {
-            c.env_remove(k);
-        }
-    }
-    c.env("NO_COLOR", "1");
-    c
-}
 
 /// The tiny synthetic model and adapter, written once for all tests of this file (under
 /// cargo's target/tmp, so nothing is left elsewhere).
@@ -58,10 +50,6 @@ fn model_copy(root: &Path, replace: impl FnOnce(&Path)) -> PathBuf {
     }
     replace(&dir.join("model.safetensors"));
     dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn get(port: u16, path: &str) -> Option<(u16, Value)> {

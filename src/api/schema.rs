@@ -292,8 +292,9 @@ pub enum LocItem {
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {
     /// E.g. `authentication_error`, `image_too_large`, `request_too_large`,
-    /// `unsupported_media_type`, `overloaded`, `timeout`, `loading`, `not_found`,
-    /// `method_not_allowed`, `internal_error`.
+    /// `unsupported_media_type`, `overloaded`, `timeout`, `loading`, `unavailable`,
+    /// `too_many_connections`, `request_timeout`, `malformed_request`, `headers_too_large`,
+    /// `not_found`, `method_not_allowed`, `internal_error`.
     pub error: String,
     pub detail: ErrorDetail,
 }
@@ -428,13 +429,16 @@ pub fn openapi() -> Value {
                 }},
                 "responses": {
                     "200": {"description": "One answer per question", "headers": request_id, "content": {"application/json": {"schema": response}}},
+                    "400": err("malformed_request: the HTTP layer could not read the request (a garbage request line, TLS or HTTP/2 bytes, a bad Content-Length or Transfer-Encoding, no Host); the connection is closed"),
                     "401": err("authentication_error: missing or wrong API key (only when keys are configured)"),
+                    "408": err("request_timeout: the request head did not arrive within --head-timeout, or the body came slower than --body-timeout and --min-body-rate allow; the connection is closed"),
                     "413": err("request_too_large, image_too_large, or bad_image (over 20 million pixels); also a request over the processed-token limit"),
                     "415": err("unsupported_media_type: not application/json or multipart/form-data, or an unknown Content-Encoding"),
                     "422": {"description": "invalid_request, bad_json, bad_image, bad_request", "content": {"application/json": {"schema": validation}}},
+                    "431": err("headers_too_large: more than 96 header lines, or a request head over 64 KiB"),
                     "500": err("internal_error"),
-                    "503": {"description": "loading: the model is not loaded yet", "headers": retry, "content": {"application/json": {"schema": error}}},
-                    "504": err("timeout: the request's deadline passed"),
+                    "503": {"description": "loading: the model is not loaded yet; unavailable: it failed to load or the engine stopped; too_many_connections: over --max-connections (the connection is closed)", "headers": retry, "content": {"application/json": {"schema": error}}},
+                    "504": err("timeout: the request's deadline passed; its work was abandoned (the message says at which stage)"),
                     "529": {"description": "overloaded: the queue is full", "headers": retry, "content": {"application/json": {"schema": error}}}
                 }
             }},

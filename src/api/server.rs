@@ -18,7 +18,7 @@ use super::pipeline::{self, on_blocking_pool, EngineCall, ParseOn};
 use super::schema;
 use crate::decision::Decider;
 use crate::image::ImageProcessorConfig;
-use crate::worker::{EngineOutput, EngineStatus, Job, JobError, SubmitError, WorkerHandle};
+use crate::worker::{EngineOutput, EngineStatus, Job, JobError, Stage, SubmitError, WorkerHandle};
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderName, HeaderValue};
 use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, ResponseError};
@@ -384,7 +384,7 @@ async fn run_queued(
         Err(_) => Err(timeout_error(cfg.request_timeout)),
         Ok(Err(_)) => Err(ApiError::internal("the engine stopped without answering")),
         Ok(Ok(Err(e))) => Err(match e {
-            JobError::Deadline(_) => timeout_error(cfg.request_timeout),
+            JobError::Deadline { stage, .. } => abandoned_error(cfg.request_timeout, stage),
             JobError::NotLoaded(m) => {
                 ApiError::message(503, "unavailable", format!("the model is not loaded: {m}"))
             }
@@ -406,6 +406,18 @@ async fn run_queued(
         }),
         Ok(Ok(Ok(out))) => Ok(out),
     }
+}
+
+/// 504 for a request whose deadline passed in the engine: what of its work was abandoned.
+fn abandoned_error(t: Duration, stage: Stage) -> ApiError {
+    ApiError::message(
+        504,
+        "timeout",
+        format!(
+            "the request did not finish within {:.1} s: its work was abandoned {stage}; retry later or send less",
+            t.as_secs_f64()
+        ),
+    )
 }
 
 fn timeout_error(t: Duration) -> ApiError {

@@ -18,7 +18,8 @@ pub mod runner;
 pub use limits::{BatchLimits, QuestionTree, TreeSize};
 pub use metrics::EngineMetrics;
 pub use runner::{
-    DecisionEngine, EngineOutput, ForwardShape, PackedJob, RunError, StopReason, WorkEstimate, DROP_REASONS,
+    DecisionEngine, EngineOutput, ForwardShape, PackedJob, RunError, Stage, StopReason, WorkEstimate,
+    DROP_REASONS,
 };
 
 use crate::decision::Plan;
@@ -33,8 +34,11 @@ use tokio::sync::oneshot;
 /// Why a job did not produce logits.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
-    #[error("the request's deadline of {0:?} passed before it finished")]
-    Deadline(Duration),
+    /// The deadline (from the request timeout) passed; the work from `stage` on was abandoned.
+    #[error(
+        "the request's deadline of {timeout:?} passed before it finished; its work was abandoned {stage}"
+    )]
+    Deadline { timeout: Duration, stage: Stage },
     #[error("the caller disconnected")]
     Cancelled,
     #[error("the engine failed: {0:#}")]
@@ -77,10 +81,10 @@ impl Job {
         }
     }
 
-    /// The reply for a job stopped for `why` (nobody reads it when the caller is gone).
-    fn stopped(&self, why: StopReason) -> JobError {
+    /// The reply for a job stopped for `why` at `stage` (nobody reads it when the caller is gone).
+    fn stopped(&self, why: StopReason, stage: Stage) -> JobError {
         match why {
-            StopReason::Deadline => JobError::Deadline(self.timeout),
+            StopReason::Deadline => JobError::Deadline { timeout: self.timeout, stage },
             StopReason::CallerGone => JobError::Cancelled,
         }
     }
@@ -191,39 +195,64 @@ where
     let join = std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || {
-            let started = Instant::now();
-            let engine = match load() {
-                Ok(e) => {
-                    let backend = e.backend_name();
-                    let load_seconds = started.elapsed().as_secs_f64();
-                    // Seconds to 0.01 in the log; the status keeps the exact value.
-                    let seconds = (load_seconds * 100.0).round() / 100.0;
-                    tracing::info!(%backend, load_seconds = seconds, "model loaded");
-                    h.metrics.load_seconds.set(load_seconds);
-                    if let Some(bytes) = e.weight_bytes() {
-                        h.metrics.weight_bytes.set(bytes as i64);
-                    }
-                    if let Some(probe) = e.memory_probe() {
-                        h.metrics.set_memory_probe(probe);
-                    }
-                    if let Some(v) = e.calibrate_vision() {
-                        tracing::info!(ns_per_kmac = v * 1e12, "vision tower timed for admission by cost");
-                        h.rates.lock().unwrap_or_else(|p| p.into_inner()).vision = Some(v);
-                    }
-                    h.metrics.loaded.set(1);
-                    *h.status.lock().unwrap() = EngineStatus::Ready { backend, load_seconds };
-                    Some(e)
-                }
+            // The engine's own rayon pool, as many threads as the global one: the request side
+            // (image decoding and resizing, tokenizing) runs its parallel work on the global
+            // pool, and a job queued there behind a long one (inflating a 20-million-pixel PNG
+            // takes seconds) would hold every forward that waits for its turn — one client's
+            // big images stalling every other client's answers. Two pools share the cores
+            // through the OS scheduler instead.
+            let threads = rayon::current_num_threads();
+            match rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("engine-{i}"))
+                .build()
+            {
+                Ok(pool) => pool.install(move || engine_main(load, rx, &h, limits)),
                 Err(e) => {
-                    tracing::error!("model load failed: {e:#}");
-                    *h.status.lock().unwrap() = EngineStatus::Failed(format!("{e:#}"));
-                    None
+                    tracing::warn!("no engine thread pool ({e}): the engine shares the global one");
+                    engine_main(load, rx, &h, limits)
                 }
-            };
-            run_jobs(engine, rx, &h, limits);
+            }
         })
         .expect("spawning the engine thread");
     (handle, join)
+}
+
+/// The engine thread's work: load the model, then run jobs until the queue closes.
+fn engine_main<F>(load: F, rx: Receiver<Job>, h: &Shared, limits: BatchLimits)
+where
+    F: FnOnce() -> anyhow::Result<Box<dyn DecisionEngine>>,
+{
+    let started = Instant::now();
+    let engine = match load() {
+        Ok(e) => {
+            let backend = e.backend_name();
+            let load_seconds = started.elapsed().as_secs_f64();
+            // Seconds to 0.01 in the log; the status keeps the exact value.
+            let seconds = (load_seconds * 100.0).round() / 100.0;
+            tracing::info!(%backend, load_seconds = seconds, "model loaded");
+            h.metrics.load_seconds.set(load_seconds);
+            if let Some(bytes) = e.weight_bytes() {
+                h.metrics.weight_bytes.set(bytes as i64);
+            }
+            if let Some(probe) = e.memory_probe() {
+                h.metrics.set_memory_probe(probe);
+            }
+            if let Some(v) = e.calibrate_vision() {
+                tracing::info!(ns_per_kmac = v * 1e12, "vision tower timed for admission by cost");
+                h.rates.lock().unwrap_or_else(|p| p.into_inner()).vision = Some(v);
+            }
+            h.metrics.loaded.set(1);
+            *h.status.lock().unwrap() = EngineStatus::Ready { backend, load_seconds };
+            Some(e)
+        }
+        Err(e) => {
+            tracing::error!("model load failed: {e:#}");
+            *h.status.lock().unwrap() = EngineStatus::Failed(format!("{e:#}"));
+            None
+        }
+    };
+    run_jobs(engine, rx, h, limits);
 }
 
 /// Seconds per multiply-accumulate of each stage, as measured (None until measured).
@@ -276,7 +305,9 @@ impl Shared {
                 tracing::info!(request_id = %job.id, "caller left while queued; skipped")
             }
             StopReason::Deadline => {
-                let error = job.stopped(why);
+                let stage = Stage::Queued;
+                tracing::warn!(request_id = %job.id, reason = %why, %stage, "work abandoned");
+                let error = job.stopped(why, stage);
                 let _ = job.reply.send(Err(error));
             }
         }
@@ -301,6 +332,7 @@ impl Shared {
             estimate_s = (estimate_s * 10.0).round() / 10.0,
             left_s = (left_s * 10.0).round() / 10.0,
             images = images.len(),
+            reason = "over_budget",
             "work abandoned before it started: it would not finish before its deadline"
         );
         let _ = job.reply.send(Err(JobError::OverBudget { estimate_s, left_s, whole }));
@@ -323,10 +355,10 @@ impl Shared {
                 }
                 Ok(out)
             }
-            Err(RunError::Stopped(why)) => {
+            Err(RunError::Stopped(why, stage)) => {
                 self.metrics.dropped.with_label_values(&[why.metric_label()]).inc();
-                tracing::warn!(request_id = %job.id, reason = %why, "work abandoned while running");
-                Err(job.stopped(why))
+                tracing::warn!(request_id = %job.id, reason = %why, %stage, "work abandoned");
+                Err(job.stopped(why, stage))
             }
             Err(RunError::Engine(e)) => {
                 tracing::error!(request_id = %job.id, "engine error: {e:#}");
@@ -407,10 +439,12 @@ fn run_batch(engine: &dyn DecisionEngine, batch: Vec<(Job, WorkEstimate)>, h: &S
     let per_job_ms = secs * 1000.0 / batch.len() as f64;
     let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
     h.avg_job_ms.store((0.8 * prev + 0.2 * per_job_ms) as u64, Ordering::Relaxed);
+    // Nothing runs once the results are in; said before the answers go out, so that a scrape a
+    // client makes after its answer never still counts it as running.
+    h.metrics.requests_running.set(0);
     for ((job, work), result) in batch.into_iter().zip(work).zip(results) {
         h.answer(job, work, result);
     }
-    h.metrics.requests_running.set(0);
 }
 
 #[cfg(test)]
@@ -567,7 +601,10 @@ mod tests {
             let out = rx.blocking_recv().unwrap().unwrap();
             assert_eq!(out.logits, vec![vec![vec![tag as f32]]], "job {tag} got another job's answer");
         }
-        assert!(matches!(late.blocking_recv().unwrap(), Err(JobError::Deadline(_))));
+        assert!(matches!(
+            late.blocking_recv().unwrap(),
+            Err(JobError::Deadline { stage: Stage::Queued, .. })
+        ));
         assert_eq!(*calls.lock().unwrap(), vec![vec![1], vec![2, 3], vec![4, 5], vec![6], vec![7]]);
         assert_eq!(w.queue_depth(), 0);
         assert_eq!(metrics.batch_requests.get_sample_count(), 5);

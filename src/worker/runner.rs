@@ -58,6 +58,39 @@ pub enum StopReason {
     CallerGone,
 }
 
+/// Where a run was stopped: the first stage that did not run to its end. Logged with the request
+/// id (`work abandoned …`) and named in the caller's 504, so a client and an operator both see
+/// what was given up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Still waiting in the queue: nothing ran.
+    Queued,
+    /// Taken from the queue, stopped before its first stage.
+    Start,
+    /// In the vision tower, after `block` of its `blocks` blocks.
+    Vision { block: usize, blocks: usize },
+    /// After vision, before the prefix (alone) or the packed forward ran.
+    Prefill,
+    /// After the prefix, between batches of question passes: `done` of `total` passes ran.
+    Questions { done: usize, total: usize },
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stage::Queued => write!(f, "while queued (nothing ran)"),
+            Stage::Start => write!(f, "before its first stage"),
+            Stage::Vision { block, blocks } => {
+                write!(f, "in the vision tower (after {block} of {blocks} blocks)")
+            }
+            Stage::Prefill => write!(f, "after vision, before the prompt's forward"),
+            Stage::Questions { done, total } => {
+                write!(f, "between question passes ({done} of {total} ran)")
+            }
+        }
+    }
+}
+
 /// Every `reason` label of `imajev_jobs_dropped_total` (preinitialised at 0): `deadline` and
 /// `disconnected` ([`StopReason`]), and `over_budget` — a job refused before it started because
 /// its estimated engine time ([`WorkEstimate`]) does not fit its deadline.
@@ -89,9 +122,9 @@ pub struct WorkEstimate {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The caller gave up (deadline passed or client gone) between two steps.
-    #[error("stopped: {0}")]
-    Stopped(StopReason),
+    /// The caller gave up (deadline passed or client gone) between two steps, at this stage.
+    #[error("stopped {1}: {0}")]
+    Stopped(StopReason, Stage),
     #[error(transparent)]
     Engine(#[from] anyhow::Error),
 }
@@ -179,9 +212,14 @@ impl<B: Backend> Qwen35<B> {
         keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<Vec<B::Tensor>, RunError> {
         let why = std::cell::Cell::new(None);
+        // `stop` is asked before every block: the blocks that ran are the questions answered so far.
+        let asked = std::cell::Cell::new(0usize);
         let t = Instant::now();
         let stop = || match keep_going() {
-            Ok(()) => false,
+            Ok(()) => {
+                asked.set(asked.get() + 1);
+                false
+            }
             Err(r) => {
                 why.set(Some(r));
                 true
@@ -191,8 +229,9 @@ impl<B: Backend> Qwen35<B> {
             Some(f) => Ok(f),
             None => {
                 let why = why.get().unwrap_or(StopReason::Deadline);
-                tracing::warn!(reason = %why, ms = ms(t).round(), "vision abandoned between blocks");
-                Err(RunError::Stopped(why))
+                let stage = Stage::Vision { block: asked.get(), blocks: self.config.vision_config.depth };
+                tracing::debug!(reason = %why, %stage, ms = ms(t).round(), "vision abandoned between blocks");
+                Err(RunError::Stopped(why, stage))
             }
         }
     }
@@ -251,7 +290,7 @@ impl<B: Backend> Qwen35<B> {
         for &j in which {
             let job = &jobs[j];
             let prepared = (|| -> Result<_, RunError> {
-                (job.keep_going)().map_err(RunError::Stopped)?;
+                (job.keep_going)().map_err(|r| RunError::Stopped(r, Stage::Start))?;
                 let t = Instant::now();
                 let feats = self.vision_checked(job.images, job.keep_going)?;
                 let out = EngineOutput {
@@ -260,7 +299,7 @@ impl<B: Backend> Qwen35<B> {
                     ..Default::default()
                 };
                 let layouts = self.job_layouts(job.plan, job.images, limits.question_tree)?;
-                (job.keep_going)().map_err(RunError::Stopped)?;
+                (job.keep_going)().map_err(|r| RunError::Stopped(r, Stage::Prefill))?;
                 Ok((feats, layouts, out))
             })();
             match prepared {
@@ -356,12 +395,13 @@ impl<B: Backend> Qwen35<B> {
         limits: BatchLimits,
         keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<EngineOutput, RunError> {
+        keep_going().map_err(|r| RunError::Stopped(r, Stage::Start))?;
         let mut out = EngineOutput { packed_with: 1, ..Default::default() };
         let t = Instant::now();
         let feats = self.vision_checked(images, keep_going)?;
         out.vision_ms = ms(t);
         out.vision_ran = !images.is_empty();
-        keep_going().map_err(RunError::Stopped)?;
+        keep_going().map_err(|r| RunError::Stopped(r, Stage::Prefill))?;
 
         let layout = self.layout(&plan.prefix, images, 0)?;
         // Per scored question: the prefix state extended with the tokens all its passes share — when that
@@ -397,7 +437,9 @@ impl<B: Backend> Qwen35<B> {
         out.prefill_ms = ms(t);
         out.prefill_ran = true;
         out.forwards.push(ForwardShape { sequences: 1, passes: 0 });
-        keep_going().map_err(RunError::Stopped)?;
+        let total = passes.len();
+        let stopped = |done: usize| move |r| RunError::Stopped(r, Stage::Questions { done, total });
+        keep_going().map_err(stopped(0))?;
 
         let t = Instant::now();
         let mut question_states: Vec<Option<State<B>>> = (0..plan.scored.len()).map(|_| None).collect();
@@ -416,7 +458,7 @@ impl<B: Backend> Qwen35<B> {
                 s.share(&self.backend)?;
                 question_states[i] = Some(s);
             }
-            keep_going().map_err(RunError::Stopped)?;
+            keep_going().map_err(stopped(0))?;
         }
         // Every pass: a fork of its question's state, extended with its suffix.
         let mut prof = crate::engine::profile::StageTimer::start(&self.backend);
@@ -439,7 +481,9 @@ impl<B: Backend> Qwen35<B> {
                 out.logits[q][p] = l;
             }
             out.passes += chunk.len();
-            keep_going().map_err(RunError::Stopped)?;
+            if out.passes < total {
+                keep_going().map_err(stopped(out.passes))?;
+            }
         }
         out.questions_ms = ms(t);
         prof.report("question passes", out.passes);

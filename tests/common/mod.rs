@@ -1,7 +1,9 @@
-//! Shared test helpers: synthetic checkpoints in temporary folders.
+//! Shared test helpers: synthetic checkpoints in temporary folders ([`server`]: the built binary
+//! as a real process).
 #![allow(dead_code)]
 
 pub mod packing;
+pub mod server;
 
 use imajev_serve::synth::{self, SynthDtype};
 use std::path::{Path, PathBuf};

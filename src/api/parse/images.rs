@@ -102,10 +102,40 @@ pub(super) fn encoded_images(
     Ok(blobs)
 }
 
+/// The rayon pool images are decoded and preprocessed on, as many threads as the global pool.
+/// Inflating one allowed 20-million-pixel PNG takes seconds in one task; on the global pool every
+/// other request's parallel work (tokenizing its prompts) would wait behind it, so one client's
+/// big images would stall every other client. Their own pool leaves them to the OS scheduler.
+fn image_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .thread_name(|i| format!("images-{i}"))
+            .build()
+            .map_err(|e| tracing::warn!("no image thread pool ({e}): images decode on the global one"))
+            .ok()
+    })
+    .as_ref()
+}
+
 /// Step 7: decodes and preprocesses every image (the expensive step; run it off the async
-/// threads), the images in parallel: what the decision layer needs of each, and its pixels. A bad
-/// image is reported as the first bad one in request order.
+/// threads), the images in parallel on their own pool ([`image_pool`]): what the decision layer
+/// needs of each, and its pixels. A bad image is reported as the first bad one in request order.
 pub fn decode_images(
+    blobs: &[ImageBlob],
+    ctx: &ParseContext,
+) -> Result<(Vec<RequestImage>, Vec<PatchedImage>), ApiError> {
+    if blobs.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    match image_pool() {
+        Some(pool) => pool.install(|| decode_each(blobs, ctx)),
+        None => decode_each(blobs, ctx),
+    }
+}
+
+fn decode_each(
     blobs: &[ImageBlob],
     ctx: &ParseContext,
 ) -> Result<(Vec<RequestImage>, Vec<PatchedImage>), ApiError> {
