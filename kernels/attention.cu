@@ -812,6 +812,26 @@ struct KvTileCopies {
   }
 };
 
+// The first 1024-byte boundary in a kernel's dynamic shared memory (the host adds 1024 bytes of
+// slack): where the 128-byte-swizzled tiles of the Hopper kernels start.
+__device__ __forceinline__ unsigned char* smem_1024(unsigned char* raw) {
+  return raw + ((1024 - ((unsigned)__cvta_generic_to_shared(raw) & 1023)) & 1023);
+}
+
+// The descriptor low words attn_fwd_wgmma(_ov) use every tile, computed once and held in
+// registers (kept_u32): this warpgroup's 64 rows of Q, and buffer `buf` of K and of V (64 keys x
+// HDP each, buffer 1 right after buffer 0).
+template <int HDP>
+struct WgmmaDescs {
+  static constexpr unsigned TILE16 = 64 * HDP * 2 / 16;
+  unsigned q, k0, v0;
+  __device__ __forceinline__ WgmmaDescs(const unsigned char* Qw, const unsigned char* Ks, const unsigned char* Vs)
+      : q(kept_u32(smem_desc_lo(Qw, 16))), k0(kept_u32(smem_desc_lo(Ks, 16))),
+        v0(kept_u32(smem_desc_lo(Vs, 64 * 128))) {}
+  __device__ __forceinline__ unsigned k(int buf) const { return k0 + buf * TILE16; }
+  __device__ __forceinline__ unsigned v(int buf) const { return v0 + buf * TILE16; }
+};
+
 // The online softmax of one 64-key tile for this thread's two rows r0 (qi0) and r0 + 8 (qi1), shared
 // by attn_fwd_wgmma and attn_fwd_wgmma_ov so that both compute the same bits. s[4j + e] is row
 // (e < 2 ? qi0 : qi1), key kcol0 + 8j + 2tg + (e & 1); when `masked`, keys past kvlen (and, causal,
@@ -976,9 +996,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   constexpr int BQ = 128, BK = 64, NO = HDP / 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // 1024-byte aligned region (the host adds 1024 bytes of slack).
-  unsigned char* base = smem_raw + ((1024 - ((unsigned)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
-  unsigned char* Qs = base;                     // BQ x HDP
+  unsigned char* Qs = smem_1024(smem_raw);      // BQ x HDP
   unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
   const int h = blockIdx.x;
@@ -1003,10 +1021,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const int r0 = wg * 64 + warp * 16 + gr;
   const int qi0 = qbase + r0, qi1 = qi0 + 8;
   // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
-  // Descriptor low words of this warpgroup's Q and of buffer 0 of K and V (buffer 1: + TILE / 16).
-  constexpr unsigned TILE16 = BK * HDP * 2 / 16;
-  const unsigned qlo = kept_u32(smem_desc_lo(Qs + wg * 64 * 128, 16));
-  const unsigned klo = kept_u32(smem_desc_lo(Ks, 16)), vlo = kept_u32(smem_desc_lo(Vs, 64 * 128));
+  const WgmmaDescs<HDP> desc(Qs + wg * 64 * 128, Ks, Vs);
 
   for (int kt = 0; kt < ntiles; kt++) {
     cp_async_wait_all_groups();
@@ -1022,7 +1037,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     // S = Q K^T (64 rows x 64 keys per warpgroup).
     float s[32];
     wgmma_fence();
-    wgmma_qk_tile<HDP, BQ>(s, qlo, klo + buf * TILE16);
+    wgmma_qk_tile<HDP, BQ>(s, desc.q, desc.k(buf));
     wgmma_commit();
     wgmma_wait0();
 
@@ -1035,7 +1050,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     unsigned pa[BK / 16][4];
     wgmma_pack_p(s, pa);
     wgmma_fence();
-    wgmma_pv_tile<HDP>(o, pa, vlo + buf * TILE16);
+    wgmma_pv_tile<HDP>(o, pa, desc.v(buf));
     wgmma_commit();
     wgmma_wait0();
   }
@@ -1165,7 +1180,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   using T = WsTiles<HDP>;
   constexpr int BQ = T::BQ, BK = T::BK, ST = T::ST, NS = T::NS, NO = T::NO;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* base = smem_raw + ((1024 - ((unsigned)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  unsigned char* base = smem_1024(smem_raw);
   unsigned char* Qs = base;                // BQ x HDP
   unsigned char* Ks = Qs + BQ * HDP * 2;   // [ST] BK x HDP
   unsigned char* Vs = Ks + ST * T::TILE;   // [ST] BK x HDP

@@ -24,8 +24,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
                                   float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   constexpr int BQ = 128, BK = 64, NO = HDP / 2;
   extern __shared__ __align__(16) unsigned char smem_ov[];
-  unsigned char* base = smem_ov + ((1024 - ((unsigned)__cvta_generic_to_shared(smem_ov) & 1023)) & 1023);
-  unsigned char* Qs = base;                   // BQ x HDP
+  unsigned char* Qs = smem_1024(smem_ov);     // BQ x HDP
   unsigned char* Ks = Qs + BQ * HDP * 2;      // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;  // [2] BK x HDP
   const int h = blockIdx.x;
@@ -37,7 +36,6 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   const i64 kstride = B.kstride;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
-  constexpr int TILE = BK * HDP * 2;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
   const KvTileCopies<HDP> kv(Ks, Vs, B.ks, B.ko, B.vs, B.vo, shared_len, kstride, hd);
   if (ntiles > 0) kv.issue(0, false, 0, kvlen, hd);
@@ -49,10 +47,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   const int r0 = wg * 64 + warp * 16 + gr;
   const int qi0 = qbase + r0, qi1 = qi0 + 8;
-  // Descriptor low words of this warpgroup's Q and of buffer 0 of K and V (attn_fwd_wgmma's).
-  constexpr unsigned TILE16 = TILE / 16;
-  const unsigned qlo = kept_u32(smem_desc_lo(Qs + wg * 64 * 128, 16));
-  const unsigned klo = kept_u32(smem_desc_lo(Ks, 16)), vlo = kept_u32(smem_desc_lo(Vs, 64 * 128));
+  const WgmmaDescs<HDP> desc(Qs + wg * 64 * 128, Ks, Vs);
   unsigned pprev[BK / 16][4];  // P of tile kt - 1, read by its P·V MMAs issued in iteration kt
 #pragma unroll
   for (int kk = 0; kk < BK / 16; kk++) pprev[kk][0] = pprev[kk][1] = pprev[kk][2] = pprev[kk][3] = 0u;
@@ -74,10 +69,10 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
 
     float s[32];
     wgmma_fence();  // s, o and pprev were last written by ordinary instructions
-    wgmma_qk_tile<HDP, BQ>(s, qlo, klo + buf * TILE16);
+    wgmma_qk_tile<HDP, BQ>(s, desc.q, desc.k(buf));
     wgmma_commit();
     if (kt > 0) {
-      wgmma_pv_tile<HDP>(o, pprev, vlo + (buf ^ 1) * TILE16);
+      wgmma_pv_tile<HDP>(o, pprev, desc.v(buf ^ 1));
       wgmma_commit();
       wgmma_wait1();  // S_kt done; the P·V of tile kt - 1 may still run
     } else {
@@ -105,7 +100,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   __syncthreads();
   if (ntiles > 0) {
     wgmma_fence();
-    wgmma_pv_tile<HDP>(o, pprev, vlo + ((ntiles - 1) & 1) * TILE16);
+    wgmma_pv_tile<HDP>(o, pprev, desc.v((ntiles - 1) & 1));
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
