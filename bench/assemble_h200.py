@@ -3,6 +3,11 @@
 bench/results/h200.json (the issue's schema plus context), and copies the logs beside it.
 
     python3 bench/assemble_h200.py <OUT folder> --command "<the exact device command>"
+
+What other runs recorded there is kept: `fidelity` (issue 12's FP8 bar, `bench/fidelity_fp8.py`),
+`throughput*` (`bench/h200_throughput.sh`) and the long-input rows of `requests` (`image_side`,
+each with its own command) that this run did not measure. This run's random-weights comparison
+goes to `fidelity_random_weights`.
 """
 import argparse
 import datetime
@@ -22,6 +27,21 @@ def per_op(log):
         if m and ("GEMM" in m.group(1) or "rms_norm" in m.group(1) or "gated_" in m.group(1)):
             out[m.group(1).strip()] = {"ms": float(m.group(2)), "note": m.group(3).strip()}
     return out
+
+
+def keep(doc, path):
+    """Carries over from the committed file what this run did not measure (see the module doc)."""
+    if not path.exists():
+        return
+    before = json.loads(path.read_text())
+    measured = {(q["tokens"], q["images"]) for q in doc["requests"]}
+    doc["requests"] += [q for q in before.get("requests", []) if "image_side" in q
+                        and (q["tokens"], q["images"]) not in measured]
+    for key in ("fidelity", "throughput", "throughput_command", "throughput_packing_off"):
+        if key in before:
+            doc[key] = before[key]
+    if "fidelity" in doc:
+        doc["met"]["fidelity_fp8_bar"] = doc["fidelity"]["bar"]["met"]
 
 
 def main():
@@ -69,8 +89,19 @@ def main():
         "peer": "transformers + PEFT, bf16, flash-linear-attention 0.6.0; the same token ids, one full forward per pass "
                 "(vision recomputed per pass), as imajev's torch server; forwards only are timed, after one warm-up.",
         "requests": requests,
-        "fidelity": {k: fid[k] for k in ("decisions", "top_agreement", "median_abs_dp", "p99_abs_dp", "max_abs_dp", "compared")},
-        "fidelity_rotations_combined": r.get("fidelity_rotations_combined"),
+        "fidelity_random_weights": {
+            **{k: fid[k] for k in ("decisions", "top_agreement", "median_abs_dp", "p99_abs_dp", "max_abs_dp", "compared")},
+            "rotations_combined": r.get("fidelity_rotations_combined"),
+            "ablation": {
+                "file": "bench/results/h200-fidelity-ablation-emulated.json",
+                "summary": "The FP8 recipe emulated inside transformers on the same weights and token ids: FP8 weights "
+                           "alone (RTN 128x128, bf16 compute) vs bf16 give median |dp| 7.8e-3; weights + 1x128 "
+                           "activations 6.1e-3 and 96.4% top agreement; our BF16 path vs transformers bf16 1.9e-3 and "
+                           "100%. The 2e-3 target is below what FP8 weights alone cost on these random weights.",
+            },
+            "note": "the random-weights profile of the request benchmark; superseded as the fidelity criterion by "
+                    "`fidelity` (issue 12): on random weights every comparison is dominated by noise",
+        },
         "synth_s": r.get("synth_s"),
         "peer_load_s": r.get("peer", {}).get("load_s"),
         "targets": TARGETS,
@@ -78,18 +109,13 @@ def main():
             "256_tokens_p50_le_30ms": first["ours_p50_ms"] <= TARGETS["256_tokens_3q_4rot_p50_ms"],
             "speedup_ge_40x_at_256": first["speedup"] >= TARGETS["speedup_vs_peer_at_256"],
             "every_bucket_faster_than_peer": all(q["speedup"] > 1 for q in requests),
-            "fidelity": fid["top_agreement"] >= TARGETS["fidelity_top_agreement"] and fid["median_abs_dp"] <= TARGETS["fidelity_median_abs_dp"],
-        },
-        "fidelity_ablation": {
-            "file": "bench/results/h200-fidelity-ablation-emulated.json",
-            "summary": "The FP8 recipe emulated inside transformers on the same weights and token ids: FP8 weights alone "
-                       "(RTN 128x128, bf16 compute) vs bf16 give median |dp| 7.8e-3; weights + 1x128 activations 6.1e-3 "
-                       "and 96.4% top agreement; our BF16 path vs transformers bf16 1.9e-3 and 100%. The 2e-3 target is "
-                       "below what FP8 weights alone cost on these random weights.",
+            "fidelity_random_weights_99pct_2e-3": fid["top_agreement"] >= TARGETS["fidelity_top_agreement"]
+            and fid["median_abs_dp"] <= TARGETS["fidelity_median_abs_dp"],
         },
     }
     if (src / "gpu-test.log").exists():
         doc["per_op_one_layer_2048_tokens"] = per_op((src / "gpu-test.log").read_text())
+    keep(doc, dest / "h200.json")
     (dest / "h200.json").write_text(json.dumps(doc, indent=2) + "\n")
     for name, new in [("gpu-test.log", "h200-gpu-test.log"), ("bench.log", "h200-bench.log"),
                       ("gpu-service.log", "h200-gpu-service.log"), ("profile-256-tail.log", "h200-kernel-profile-256.log")]:
