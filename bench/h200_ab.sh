@@ -5,8 +5,10 @@
 #   2. the GPU service test (SERVICE=0 skips it);
 #   3. our side of bench/gpu_bench.py for the base binary (.gpu/imajev-serve-base) and the new one
 #      (.gpu/imajev-serve) on the same requests (SIZES, IMAGES, LONG, REPEATS as in h200_quick.sh);
+#      with BASE_ENV="NAME=value ..." the base side is the new binary run with those variables
+#      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_NARROW_GEMM=cublas);
 #   4. with STAGES=1, IMAJEV_PROFILE=1 stage timings (the device synchronised at every stage) of
-#      the longest request with the new binary;
+#      the longest request with the new binary (STAGES_PROFILE=kernels: the kernel profile instead);
 # and prints a table of both binaries' p50s with their ratio. Writes at most 8 files under $OUT:
 # gpu-test.log, gpu-service.log, base/results.json, new/results.json, bench.log, stages.log,
 # summary.txt.
@@ -18,22 +20,25 @@ if [ -n "${GPU_TEST_FILTER:-}" ]; then
   echo "gpu-test exit $?" | tee -a "$OUT/gpu-test.log"; grep -E "checks,|FAIL|test result" "$OUT/gpu-test.log" | head -20
 fi
 if [ "${SERVICE:-1}" = 1 ]; then
-  timeout 150 ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
+  timeout "${SERVICE_TIMEOUT:-150}" ./.gpu/gpu-service --nocapture --test-threads 1 >"$OUT/gpu-service.log" 2>&1
   echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"
 fi
 W=/tmp/bench; mkdir -p $W
 for side in base new; do
-  bin=.gpu/imajev-serve; [ $side = base ] && bin=.gpu/imajev-serve-base
-  PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-150}" python3 bench/gpu_bench.py --bin $bin --work $W \
+  bin=.gpu/imajev-serve; env=()
+  if [ $side = base ]; then
+    if [ -n "${BASE_ENV:-}" ]; then read -ra env <<<"$BASE_ENV"; else bin=.gpu/imajev-serve-base; fi
+  fi
+  env "${env[@]}" PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-150}" python3 bench/gpu_bench.py --bin $bin --work $W \
     --out "$OUT/$side" --phase ours --sizes "${SIZES:-256}" --images "${IMAGES:-0}" --repeats "${REPEATS:-3}" \
     --fidelity 2 --long "${LONG:-1,2}" >>"$OUT/bench.log" 2>&1
   echo "gpu_bench $side exit $?"
 done
 if [ "${STAGES:-0}" = 1 ]; then
   tail -n 1 $W/bench.jsonl >$W/one.jsonl
-  IMAJEV_PROFILE=1 NO_COLOR=1 timeout 90 ./.gpu/imajev-serve decide --model $W/model --adapter $W/adapter \
+  IMAJEV_PROFILE="${STAGES_PROFILE:-1}" NO_COLOR=1 timeout "${STAGES_TIMEOUT:-90}" ./.gpu/imajev-serve decide --model $W/model --adapter $W/adapter \
     --device cuda --rotations 4 --contract imajev --quantize fp8 --request $W/one.jsonl --repeat 2 \
-    2>&1 >/dev/null | grep -v "loading weights" | tail -40 >"$OUT/stages.log"
+    2>&1 >/dev/null | grep -v "loading weights" | tail -"${STAGES_LINES:-40}" >"$OUT/stages.log"
 fi
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, sys

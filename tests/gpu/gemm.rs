@@ -191,6 +191,39 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     Ok(())
 }
 
+/// The narrow BF16 GEMMs (src/backend/cuda/narrow.rs: n <= 128, K split by a constant) against
+/// the CPU and bitwise across M: one split (k <= 512, written directly), several (f32 partials
+/// added in order), a last split shorter than the others, each padded width (32, 64, 128), an
+/// output narrower than its width, and a LoRA A beside a BF16 projection.
+pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = "gemm";
+    for (n, k) in [(64usize, 2560usize), (32, 2560), (128, 9216), (64, 512), (8, 96), (24, 1056), (96, 4096)]
+    {
+        let m = 300;
+        let w = MemoryTensor::bf16("narrow.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
+        let x = rng.bf16_normals(m * k, 1.0);
+        let (lg, lc) = (g.linear(&[part(&w)])?, c.linear(&[part(&w)])?);
+        let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
+        let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
+        rep.check(p, format!("narrow bf16 N={n} K={k} M={m}"), rel(&yg, &yc), 1e-2);
+        invariance(g, rep, &format!("narrow bf16 N={n} K={k}"), &lg, &x, k, &yg)?;
+    }
+    // A LoRA (A: n = rank 64 on the narrow kernel, B on cuBLASLt) on a 256-wide BF16 projection.
+    let (n, k, r, m) = (256usize, 2560usize, 64usize, 203usize);
+    let w = MemoryTensor::bf16("p.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
+    let a = MemoryTensor::bf16("p.A", &[r, k], &rng.bf16_normals(r * k, 0.05));
+    let b = MemoryTensor::bf16("p.B", &[n, r], &rng.bf16_normals(n * r, 0.05));
+    let parts =
+        [LinearPart { weight: w.r(), bias: None, lora: Some(LoraPair { a: a.r(), b: b.r(), scale: 2.0 }) }];
+    let (lg, lc) = (g.linear(&parts)?, c.linear(&parts)?);
+    let x = rng.bf16_normals(m * k, 1.0);
+    let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
+    let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
+    rep.check(p, format!("bf16 N={n} K={k} + LoRA r{r} (A on the narrow kernel) M={m}"), rel(&yg, &yc), 1e-2);
+    invariance(g, rep, &format!("bf16 N={n} K={k} + LoRA r{r}"), &lg, &x, k, &yg)?;
+    Ok(())
+}
+
 /// Rows of a GEMM must not depend on how many rows share the call: bitwise.
 pub fn invariance(
     g: &CudaBackend,

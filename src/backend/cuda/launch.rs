@@ -56,6 +56,11 @@ pub const KERNELS: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "gemm_narrow",
+        source: include_str!("../../../kernels/gemm_narrow.cu"),
+        functions: &[k("gemm_narrow_32"), k("gemm_narrow_64"), k("gemm_narrow_128"), k("gemm_narrow_reduce")],
+    },
+    KernelFile {
         name: "norm",
         source: include_str!("../../../kernels/norm.cu"),
         functions: &[
@@ -211,16 +216,23 @@ impl CudaBackend {
         }
     }
 
-    /// One cuBLASLt GEMM, timed under its kind and shape when kernel profiling is on.
+    /// One GEMM, timed under its kind and shape when kernel profiling is on: narrow BF16 shapes
+    /// on `gemm_narrow` (its kernels timed under their own names), the rest on cuBLASLt.
     pub(super) fn gemm(&self, g: &Gemm) -> Result<()> {
+        if self.gemm_narrow(g)? {
+            return Ok(());
+        }
         match &self.state.profiler {
             Some(p) => p.time(format!("gemm.{:?} N={} K={}", g.kind, g.n, g.k), || self.state.blas.run(g)),
             None => self.state.blas.run(g),
         }
     }
 
-    /// One cuBLASLt GEMM, timed under `name` when kernel profiling is on.
+    /// One GEMM (as [`Self::gemm`]), timed under `name` when it runs on cuBLASLt.
     pub(super) fn gemm_named(&self, g: &Gemm, name: &str) -> Result<()> {
+        if self.gemm_narrow(g)? {
+            return Ok(());
+        }
         match &self.state.profiler {
             Some(p) => p.time(name, || self.state.blas.run(g)),
             None => self.state.blas.run(g),

@@ -36,6 +36,7 @@ pub mod gemm;
 pub mod launch;
 pub mod layout;
 pub mod linear;
+pub mod narrow;
 pub mod norm;
 pub mod profile;
 pub mod quant;
@@ -92,6 +93,10 @@ pub struct CudaOptions {
     /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ov|ws|wgmma|q128|q64` overrides it when this
     /// field is left at `Auto`.
     pub attention: AttentionKernel,
+    /// Run the narrow BF16 GEMMs (n <= 128: DeltaNet a/b, LoRA A) on cuBLASLt instead of our
+    /// kernel (`narrow.rs`), for comparisons. Default: `IMAJEV_NARROW_GEMM=cublas` in the
+    /// environment.
+    pub narrow_gemm_cublas: bool,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -164,6 +169,11 @@ impl CudaBackend {
         }
         if std::env::var("IMAJEV_GDN_TF32").is_ok_and(|v| v == "1") {
             options.gdn_tf32 = true;
+        }
+        match std::env::var("IMAJEV_NARROW_GEMM").as_deref() {
+            Ok("cublas") => options.narrow_gemm_cublas = true,
+            Ok("") | Ok("kernel") | Err(_) => {}
+            Ok(other) => bail!("IMAJEV_NARROW_GEMM={other}: expected kernel or cublas"),
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
@@ -239,6 +249,8 @@ impl CudaBackend {
             gdn_scan = if options.gdn_ffma { "ffma" } else { options.gdn_scan.describe() },
             gdn_products = if options.gdn_tf32 { "TF32" } else { "3xTF32" },
             act_quant = if options.unfused_act_quant { "own kernel" } else { "fused into the row norms" },
+            narrow_gemm =
+                if options.narrow_gemm_cublas { "cuBLASLt" } else { "gemm_narrow (K split by 512)" },
             "CUDA backend ready"
         );
         let profiler = profile::KernelProfiler::from_env(&stream);
