@@ -208,7 +208,8 @@ pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
         rep.check(p, format!("narrow bf16 N={n} K={k} M={m}"), rel(&yg, &yc), 1e-2);
         invariance(g, rep, &format!("narrow bf16 N={n} K={k}"), &lg, &x, k, &yg)?;
     }
-    // A LoRA (A: n = rank 64 on the narrow kernel, B on cuBLASLt) on a 256-wide BF16 projection.
+    // A LoRA (A: n = rank 64 on the narrow kernel, B on gemm_narrow_k_acc) on a 256-wide BF16
+    // projection.
     let (n, k, r, m) = (256usize, 2560usize, 64usize, 203usize);
     let w = MemoryTensor::bf16("p.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
     let a = MemoryTensor::bf16("p.A", &[r, k], &rng.bf16_normals(r * k, 0.05));
@@ -221,6 +222,51 @@ pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
     let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
     rep.check(p, format!("bf16 N={n} K={k} + LoRA r{r} (A on the narrow kernel) M={m}"), rel(&yg, &yc), 1e-2);
     invariance(g, rep, &format!("bf16 N={n} K={k} + LoRA r{r}"), &lg, &x, k, &yg)?;
+    Ok(())
+}
+
+/// The LoRA B side on gemm_narrow_k_acc (`y += α·t·Bᵀ`, k = the fused rank) against the CPU and
+/// bitwise across M: fused ranks 64, 128 (two parts, block-diagonal B) and 192 (three parts, as a
+/// q/k/v projection; its A side is wider than the narrow kernel and runs on cuBLASLt), outputs
+/// that end inside a 128-column tile and rows that end inside a 128-row tile, on a BF16 projection
+/// (tight tolerance) and on FP8 ones as the model runs them.
+pub fn lora_b(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let (k, r, m) = (1024usize, 64usize, 300usize);
+    for (outs, fp8) in [(vec![2560usize], false), (vec![1304, 1296], true), (vec![512, 136, 136], true)] {
+        let n: usize = outs.iter().sum();
+        let mk = |name: String, rows: usize, cols: usize, sd: f32, rng: &mut SplitMix| {
+            MemoryTensor::bf16(&name, &[rows, cols], &rng.bf16_normals(rows * cols, sd))
+        };
+        let ws: Vec<MemoryTensor> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| {
+                let (name, v) = (format!("p{i}.weight"), rng.bf16_normals(o * k, 0.02));
+                if fp8 {
+                    MemoryTensor::fp8(&name, &[o, k], &v)
+                } else {
+                    MemoryTensor::bf16(&name, &[o, k], &v)
+                }
+            })
+            .collect();
+        let a: Vec<MemoryTensor> = (0..outs.len()).map(|i| mk(format!("p{i}.A"), r, k, 0.05, rng)).collect();
+        let b: Vec<MemoryTensor> =
+            outs.iter().enumerate().map(|(i, &o)| mk(format!("p{i}.B"), o, r, 0.05, rng)).collect();
+        let parts: Vec<LinearPart> = (0..outs.len()).map(|i| lora_part(&ws[i], &a[i], &b[i], 2.0)).collect();
+        let (lg, lc) = (g.linear(&parts)?, c.linear(&parts)?);
+        let x = rng.bf16_normals(m * k, 1.0);
+        let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
+        let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
+        let kind = if fp8 { "fp8" } else { "bf16" };
+        let name = format!(
+            "{kind} N={n} K={k} + LoRA rank {} ({} parts, B on the k kernel)",
+            r * outs.len(),
+            outs.len()
+        );
+        // FP8: the activation quantisation error against the CPU's f32, as gemm_checks allows.
+        rep.check("gemm", format!("{name} M={m} vs CPU f32"), rel(&yg, &yc), if fp8 { 8e-2 } else { 1e-2 });
+        invariance(g, rep, &name, &lg, &x, k, &yg)?;
+    }
     Ok(())
 }
 
@@ -244,7 +290,7 @@ pub fn invariance(
     }
     rep.check(
         "gemm",
-        format!("{name}: rows of M∈{{1,7,64,129}} ≠ rows of M=300 (bitwise count)"),
+        format!("{name}: rows of M∈{{1,7,64,129}} ≠ rows of M={} (bitwise count)", full.len() / n),
         bad as f64,
         0.0,
     );

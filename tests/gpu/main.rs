@@ -54,6 +54,7 @@ fn projections_match_cpu_and_are_batch_invariant() {
     let (mut rep, mut rng) = (Report::default(), SplitMix::new(9));
     rep.guard("gemm", "matmul", |rep| gemm::gemm_checks(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "narrow", |rep| gemm::narrow(&d.g, &d.c, rep, &mut rng));
+    rep.guard("gemm", "LoRA B", |rep| gemm::lora_b(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "swiglu_matmul", |rep| gemm::swiglu_matmul(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "readout", |rep| gemm::readout(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "46K-row batches", |rep| gemm::large_batches(&d.g, rep, &mut rng));

@@ -58,7 +58,7 @@ pub const KERNELS: &[KernelFile] = &[
     KernelFile {
         name: "gemm_narrow",
         source: include_str!("../../../kernels/gemm_narrow.cu"),
-        functions: &[k("gemm_narrow_32"), k("gemm_narrow_64"), k("gemm_narrow_128"), k("gemm_narrow_reduce")],
+        functions: &[k("gemm_narrow_32"), k("gemm_narrow_64"), k("gemm_narrow_128"), k("gemm_narrow_k_acc")],
     },
     KernelFile {
         name: "norm",
@@ -217,7 +217,8 @@ impl CudaBackend {
     }
 
     /// One GEMM, timed under its kind and shape when kernel profiling is on: narrow BF16 shapes
-    /// on `gemm_narrow` (its kernels timed under their own names), the rest on cuBLASLt.
+    /// (n <= 128, or k <= 256 accumulating) on `gemm_narrow` (its kernels timed under their own
+    /// names), the rest on cuBLASLt.
     pub(super) fn gemm(&self, g: &Gemm) -> Result<()> {
         if self.gemm_narrow(g)? {
             return Ok(());

@@ -93,10 +93,10 @@ pub struct CudaOptions {
     /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ov|ws|wgmma|q128|q64` overrides it when this
     /// field is left at `Auto`.
     pub attention: AttentionKernel,
-    /// Run the narrow BF16 GEMMs (n <= 128: DeltaNet a/b, LoRA A) on cuBLASLt instead of our
-    /// kernel (`narrow.rs`), for comparisons. Default: `IMAJEV_NARROW_GEMM=cublas` in the
-    /// environment.
-    pub narrow_gemm_cublas: bool,
+    /// Which narrow BF16 GEMMs run on our kernels (`narrow.rs`: n <= 128, i.e. DeltaNet a/b and
+    /// LoRA A; k <= 256 accumulating, i.e. LoRA B) rather than cuBLASLt, for comparisons.
+    /// Default: `IMAJEV_NARROW_GEMM=both|n|k|cublas` in the environment, else both.
+    pub narrow_gemm: narrow::NarrowGemm,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -129,6 +129,8 @@ struct DeviceState {
     blas: Blas,
     funcs: HashMap<&'static str, CudaFunction>,
     staging: std::sync::Mutex<staging::Staging>,
+    /// `gemm_narrow`'s arrival counter per row block (all zero between GEMMs: see `narrow.rs`).
+    narrow_arrivals: cudarc::driver::CudaSlice<u32>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     options: CudaOptions,
@@ -170,10 +172,10 @@ impl CudaBackend {
         if std::env::var("IMAJEV_GDN_TF32").is_ok_and(|v| v == "1") {
             options.gdn_tf32 = true;
         }
-        match std::env::var("IMAJEV_NARROW_GEMM").as_deref() {
-            Ok("cublas") => options.narrow_gemm_cublas = true,
-            Ok("") | Ok("kernel") | Err(_) => {}
-            Ok(other) => bail!("IMAJEV_NARROW_GEMM={other}: expected kernel or cublas"),
+        if let Ok(v) = std::env::var("IMAJEV_NARROW_GEMM") {
+            if !v.is_empty() {
+                options.narrow_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_NARROW_GEMM={v}: {e}"))?;
+            }
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
@@ -232,6 +234,7 @@ impl CudaBackend {
         let kernel_seconds = started.elapsed().as_secs_f64();
         let blas = Blas::new(stream.clone())?;
         let staging = std::sync::Mutex::new(staging::Staging::new(stream.clone())?);
+        let narrow_arrivals = stream.alloc_zeros::<u32>(narrow::ARRIVAL_COUNTERS)?;
         let info = DeviceInfo {
             ordinal,
             name,
@@ -249,8 +252,7 @@ impl CudaBackend {
             gdn_scan = if options.gdn_ffma { "ffma" } else { options.gdn_scan.describe() },
             gdn_products = if options.gdn_tf32 { "TF32" } else { "3xTF32" },
             act_quant = if options.unfused_act_quant { "own kernel" } else { "fused into the row norms" },
-            narrow_gemm =
-                if options.narrow_gemm_cublas { "cuBLASLt" } else { "gemm_narrow (K split by 512)" },
+            narrow_gemm = options.narrow_gemm.describe(),
             "CUDA backend ready"
         );
         let profiler = profile::KernelProfiler::from_env(&stream);
@@ -259,6 +261,7 @@ impl CudaBackend {
                 blas,
                 funcs,
                 staging,
+                narrow_arrivals,
                 stream,
                 ctx,
                 options,

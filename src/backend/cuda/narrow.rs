@@ -1,5 +1,6 @@
-//! Narrow BF16 GEMMs (`n <= 128` output columns: the DeltaNet a/b projections and every LoRA A)
-//! on our own kernel, `kernels/gemm_narrow.cu`, instead of cuBLASLt.
+//! BF16 GEMMs with one narrow dimension on our own kernels, `kernels/gemm_narrow.cu`, instead of
+//! cuBLASLt: narrow outputs (`n <= 128` columns: the DeltaNet a/b projections and every LoRA A)
+//! and narrow accumulating reductions (`k <= 256`, `β = 1`: every LoRA B).
 //!
 //! Why by hand: batch invariance fixes one cuBLASLt algorithm per shape ([`super::gemm`]), and a
 //! narrow shape's is chosen at a small M with split K so that short requests fill the GPU; at
@@ -7,14 +8,15 @@
 //! `bench/NOTES.md`). No cuBLASLt algorithm is fast at both ends, and picking one per M would
 //! make a row's bits depend on the batch. The kernel splits K by a constant ([`KSPLIT`] columns
 //! per split, whatever M is) and adds the splits in order, so a row's result depends only on its
-//! own inputs. What this layer does not know: where the GEMM comes from (projection, LoRA); the
-//! caller's [`Gemm`] says everything.
+//! own inputs. The LoRA B side (`y += α·t·Bᵀ`, `k` = the rank) is bound by reading and writing
+//! `y`; its kernel reads and writes each element once, with no split at all. What this layer does
+//! not know: where the GEMM comes from (projection, LoRA); the caller's [`Gemm`] says everything.
 //!
-//! `IMAJEV_NARROW_GEMM=cublas` (or [`super::CudaOptions::narrow_gemm_cublas`]) sends these shapes
-//! back to cuBLASLt, for comparisons.
+//! `IMAJEV_NARROW_GEMM=both|n|k|cublas` (or [`super::CudaOptions::narrow_gemm`]) picks which of
+//! the two kinds run here; the others go to cuBLASLt, for comparisons.
 
 use super::gemm::{Gemm, GemmKind};
-use super::launch::{grid1, launch_config, Arg};
+use super::launch::{launch_config, Arg};
 use super::CudaBackend;
 use anyhow::Result;
 
@@ -22,21 +24,71 @@ use anyhow::Result;
 pub const KSPLIT: usize = 512;
 /// Rows per block; the kernel's `NARROW_BM`.
 const BLOCK_ROWS: usize = 64;
+/// Row blocks whose splits the split blocks themselves add up (one zeroed arrival counter each,
+/// kept by the backend): up to 524,288 rows; taller GEMMs go to cuBLASLt.
+pub const ARRIVAL_COUNTERS: usize = 8192;
 /// Widest output the kernel takes.
 pub const MAX_N: usize = 128;
+/// Longest reduction the accumulating kernel takes.
+pub const MAX_K_ACC: usize = 256;
+/// Rows and columns of Y per block of the accumulating kernel (`NK_BM`, `NK_BN`).
+const ACC_TILE: usize = 128;
+
+/// Which narrow GEMMs run on these kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NarrowGemm {
+    /// Both kinds (the default).
+    #[default]
+    Both,
+    /// Only narrow outputs (`n <= 128`); LoRA B on cuBLASLt.
+    N,
+    /// Only the accumulating narrow reductions (LoRA B); narrow outputs on cuBLASLt.
+    K,
+    /// Neither: every GEMM on cuBLASLt.
+    Cublas,
+}
+
+impl NarrowGemm {
+    fn narrow_n(self) -> bool {
+        matches!(self, Self::Both | Self::N)
+    }
+    fn narrow_k(self) -> bool {
+        matches!(self, Self::Both | Self::K)
+    }
+    /// For the start-up log.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Both => "own kernels (n <= 128: K split by 512; LoRA B: k <= 256)",
+            Self::N => "own kernel for n <= 128 (K split by 512), LoRA B on cuBLASLt",
+            Self::K => "own kernel for LoRA B (k <= 256), n <= 128 on cuBLASLt",
+            Self::Cublas => "cuBLASLt",
+        }
+    }
+}
+
+impl std::str::FromStr for NarrowGemm {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "both" | "kernel" => Ok(Self::Both),
+            "n" => Ok(Self::N),
+            "k" => Ok(Self::K),
+            "cublas" => Ok(Self::Cublas),
+            _ => Err("expected both, n, k or cublas".into()),
+        }
+    }
+}
 
 /// The kernel instance for `n` output columns: the narrowest padded width that holds them.
 fn padded_width(n: usize) -> Option<usize> {
     [32, 64, 128].into_iter().find(|&p| n <= p)
 }
 
-/// Whether the narrow kernel takes this GEMM: BF16, `β = 0`, `n <= 128` and even multiples of 8,
-/// `k` a multiple of 32, X and W rows 16-byte aligned, Y rows 4-byte aligned.
-pub fn eligible(g: &Gemm) -> bool {
+/// What both kernels need: BF16, `n` and `k` multiples of 8 and 32, X and W rows 16-byte
+/// aligned, Y rows 4-byte aligned.
+fn shape_fits(g: &Gemm) -> bool {
     g.kind == GemmKind::Bf16
-        && g.beta == 0.0
         && g.n > 0
-        && g.n <= MAX_N
         && g.n % 8 == 0
         && g.k > 0
         && g.k % 32 == 0
@@ -48,16 +100,49 @@ pub fn eligible(g: &Gemm) -> bool {
         && g.y % 4 == 0
 }
 
+/// Whether the narrow-output kernel takes this GEMM: `β = 0`, `n <= 128`, and [`shape_fits`].
+pub fn eligible(g: &Gemm) -> bool {
+    g.beta == 0.0 && g.n <= MAX_N && shape_fits(g)
+}
+
+/// Whether the accumulating kernel takes this GEMM: `β = 1`, `k <= 256`, and [`shape_fits`].
+pub fn eligible_acc(g: &Gemm) -> bool {
+    g.beta == 1.0 && g.k <= MAX_K_ACC && shape_fits(g)
+}
+
 /// How many splits of K the kernel makes (a function of `k` alone).
 pub fn splits(k: usize) -> usize {
     k.div_ceil(KSPLIT)
+}
+
+/// The arguments both kernels start with: `x, ldx, w, ldw, m, n, k, alpha, y, ldy`.
+fn operands(g: &Gemm) -> Vec<Arg> {
+    vec![
+        Arg::Ptr(g.x),
+        Arg::I64(g.ldx as i64),
+        Arg::Ptr(g.w),
+        Arg::I64(g.ldw as i64),
+        Arg::I64(g.m as i64),
+        Arg::I32(g.n as i32),
+        Arg::I32(g.k as i32),
+        Arg::F32(g.alpha),
+        Arg::Ptr(g.y),
+        Arg::I64(g.ldy as i64),
+    ]
 }
 
 impl CudaBackend {
     /// Runs `g` on the narrow kernel when it is [`eligible`] and the option allows; false when
     /// the caller must run it on cuBLASLt.
     pub(super) fn gemm_narrow(&self, g: &Gemm) -> Result<bool> {
-        if self.state.options.narrow_gemm_cublas || !eligible(g) {
+        if self.state.options.narrow_gemm.narrow_k() && eligible_acc(g) {
+            return self.gemm_narrow_k_acc(g).map(|_| true);
+        }
+        if !self.state.options.narrow_gemm.narrow_n() || !eligible(g) {
+            return Ok(false);
+        }
+        let blocks = g.m.div_ceil(BLOCK_ROWS);
+        if blocks > ARRIVAL_COUNTERS {
             return Ok(false);
         }
         if g.m == 0 {
@@ -67,40 +152,24 @@ impl CudaBackend {
         let s = splits(g.k);
         let part = if s > 1 { Some(self.alloc_f32(s * g.m * g.n)?) } else { None };
         let part_ptr = part.as_ref().map(|p| self.p(p)).unwrap_or(0);
-        let blocks = g.m.div_ceil(BLOCK_ROWS) as u32;
-        let args = [
-            Arg::Ptr(g.x),
-            Arg::I64(g.ldx as i64),
-            Arg::Ptr(g.w),
-            Arg::I64(g.ldw as i64),
-            Arg::I64(g.m as i64),
-            Arg::I32(g.n as i32),
-            Arg::I32(g.k as i32),
-            Arg::F32(g.alpha),
-            Arg::Ptr(g.y),
-            Arg::I64(g.ldy as i64),
-            Arg::Ptr(part_ptr),
-        ];
+        let mut args = operands(g);
+        args.extend([Arg::Ptr(part_ptr), Arg::Ptr(self.p(&self.state.narrow_arrivals))]);
         let name = match width {
             32 => "gemm_narrow_32",
             64 => "gemm_narrow_64",
             _ => "gemm_narrow_128",
         };
-        self.launch(name, launch_config((blocks, s as u32, 1), 128, 0), &args)?;
-        if let Some(p) = &part {
-            let args = [
-                Arg::Ptr(self.p(p)),
-                Arg::I32(s as i32),
-                Arg::I64(g.m as i64),
-                Arg::I32(g.n as i32),
-                Arg::F32(g.alpha),
-                Arg::Ptr(g.y),
-                Arg::I64(g.ldy as i64),
-            ];
-            let cfg = launch_config((grid1(g.m * g.n / 2, 256).min(4096), 1, 1), 256, 0);
-            self.launch("gemm_narrow_reduce", cfg, &args)?;
-        }
+        self.launch(name, launch_config((blocks as u32, s as u32, 1), 128, 0), &args)?;
         Ok(true)
+    }
+
+    /// `y += α·x·wᵀ` on `gemm_narrow_k_acc` ([`eligible_acc`] holds).
+    fn gemm_narrow_k_acc(&self, g: &Gemm) -> Result<()> {
+        if g.m == 0 {
+            return Ok(());
+        }
+        let grid = (g.n.div_ceil(ACC_TILE) as u32, g.m.div_ceil(ACC_TILE) as u32, 1);
+        self.launch("gemm_narrow_k_acc", launch_config(grid, 256, 0), &operands(g))
     }
 }
 
@@ -139,6 +208,33 @@ mod tests {
         assert!(!eligible(&Gemm { kind: GemmKind::Fp8Block, ..bf16_gemm(64, 2560) }));
         assert!(!eligible(&Gemm { x: (2 << 20) + 8, ..bf16_gemm(64, 2560) }), "X not 16-byte aligned");
         assert!(!eligible(&Gemm { ldx: 2564, ..bf16_gemm(64, 2560) }), "X rows not 16-byte aligned");
+    }
+
+    #[test]
+    fn lora_b_shapes_only() {
+        let acc = |n, k| Gemm { beta: 1.0, ldy: n + 64, ..bf16_gemm(n, k) };
+        assert!(eligible_acc(&acc(18432, 128)));
+        assert!(eligible_acc(&acc(2560, 64)));
+        assert!(eligible_acc(&acc(6144, 192)));
+        assert!(!eligible_acc(&acc(2560, 288)), "reduction longer than 256");
+        assert!(!eligible_acc(&Gemm { beta: 0.0, ..acc(2560, 64) }), "not accumulating");
+        assert!(!eligible(&acc(64, 64)), "the narrow-output kernel overwrites");
+        assert!(!eligible_acc(&Gemm { y: (3 << 20) + 2, ..acc(2560, 64) }), "Y pairs not 4-byte aligned");
+    }
+
+    #[test]
+    fn option_names() {
+        for (s, v) in [
+            ("both", NarrowGemm::Both),
+            ("n", NarrowGemm::N),
+            ("k", NarrowGemm::K),
+            ("cublas", NarrowGemm::Cublas),
+        ] {
+            assert_eq!(s.parse::<NarrowGemm>(), Ok(v));
+        }
+        assert!("fast".parse::<NarrowGemm>().is_err());
+        assert!(NarrowGemm::K.narrow_k() && !NarrowGemm::K.narrow_n());
+        assert!(NarrowGemm::N.narrow_n() && !NarrowGemm::N.narrow_k());
     }
 
     #[test]
