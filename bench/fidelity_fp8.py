@@ -486,10 +486,10 @@ def phase_synth(args, model, adapter, parts):
     parts.save_info()
 
 
-def phase_ours(args, work, model, adapter, parts, fp):
-    """Both of our legs on the same requests; records the plan (every pass's token ids) that the
-    transformers phases run, in this call or a later one."""
-    import numpy as np
+def build_requests(args, work):
+    """The requests every leg runs, written to work/fidelity_fp8.jsonl: --text-requests text
+    requests, then --image-requests with one or two images. Returns (path, requests, the image
+    indices of each request)."""
     imgs = images(work)
     reqs = gb.fidelity_requests(args.text_requests)
     req_images = [[] for _ in reqs]
@@ -499,21 +499,36 @@ def phase_ours(args, work, model, adapter, parts, fp):
         req_images.append(idx)
     req_path = work / "fidelity_fp8.jsonl"
     req_path.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    return req_path, reqs, req_images
+
+
+def run_ours(args, work, model, adapter, req_path, name, quantize, env=None):
+    """One `decide` over the requests (quantize: "fp8", "none" or None for the CPU's only path;
+    env: extra environment variables); returns (every pass it emitted, sorted by request, field
+    and pass; seconds)."""
+    path = work / f"ours_{name}.jsonl"
+    cmd = [args.bin, "decide", "--model", model, "--adapter", adapter, "--device", args.device, "--rotations", "4",
+           "--request", req_path, "--out", work / f"ours_{name}_resp.jsonl", "--emit-passes", path]
+    if quantize:
+        cmd += ["--quantize", quantize]
+    t = time.perf_counter()
+    gb.run(cmd, env={**os.environ, **(env or {})})
+    seconds = time.perf_counter() - t
+    key = lambda p: (p["request"], p["field"], p["pass"])
+    return sorted((json.loads(l) for l in open(path)), key=key), seconds
+
+
+def phase_ours(args, work, model, adapter, parts, fp):
+    """Both of our legs on the same requests; records the plan (every pass's token ids) that the
+    transformers phases run, in this call or a later one."""
+    import numpy as np
+    req_path, reqs, req_images = build_requests(args, work)
     n_cand = {(i, f): n for i, r in enumerate(reqs) for f, n in enumerate(gb.field_candidates(r))}
     timings, ours = {}, {}
     # On the CPU there is no FP8 path: one f32 run stands for both legs.
     legs = [("fp8", "fp8"), ("bf16", "none")] if args.device == "cuda" else [("bf16", None)]
     for name, q in legs:
-        path = work / f"ours_{name}.jsonl"
-        cmd = [args.bin, "decide", "--model", model, "--adapter", adapter, "--device", args.device, "--rotations", "4",
-               "--request", req_path, "--out", work / f"ours_{name}_resp.jsonl", "--emit-passes", path]
-        if q:
-            cmd += ["--quantize", q]
-        t = time.perf_counter()
-        gb.run(cmd)
-        timings[f"ours_{name}_s"] = time.perf_counter() - t
-        key = lambda p: (p["request"], p["field"], p["pass"])
-        ours[name] = sorted((json.loads(l) for l in open(path)), key=key)
+        ours[name], timings[f"ours_{name}_s"] = run_ours(args, work, model, adapter, req_path, name, q)
     ours.setdefault("fp8", ours["bf16"])
     passes = ours["bf16"]
     assert [p["input_ids"] for p in passes] == [p["input_ids"] for p in ours["fp8"]], "the two runs planned differently"

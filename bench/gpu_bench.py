@@ -224,7 +224,7 @@ def main():
     ap.add_argument("--images", default="0,1,2")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--peer-repeats", type=int, default=3)
-    ap.add_argument("--fidelity", type=int, default=70, help="requests of 3 questions each")
+    ap.add_argument("--fidelity", type=int, default=70, help="requests of 3 questions each (0: none)")
     ap.add_argument("--phase", default="all", choices=["all", "ours", "peer"])
     ap.add_argument("--long", default="", help="image counts of the long bucket (~15K-token state, 4096² photos), e.g. 1,2")
     ap.add_argument("--long-peer-repeats", type=int, default=1)
@@ -271,7 +271,6 @@ def main():
         run(common + ["--request", reqs_path, "--repeat", str(args.repeats), "--out", work / "ours.jsonl",
                       "--timings", work / "ours_timings.jsonl", "--emit-passes", work / "ours_passes.jsonl"])
         results["ours_wall_s"] = time.perf_counter() - t
-        run(common + ["--request", fid_path, "--out", work / "fid_ours.jsonl", "--emit-passes", work / "fid_passes.jsonl"])
         timings = [json.loads(l) for l in open(work / "ours_timings.jsonl")]
         rows = []
         for i, (n, k, side) in enumerate(grid):
@@ -287,6 +286,10 @@ def main():
         results["requests"] = rows
         results_path.write_text(json.dumps(results, indent=2))
         print(json.dumps(rows, indent=1), file=sys.stderr)
+        # After the timings are saved: a call cut short by its time limit still returns them.
+        if args.fidelity > 0:
+            run(common + ["--request", fid_path, "--out", work / "fid_ours.jsonl",
+                          "--emit-passes", work / "fid_passes.jsonl"])
 
     if args.phase in ("all", "peer"):
         peer = Peer(model, adapter, args.device)
@@ -304,6 +307,8 @@ def main():
                   file=sys.stderr, flush=True)
             results_path.write_text(json.dumps(results, indent=2))
         # Fidelity: same token ids, our FP8 logits vs the peer's BF16 logits.
+        if args.fidelity <= 0:
+            return
         fid_reqs = [json.loads(l) for l in open(fid_path)]
         fpasses = [json.loads(l) for l in open(work / "fid_passes.jsonl")]
         single = {"agree": 0, "dps": [], "n": 0}

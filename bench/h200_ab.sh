@@ -6,7 +6,9 @@
 #   3. our side of bench/gpu_bench.py for the base binary (.gpu/imajev-serve-base) and the new one
 #      (.gpu/imajev-serve) on the same requests (SIZES, IMAGES, LONG, REPEATS as in h200_quick.sh);
 #      with BASE_ENV="NAME=value ..." the base side is the new binary run with those variables
-#      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_NARROW_GEMM=cublas);
+#      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_NARROW_GEMM=cublas), and
+#      NEW_ENV likewise for the new side (an option that switches something on); FIDELITY=0 skips
+#      gpu_bench's fidelity requests (a second weight load per side, ~20 s);
 #   4. with STAGES=1, IMAJEV_PROFILE=1 stage timings (the device synchronised at every stage) of
 #      the longest request with the new binary (STAGES_PROFILE=kernels: the kernel profile instead);
 # and prints a table of both binaries' p50s with their ratio. Writes at most 8 files under $OUT:
@@ -28,15 +30,17 @@ for side in base new; do
   bin=.gpu/imajev-serve; env=()
   if [ $side = base ]; then
     if [ -n "${BASE_ENV:-}" ]; then read -ra env <<<"$BASE_ENV"; else bin=.gpu/imajev-serve-base; fi
+  elif [ -n "${NEW_ENV:-}" ]; then
+    read -ra env <<<"$NEW_ENV"
   fi
   env "${env[@]}" PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-150}" python3 bench/gpu_bench.py --bin $bin --work $W \
     --out "$OUT/$side" --phase ours --sizes "${SIZES:-256}" --images "${IMAGES:-0}" --repeats "${REPEATS:-3}" \
-    --fidelity 2 --long "${LONG:-1,2}" >>"$OUT/bench.log" 2>&1
+    --fidelity "${FIDELITY:-2}" --long "${LONG:-1,2}" >>"$OUT/bench.log" 2>&1
   echo "gpu_bench $side exit $?"
 done
 if [ "${STAGES:-0}" = 1 ]; then
   tail -n 1 $W/bench.jsonl >$W/one.jsonl
-  IMAJEV_PROFILE="${STAGES_PROFILE:-1}" NO_COLOR=1 timeout "${STAGES_TIMEOUT:-90}" ./.gpu/imajev-serve decide --model $W/model --adapter $W/adapter \
+  env ${NEW_ENV:-} IMAJEV_PROFILE="${STAGES_PROFILE:-1}" NO_COLOR=1 timeout "${STAGES_TIMEOUT:-90}" ./.gpu/imajev-serve decide --model $W/model --adapter $W/adapter \
     --device cuda --rotations 4 --contract imajev --quantize fp8 --request $W/one.jsonl --repeat 2 \
     2>&1 >/dev/null | grep -v "loading weights" | tail -"${STAGES_LINES:-40}" >"$OUT/stages.log"
 fi
