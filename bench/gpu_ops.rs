@@ -317,6 +317,8 @@ fn main() -> Result<()> {
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
     let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;
     let ov = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Overlap, ..g.options().clone() })?;
+    let k128 =
+        CudaBackend::new(0, CudaOptions { attention: AttentionKernel::WgmmaK128, ..g.options().clone() })?;
     // The warp-specialised kernel (measured slower than wgmma, NOTES) is left out of the side by
     // side; `IMAJEV_ATTENTION=ws` still selects it for a profile.
     for &m in lengths.iter().filter(|_| run("attention")) {
@@ -333,12 +335,14 @@ fn main() -> Result<()> {
         if hopper {
             b.vision(&wg, "wgmma", m)?;
             b.vision(&ov, "wgmma, softmax overlapped", m)?;
+            b.vision(&k128, "wgmma, 128-key tiles", m)?;
         }
     }
     // One 4096² photo: 65,536 patches, the vision attention of the long requests.
     if long && hopper && run("vision") {
         b.vision(&wg, "wgmma", 65_536)?;
         b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
+        b.vision(&k128, "wgmma, 128-key tiles", 65_536)?;
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
     let scan = |gdn_scan, gdn_tf32| {

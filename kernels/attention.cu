@@ -616,12 +616,15 @@ ATTN_COMBINE_ENTRY(128)
 ATTN_COMBINE_ENTRY(256)
 
 // ---------------------------------------------------------------------------------------------
-// attn_fwd_wgmma_<HDP> (Hopper, sm_90a): the same attention with warpgroup MMAs. A block is two
+// attn_fwd_wgmma_<HDP> (Hopper, sm_90a): the same attention with warpgroup MMAs, key tiles of
+// BK = 64 (attn_fwd_wgmma_k128_64: BK = 128 at head dim 64, an option until measured: it halves the
+// per-tile work — barriers, waits, copies' bookkeeping, row reductions — per score where the
+// kernel is issue-bound, and costs 48 registers). A block is two
 // warpgroups (256 threads) of 64 query rows each; S = Q K^T and O += P V are wgmma.mma_async: Q, K
 // and V are read by the tensor cores straight from shared memory, once per warpgroup of 64 rows
 // (mma.sync reads every K/V fragment once per warp of 16 rows, and attn_fwd_q128 is bound by
 // those shared-memory reads at ~210 TFLOP/s). P stays in registers (the S accumulators are the A
-// fragments). K/V tiles of 64 keys are double-buffered with cp.async as in attn_fwd_q128.
+// fragments). K/V tiles of BK keys are double-buffered with cp.async as in attn_fwd_q128.
 //
 // Shared memory holds every operand in the 128-byte-swizzled layout the descriptors name: a tile
 // of R rows x HDP columns is HDP/64 column blocks, each R rows of 128 bytes in which the 16-byte
@@ -754,10 +757,10 @@ __device__ __forceinline__ unsigned long long kept_u64(unsigned long long x) {
   return x;
 }
 
-template <int HDP>
+template <int HDP, int ROWS = 64>
 struct KvTileCopies {
-  static constexpr int V = HDP / 8, RS = 256 / V, NU = 64 / RS;  // chunks per row, row step, copies
-  static constexpr int TILE = 64 * HDP * 2;                        // bytes of one tile buffer
+  static constexpr int V = HDP / 8, RS = 256 / V, NU = ROWS / RS;  // chunks per row, row step, copies
+  static constexpr int TILE = ROWS * HDP * 2;                        // bytes of one tile buffer
   static_assert(RS % 8 == 0, "the row step must keep the swizzle phase");
   unsigned char *kt, *vt;         // the K and V tile buffers (buffer b at + b·TILE)
   const bf16 *ks, *ko, *vs, *vo;  // the shared prefix's and the own rows' keys and values
@@ -772,13 +775,13 @@ struct KvTileCopies {
       : kt(kt_), vt(vt_), ks(ks_), ko(ko_), vs(vs_), vo(vo_), stride(stride_), alen(alen_) {
     const int t = threadIdx.x, c = t % V, r0 = t / V;
     off = kept_u64((unsigned long long)(((i64)r0 * stride + c * 8) * 2));
-    const unsigned doff = (c >> 3) * 64 * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+    const unsigned doff = (c >> 3) * ROWS * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
     kd = kept_u32((unsigned)__cvta_generic_to_shared(kt) + doff);
     vd = kept_u32((unsigned)__cvta_generic_to_shared(vt) + doff);
     fast = kept_u32(blockDim.x == 256 && hd == HDP);
   }
   __device__ __forceinline__ bool whole(int j0, int valid) const {
-    return fast && valid >= 64 && (j0 + 64 <= alen || j0 >= alen);
+    return fast && valid >= ROWS && (j0 + ROWS <= alen || j0 >= alen);
   }
   // The fast path's copies of one matrix: `rows` is its first row j0 (prefix or own rows).
   __device__ __forceinline__ void copy_whole(unsigned d, const bf16* rows) const {
@@ -795,7 +798,7 @@ struct KvTileCopies {
       const i64 row = (i64)(own ? j0 - alen : j0) * stride;
       copy_whole((v ? vd : kd) + buf * TILE, (v ? (own ? vo : vs) : (own ? ko : ks)) + row);
     } else {
-      issue_tile_sw<HDP>((v ? vt : kt) + buf * TILE, v ? vs : ks, alen, v ? vo : ko, stride, j0, valid, hd, 64);
+      issue_tile_sw<HDP>((v ? vt : kt) + buf * TILE, v ? vs : ks, alen, v ? vo : ko, stride, j0, valid, hd, ROWS);
     }
   }
   // Both K and V of the rows j0.. into tile buffer `buf` (one test and one row offset for both).
@@ -806,8 +809,8 @@ struct KvTileCopies {
       copy_whole(kd + buf * TILE, (own ? ko : ks) + row);
       copy_whole(vd + buf * TILE, (own ? vo : vs) + row);
     } else {
-      issue_tile_sw<HDP>(kt + buf * TILE, ks, alen, ko, stride, j0, valid, hd, 64);
-      issue_tile_sw<HDP>(vt + buf * TILE, vs, alen, vo, stride, j0, valid, hd, 64);
+      issue_tile_sw<HDP>(kt + buf * TILE, ks, alen, ko, stride, j0, valid, hd, ROWS);
+      issue_tile_sw<HDP>(vt + buf * TILE, vs, alen, vo, stride, j0, valid, hd, ROWS);
     }
   }
 };
@@ -819,33 +822,35 @@ __device__ __forceinline__ unsigned char* smem_1024(unsigned char* raw) {
 }
 
 // The descriptor low words attn_fwd_wgmma(_ov) use every tile, computed once and held in
-// registers (kept_u32): this warpgroup's 64 rows of Q, and buffer `buf` of K and of V (64 keys x
+// registers (kept_u32): this warpgroup's 64 rows of Q, and buffer `buf` of K and of V (BK keys x
 // HDP each, buffer 1 right after buffer 0).
-template <int HDP>
+template <int HDP, int BK = 64>
 struct WgmmaDescs {
-  static constexpr unsigned TILE16 = 64 * HDP * 2 / 16;
+  static constexpr unsigned TILE16 = BK * HDP * 2 / 16;
   unsigned q, k0, v0;
   __device__ __forceinline__ WgmmaDescs(const unsigned char* Qw, const unsigned char* Ks, const unsigned char* Vs)
       : q(kept_u32(smem_desc_lo(Qw, 16))), k0(kept_u32(smem_desc_lo(Ks, 16))),
-        v0(kept_u32(smem_desc_lo(Vs, 64 * 128))) {}
+        v0(kept_u32(smem_desc_lo(Vs, BK * 128))) {}
   __device__ __forceinline__ unsigned k(int buf) const { return k0 + buf * TILE16; }
   __device__ __forceinline__ unsigned v(int buf) const { return v0 + buf * TILE16; }
 };
 
-// The online softmax of one 64-key tile for this thread's two rows r0 (qi0) and r0 + 8 (qi1), shared
-// by attn_fwd_wgmma and attn_fwd_wgmma_ov so that both compute the same bits. s[4j + e] is row
+// The online softmax of one key tile (2·NS keys: NS scores per thread) for this thread's two rows
+// r0 (qi0) and r0 + 8 (qi1), shared by attn_fwd_wgmma, attn_fwd_wgmma_ov and attn_fwd_ws so that
+// they compute the same bits for the same tile size. s[4j + e] is row
 // (e < 2 ? qi0 : qi1), key kcol0 + 8j + 2tg + (e & 1); when `masked`, keys past kvlen (and, causal,
 // after the row's position offset + qi) become -inf. The max is taken over the raw scores (the scale
 // is positive) and the scale folded into the one FMA before ex2: p = 2^(s·scale − max·scale), left in
 // s. Updates the running max m and sum l per row and returns in c the factors by which O must be
 // rescaled. At head dim 64 the softmax is what limits these kernels (issue-bound: ncu, NOTES), so
 // every instruction per score counts.
-__device__ __forceinline__ void wgmma_softmax_tile(float (&s)[32], bool masked, int kcol0, int kvlen, int causal,
+template <int NS>
+__device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
                                                    int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
                                                    float& m1, float& l0, float& l1, float& c0, float& c1) {
   float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-  for (int j = 0; j < 8; j++) {
+  for (int j = 0; j < NS / 4; j++) {
 #pragma unroll
     for (int e = 0; e < 4; e++) {
       float v = s[4 * j + e];
@@ -868,7 +873,7 @@ __device__ __forceinline__ void wgmma_softmax_tile(float (&s)[32], bool masked, 
   c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
   float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
-  for (int j = 0; j < 8; j++) {
+  for (int j = 0; j < NS / 4; j++) {
     s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
     s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
     s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
@@ -903,9 +908,10 @@ __device__ __forceinline__ void wgmma_rescale_o(float (&o)[NO], float c0, float 
 }
 
 // P's k16 slices as BF16 A fragments of the P V MMA (the S accumulator layout is the A layout).
-__device__ __forceinline__ void wgmma_pack_p(const float (&s)[32], unsigned (&pa)[4][4]) {
+template <int NS>
+__device__ __forceinline__ void wgmma_pack_p(const float (&s)[NS], unsigned (&pa)[NS / 8][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 4; kk++) {
+  for (int kk = 0; kk < NS / 8; kk++) {
     pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
     pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
     pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
@@ -913,28 +919,31 @@ __device__ __forceinline__ void wgmma_pack_p(const float (&s)[32], unsigned (&pa
   }
 }
 
-// The P V MMAs of one 64-key tile: O += P V_t (V_t N-major in the swizzled layout; vlo is
-// smem_desc_lo(V_t, 64 · 128)).
-template <int HDP, int NO>
-__device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&pa)[4][4], unsigned vlo) {
+// The P V MMAs of one key tile of 16·KT keys: O += P V_t (V_t N-major in the swizzled layout;
+// vlo is smem_desc_lo(V_t, 16·KT · 128)).
+template <int HDP, int NO, int KT>
+__device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&pa)[KT][4], unsigned vlo) {
 #pragma unroll
-  for (int kk = 0; kk < 4; kk++) {
+  for (int kk = 0; kk < KT; kk++) {
     const unsigned long long db = smem_desc_of(vlo + ((kk * 16 * 128) >> 4), 1024);
     if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
     else wgmma_rs_m64n256(o, pa[kk], db);
   }
 }
 
-// The S MMAs of one 64-key tile: s = Q_w K_t^T (the warpgroup's 64 rows of Q, BQ rows per column
-// block; qlo and klo are smem_desc_lo(Q_w, 16) and smem_desc_lo(K_t, 16)).
-template <int HDP, int BQ>
-__device__ __forceinline__ void wgmma_qk_tile(float (&s)[32], unsigned qlo, unsigned klo) {
+// The S MMAs of one key tile of 2·NS keys (64 or 128): s = Q_w K_t^T (the warpgroup's 64 rows
+// of Q, BQ rows per column block; qlo and klo are smem_desc_lo(Q_w, 16) and smem_desc_lo(K_t, 16)).
+template <int HDP, int BQ, int NS>
+__device__ __forceinline__ void wgmma_qk_tile(float (&s)[NS], unsigned qlo, unsigned klo) {
+  constexpr int BK = 2 * NS;  // 64 rows x BK keys over 128 threads: BK / 2 scores each
+  static_assert(BK == 64 || BK == 128, "key tiles of 64 or 128");
 #pragma unroll
   for (int ks = 0; ks < HDP / 16; ks++) {
     const int cb = ks >> 2, off = (ks & 3) * 32;
     const unsigned long long da = smem_desc_of(qlo + ((cb * BQ * 128 + off) >> 4), 1024);
-    const unsigned long long db = smem_desc_of(klo + ((cb * 64 * 128 + off) >> 4), 1024);
-    wgmma_ss_m64n64(s, da, db, ks > 0);
+    const unsigned long long db = smem_desc_of(klo + ((cb * BK * 128 + off) >> 4), 1024);
+    if constexpr (BK == 128) wgmma_ss_m64n128(s, da, db, ks > 0);
+    else wgmma_ss_m64n64(s, da, db, ks > 0);
   }
 }
 
@@ -991,10 +1000,10 @@ __device__ __forceinline__ bool wgmma_block(WgmmaBlock& b, const i64* segs, int 
   return true;
 }
 
-template <int HDP>
+template <int HDP, int BK>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
-  constexpr int BQ = 128, BK = 64, NO = HDP / 2;
+  constexpr int BQ = 128, NO = HDP / 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* Qs = smem_1024(smem_raw);      // BQ x HDP
   unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
@@ -1009,7 +1018,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
   issue_tile_sw<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0, nq - qbase, hd, BQ);
-  const KvTileCopies<HDP> kv(Ks, Vs, B.ks, B.ko, B.vs, B.vo, shared_len, kstride, hd);
+  const KvTileCopies<HDP, BK> kv(Ks, Vs, B.ks, B.ko, B.vs, B.vo, shared_len, kstride, hd);
   if (ntiles > 0) kv.issue_both(0, 0, kvlen, hd);
   cp_async_commit();
 
@@ -1021,7 +1030,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const int r0 = wg * 64 + warp * 16 + gr;
   const int qi0 = qbase + r0, qi1 = qi0 + 8;
   // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
-  const WgmmaDescs<HDP> desc(Qs + wg * 64 * 128, Ks, Vs);
+  const WgmmaDescs<HDP, BK> desc(Qs + wg * 64 * 128, Ks, Vs);
 
   for (int kt = 0; kt < ntiles; kt++) {
     cp_async_wait_all_groups();
@@ -1034,8 +1043,8 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
     }
     cp_async_commit();
 
-    // S = Q K^T (64 rows x 64 keys per warpgroup).
-    float s[32];
+    // S = Q K^T (64 rows x BK keys per warpgroup).
+    float s[BK / 2];
     wgmma_fence();
     wgmma_qk_tile<HDP, BQ>(s, desc.q, desc.k(buf));
     wgmma_commit();
@@ -1284,52 +1293,11 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   unsigned pa[BK / 16][4];
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
 
-  // Softmax of S_j in place (s becomes P in f32); returns the rescale factors of O through c0/c1
-  // and updates the running max (raw units) and sums.
+  // Softmax of S_j in place (s becomes P in f32): wgmma_softmax_tile, the same bits as
+  // attn_fwd_wgmma's for the same tile size; returns the rescale factors of O through c0/c1.
   auto softmax = [&](int j, float& c0, float& c1) {
-    const bool masked = (j + 1) * BK > clean;
-    float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-    for (int jj = 0; jj < NS / 4; jj++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float v = s[4 * jj + e];
-        if (masked) {
-          const int col = j * BK + 8 * jj + 2 * tg + (e & 1);
-          const int qi = e < 2 ? qi0 : qi1;
-          if (!(col < kvlen && (!causal || col <= offset + qi))) v = NEG_INF;
-        }
-        s[4 * jj + e] = v;
-        if (e < 2) mx0 = fmaxf(mx0, v);
-        else mx1 = fmaxf(mx1, v);
-      }
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
-    c0 = ex2_ftz(fmaf(m0, scale_log2, -b0));
-    c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int jj = 0; jj < NS / 4; jj++) {
-      s[4 * jj + 0] = ex2_ftz(fmaf(s[4 * jj + 0], scale_log2, -b0));
-      s[4 * jj + 1] = ex2_ftz(fmaf(s[4 * jj + 1], scale_log2, -b0));
-      s[4 * jj + 2] = ex2_ftz(fmaf(s[4 * jj + 2], scale_log2, -b1));
-      s[4 * jj + 3] = ex2_ftz(fmaf(s[4 * jj + 3], scale_log2, -b1));
-      ps0 += s[4 * jj + 0] + s[4 * jj + 1];
-      ps1 += s[4 * jj + 2] + s[4 * jj + 3];
-    }
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 1);
-    ps0 += __shfl_xor_sync(0xffffffffu, ps0, 2);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 1);
-    ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
-    l0 = l0 * c0 + ps0;
-    l1 = l1 * c1 + ps1;
-    m0 = mn0;
-    m1 = mn1;
+    wgmma_softmax_tile(s, (j + 1) * BK > clean, j * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0,
+                       l1, c0, c1);
   };
   auto rescale_and_pack = [&](float c0, float c1) {
 #pragma unroll
@@ -1339,13 +1307,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
       o[4 * jj + 2] *= c1;
       o[4 * jj + 3] *= c1;
     }
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-      pa[kk][0] = pack_f32(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack_f32(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    wgmma_pack_p(s, pa);
   };
 
   // The copies were made by the producer's generic-proxy cp.async and are read by the tensor cores
@@ -1426,18 +1388,22 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define ATTN_WGMMA_BODY(HDP) attn_fwd_wgmma<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#define ATTN_WGMMA_BODY(HDP, BK) \
+  attn_fwd_wgmma<HDP, BK>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
 #else
-#define ATTN_WGMMA_BODY(HDP)
+#define ATTN_WGMMA_BODY(HDP, BK)
 #endif
-#define ATTN_WGMMA_ENTRY(HDP)                                                                              \
-  extern "C" __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_##HDP(                               \
+#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS)                                                         \
+  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                      \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    ATTN_WGMMA_BODY(HDP)                                                                                   \
+    ATTN_WGMMA_BODY(HDP, BK)                                                                               \
   }
-ATTN_WGMMA_ENTRY(64)
-ATTN_WGMMA_ENTRY(256)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1)
+// 128-key tiles at head dim 64 (the vision tower): half the per-tile bookkeeping per score, held to
+// 128 registers so that two blocks share an SM as attn_fwd_wgmma_64's do.
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2)
 
 #ifdef IMAJEV_WGMMA
 #define ATTN_WS_BODY(HDP) attn_fwd_ws<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);

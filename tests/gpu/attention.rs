@@ -79,6 +79,7 @@ pub fn hopper_cases(
     let label = match kernel {
         AttentionKernel::WarpSpecialized => "4B ws",
         AttentionKernel::Overlap => "4B ov",
+        AttentionKernel::WgmmaK128 => "4B wgmma-k128",
         _ => "4B wgmma",
     };
     if g.info().compute_capability != (9, 0) {

@@ -106,6 +106,29 @@ fn overlapped_attention_matches_cpu_and_wgmma_bitwise() {
     rep.finish("attention (ov)");
 }
 
+/// The warpgroup-MMA attention with 128-key tiles at head dim 64 (Hopper only): against the CPU,
+/// and bitwise against the warp-specialised kernel, whose tiles are the same size at both head
+/// dims (128 keys at 64, 64 at 256) and whose softmax and MMAs are the same operations in the same
+/// order.
+#[test]
+fn wgmma_k128_attention_matches_cpu_and_ws_bitwise() {
+    let Some(d) = gpu("attention (wgmma-k128)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(15));
+    rep.guard("attn", "attention (wgmma-k128)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::WgmmaK128)
+    });
+    rep.guard("attn", "attention (wgmma-k128 vs ws)", |rep| {
+        attention::same_bits(
+            &d.g,
+            rep,
+            &mut rng,
+            AttentionKernel::WarpSpecialized,
+            AttentionKernel::WgmmaK128,
+        )
+    });
+    rep.finish("attention (wgmma-k128)");
+}
+
 #[test]
 fn deltanet_matches_cpu_with_both_scans() {
     let Some(d) = gpu("deltanet") else { return };

@@ -25,6 +25,10 @@ pub enum AttentionKernel {
     Auto,
     /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
     Wgmma,
+    /// `attn_fwd_wgmma` with 128-key tiles at head dim 64 (`attn_fwd_wgmma_k128_64`: the vision
+    /// tower; the same bits as `WarpSpecialized`, whose tiles are 128 keys there too), 64-key tiles
+    /// (`Wgmma`) at 256. An option until measured against `Wgmma`.
+    WgmmaK128,
     /// `attn_fwd_wgmma_ov`: `attn_fwd_wgmma` with each tile's softmax overlapped with the previous
     /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
     /// runs: bench/NOTES.md), where the GPU and head dim allow it.
@@ -39,11 +43,12 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// From `IMAJEV_ATTENTION` (`auto`, `ov`, `ws`, `wgmma`, `q128`, `q64`).
+    /// From `IMAJEV_ATTENTION` (`auto`, `ov`, `ws`, `wgmma`, `wgmma-k128`, `q128`, `q64`).
     pub fn parse(v: &str) -> Option<Self> {
         Some(match v {
             "auto" => AttentionKernel::Auto,
             "wgmma" => AttentionKernel::Wgmma,
+            "wgmma-k128" => AttentionKernel::WgmmaK128,
             "ov" => AttentionKernel::Overlap,
             "ws" => AttentionKernel::WarpSpecialized,
             "q128" => AttentionKernel::Rows128,
@@ -215,7 +220,15 @@ impl CudaBackend {
             } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
-            } else if hopper && matches!(kernel, AttentionKernel::Auto | AttentionKernel::Wgmma) {
+            } else if hopper && kernel == AttentionKernel::WgmmaK128 && hdp == 64 {
+                let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes_tiles(hdp, 128));
+                self.launch("attn_fwd_wgmma_k128_64", cfg, &args(tp))?;
+            } else if hopper
+                && matches!(
+                    kernel,
+                    AttentionKernel::Auto | AttentionKernel::Wgmma | AttentionKernel::WgmmaK128
+                )
+            {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_{hdp}"), cfg, &args(tp))?;
             } else {

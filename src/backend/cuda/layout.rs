@@ -167,7 +167,12 @@ pub const fn attention_split_slot_floats(hdp: usize) -> usize {
 /// to align the swizzled tiles, a Q tile of 128 rows and double-buffered K and V tiles of 64 rows,
 /// unpadded (the 128-byte swizzle spreads the banks).
 pub const fn attention_wgmma_smem_bytes(hdp: usize) -> usize {
-    1024 + (128 + 4 * 64) * hdp * 2
+    attention_wgmma_smem_bytes_tiles(hdp, 64)
+}
+
+/// [`attention_wgmma_smem_bytes`] with key tiles of `bk` rows (`attn_fwd_wgmma_k128_64`: 128).
+pub const fn attention_wgmma_smem_bytes_tiles(hdp: usize, bk: usize) -> usize {
+    1024 + (128 + 4 * bk) * hdp * 2
 }
 
 /// Key tile and ring stages of `attn_fwd_ws_<hdp>` (`WsTiles` in kernels/attention.cu): 128 keys
@@ -355,6 +360,8 @@ mod tests {
         assert!(attention_q128_serves(256) && attention_q128_serves(64) && attention_q128_serves(120));
         assert_eq!(attention_wgmma_smem_bytes(256), 197_632);
         assert!(attention_wgmma_smem_bytes(256) + 1024 <= 228 * 1024);
+        // Two blocks of the 128-key head-dim-64 kernel per SM (each block also reserves 1 KB).
+        assert!(2 * (attention_wgmma_smem_bytes_tiles(64, 128) + 1024) <= 228 * 1024);
         assert_eq!(attention_ws_smem_bytes(64), 115_808);
         assert_eq!(attention_ws_smem_bytes(256), 197_696);
         assert!(attention_ws_smem_bytes(256) + 1024 <= 228 * 1024);
