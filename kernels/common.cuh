@@ -23,6 +23,14 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 // PyTorch's softplus (beta 1, threshold 20).
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+// GELU: tanh_mode 1 = gelu_pytorch_tanh, 0 = the exact erf GELU (elementwise gelu, gelu_quant_1x128).
+__device__ __forceinline__ float gelu_f(float v, int tanh_mode) {
+  if (tanh_mode) {
+    const float c = 0.7978845608028654f;  // sqrt(2/pi)
+    return 0.5f * v * (1.f + tanhf(c * (v + 0.044715f * v * v * v)));
+  }
+  return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

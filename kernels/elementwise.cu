@@ -87,16 +87,7 @@ extern "C" __global__ void swiglu(const bf16* gu, bf16* y, i64 n, int d) {
 
 // In place; tanh_mode 1 = gelu_pytorch_tanh, 0 = exact erf GELU.
 extern "C" __global__ void gelu(bf16* x, i64 n, int tanh_mode) {
-  FOR_EACH(i, n) {
-    float v = bf(x[i]), r;
-    if (tanh_mode) {
-      const float c = 0.7978845608028654f;  // sqrt(2/pi)
-      r = 0.5f * v * (1.f + tanhf(c * (v + 0.044715f * v * v * v)));
-    } else {
-      r = 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
-    }
-    x[i] = to_bf(r);
-  }
+  FOR_EACH(i, n) x[i] = to_bf(gelu_f(bf(x[i]), tanh_mode));
 }
 
 // Readout head in f32: y[i, r] = h[i] . w[r] (h bf16 widened to f32, w f32). One warp per output;

@@ -1,6 +1,6 @@
 // Row norms, f32 inside, one bf16 rounding at the output.
 // Rust binding: src/backend/cuda/norm.rs. CPU twins: cpu::norm::{rms_norm, layer_norm,
-// rms_norm_gated} (src/backend/cpu/norm.rs).
+// rms_norm_gated} (src/backend/cpu/norm.rs); the add_ variants: add_assign, then the norm.
 //
 // The *_quant variants also write the per-token 1×128 FP8 quantisation of the bf16 rows they
 // store, for an FP8 projection that reads them: q [Mpad, d·heads] and scales [K/128][Mpad] exactly
@@ -118,18 +118,107 @@ extern "C" __global__ void add_rms_norm_quant(bf16* x, const bf16* y, const floa
   rms_out_quant(xr, w, r, offset, out + (i64)m * d, q + (i64)m * d, s, m, Mpad, d);
 }
 
-// One block per row: nn.LayerNorm with bias (biased variance, two passes).
+// LayerNorm (nn.LayerNorm with bias, biased variance, two passes) of a row of length d, one block
+// per row: thread t sums columns t, t + blockDim.x, ... in order, then block_sum, for the mean and
+// then for the variance. layer_norm, layer_norm_quant and the add_ variants share these helpers
+// and the block size, so all give the same mean, 1/std and outputs.
+__device__ __forceinline__ float ln_var_rsqrt(const bf16* xr, int d, float mean, float eps, float* sh) {
+  float v = 0.f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) { float t = bf(xr[c]) - mean; v += t * t; }
+  return rsqrtf(block_sum(v, sh) / d + eps);
+}
+__device__ __forceinline__ void ln_stats(const bf16* xr, int d, float eps, float* sh, float& mean, float& r) {
+  float s = 0.f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) s += bf(xr[c]);
+  mean = block_sum(s, sh) / d;
+  r = ln_var_rsqrt(xr, d, mean, eps, sh);
+}
+// The add_ variants' first pass: xr[c] = bf16(xr[c] + yr[c]) exactly as add_bf16, summing the
+// stored (rounded) values in ln_stats' order; the variance pass re-reads only this thread's columns.
+__device__ __forceinline__ void add_ln_stats(bf16* xr, const bf16* yr, int d, float eps, float* sh, float& mean,
+                                             float& r) {
+  float s = 0.f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    bf16 v = to_bf(bf(xr[c]) + bf(yr[c]));
+    xr[c] = v;
+    s += bf(v);
+  }
+  mean = block_sum(s, sh) / d;
+  r = ln_var_rsqrt(xr, d, mean, eps, sh);
+}
+__device__ __forceinline__ bf16 ln_out(bf16 x, float mean, float r, float w, float b) {
+  return to_bf((bf(x) - mean) * r * w + b);
+}
+// The output pass of the quantising LayerNorms (d % 128 == 0), in rms_out_quant's layout.
+__device__ __forceinline__ void ln_out_quant(const bf16* xr, const float* w, const float* b, float mean, float r,
+                                             bf16* yr, unsigned char* qr, float* s, int m, int Mpad, int d) {
+  int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  for (int kb = threadIdx.x >> 5; kb < d / 128; kb += nw) {
+    int c0 = kb * 128 + lane * 4;
+    float v[4];
+    for (int j = 0; j < 4; j++) {
+      bf16 h = ln_out(xr[c0 + j], mean, r, w[c0 + j], b[c0 + j]);
+      yr[c0 + j] = h;
+      v[j] = bf(h);
+    }
+    quant_block_1x128(v, qr + c0, 1, s + (i64)kb * Mpad + m);
+  }
+}
+
+// One block per row: y = LayerNorm(x) · w + b.
 extern "C" __global__ void layer_norm(const bf16* x, const float* w, const float* b, bf16* y, int d, float eps) {
   __shared__ float sh[32];
   const bf16* xr = x + (i64)blockIdx.x * d;
   bf16* yr = y + (i64)blockIdx.x * d;
-  float s = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) s += bf(xr[c]);
-  float mean = block_sum(s, sh) / d;
-  float v = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) { float t = bf(xr[c]) - mean; v += t * t; }
-  float r = rsqrtf(block_sum(v, sh) / d + eps);
-  for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = to_bf((bf(xr[c]) - mean) * r * w[c] + b[c]);
+  float mean, r;
+  ln_stats(xr, d, eps, sh, mean, r);
+  for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = ln_out(xr[c], mean, r, w[c], b[c]);
+}
+
+// layer_norm fused with quant_act_1x128 of its output (d % 128 == 0; grid Mpad blocks as
+// rms_norm_quant). CPU twin: cpu::norm::layer_norm then weights::fp8::quantize_act_1x128.
+extern "C" __global__ void layer_norm_quant(const bf16* x, const float* w, const float* b, bf16* y, unsigned char* q,
+                                            float* s, int M, int Mpad, int d, float eps) {
+  __shared__ float sh[32];
+  int m = blockIdx.x;
+  if (m >= M) {
+    quant_pad_row(q + (i64)m * d, s, m, Mpad, d);
+    return;
+  }
+  const bf16* xr = x + (i64)m * d;
+  float mean, r;
+  ln_stats(xr, d, eps, sh, mean, r);
+  ln_out_quant(xr, w, b, mean, r, y + (i64)m * d, q + (i64)m * d, s, m, Mpad, d);
+}
+
+// The residual add fused with the next LayerNorm (the vision tower's blocks): x = bf16(x + y)
+// exactly as add_bf16, then out = layer_norm(x) exactly as layer_norm on that rounded x.
+// CPU twin: add_assign then cpu::norm::layer_norm.
+extern "C" __global__ void add_layer_norm(bf16* x, const bf16* y, const float* w, const float* b, bf16* out, int d,
+                                          float eps) {
+  __shared__ float sh[32];
+  bf16* xr = x + (i64)blockIdx.x * d;
+  bf16* orow = out + (i64)blockIdx.x * d;
+  float mean, r;
+  add_ln_stats(xr, y + (i64)blockIdx.x * d, d, eps, sh, mean, r);
+  for (int c = threadIdx.x; c < d; c += blockDim.x) orow[c] = ln_out(xr[c], mean, r, w[c], b[c]);
+}
+
+// add_layer_norm fused with quant_act_1x128 of out (d % 128 == 0; grid Mpad blocks). The output
+// pass reads x columns other threads stored: block_sum's __syncthreads orders those writes first.
+// CPU twin: add_assign, cpu::norm::layer_norm, then weights::fp8::quantize_act_1x128.
+extern "C" __global__ void add_layer_norm_quant(bf16* x, const bf16* y, const float* w, const float* b, bf16* out,
+                                                unsigned char* q, float* s, int M, int Mpad, int d, float eps) {
+  __shared__ float sh[32];
+  int m = blockIdx.x;
+  if (m >= M) {
+    quant_pad_row(q + (i64)m * d, s, m, Mpad, d);
+    return;
+  }
+  bf16* xr = x + (i64)m * d;
+  float mean, r;
+  add_ln_stats(xr, y + (i64)m * d, d, eps, sh, mean, r);
+  ln_out_quant(xr, w, b, mean, r, out + (i64)m * d, q + (i64)m * d, s, m, Mpad, d);
 }
 
 // 1 / rms of one gated-norm row (one warp): lane l sums the squares of columns l, l + 32, ... in

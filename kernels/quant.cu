@@ -16,28 +16,46 @@ extern "C" __global__ void quant_act_1x128(const bf16* x, unsigned char* q, floa
   quant_block_1x128(v, q + (i64)m * K + kb * 128 + lane * 4, 1, s + (i64)kb * Mpad + m);
 }
 
-// SwiGLU fused with quant_act_1x128 (the MLP's down projection input). gu is [M, 2K] ([gate | up]
-// per row). Writes y[m, c] = bf16(silu(gate) * up) exactly as the swiglu kernel, and q / s exactly
-// as quant_act_1x128 would from that y (same warp layout and reductions; rows m >= M are zero with
-// scale 1). CPU twin: cpu::elementwise::swiglu then weights::fp8::quantize_act_1x128.
-// One warp per (row, 128-block) of [Mpad, K], 4 values per lane; grid-stride over warps.
-extern "C" __global__ void swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M,
-                                              int Mpad, int K) {
+// The warp loop of the fused quantisers below: one warp per (row, 128-block) of [Mpad, K], 4
+// values per lane, grid-stride over warps; value(m, c) computes and stores the bf16 output of row
+// m < M, column c, and returns it; rows m >= M quantise zeros (scale 1), as quant_act_1x128.
+template <class Value>
+__device__ __forceinline__ void quant_rows_1x128(unsigned char* q, float* s, int M, int Mpad, int K, Value value) {
   int lane = threadIdx.x & 31, KB = K / 128;
   i64 nwarps = (i64)Mpad * KB, stride = ((i64)gridDim.x * blockDim.x) >> 5;
   for (i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; warp < nwarps; warp += stride) {
     int m = (int)(warp / KB), kb = (int)(warp % KB);
     int c0 = kb * 128 + lane * 4;
     float v[4];
-    for (int j = 0; j < 4; j++) {
-      v[j] = 0.f;
-      if (m < M) {
-        const bf16* row = gu + (i64)m * 2 * K;
-        bf16 h = to_bf(silu_f(bf(row[c0 + j])) * bf(row[K + c0 + j]));
-        y[(i64)m * K + c0 + j] = h;
-        v[j] = bf(h);
-      }
-    }
+    for (int j = 0; j < 4; j++) v[j] = m < M ? value(m, c0 + j) : 0.f;
     quant_block_1x128(v, q + (i64)m * K + c0, 1, s + (i64)kb * Mpad + m);
   }
+}
+
+// SwiGLU fused with quant_act_1x128 (the MLP's down projection input). gu is [M, 2K] ([gate | up]
+// per row). Writes y[m, c] = bf16(silu(gate) * up) exactly as the swiglu kernel, and q / s exactly
+// as quant_act_1x128 would from that y (same warp layout and reductions; rows m >= M are zero with
+// scale 1). CPU twin: cpu::elementwise::swiglu then weights::fp8::quantize_act_1x128.
+extern "C" __global__ void swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M,
+                                              int Mpad, int K) {
+  quant_rows_1x128(q, s, M, Mpad, K, [=](int m, int c) {
+    const bf16* row = gu + (i64)m * 2 * K;
+    bf16 h = to_bf(silu_f(bf(row[c])) * bf(row[K + c]));
+    y[(i64)m * K + c] = h;
+    return bf(h);
+  });
+}
+
+// GELU in place fused with quant_act_1x128 of its output (the vision MLPs' fc2 input). x is
+// [M, K]; writes x[m, c] = bf16(gelu(x[m, c])) exactly as the gelu kernel, and q / s exactly as
+// quant_act_1x128 would from that x. CPU twin: cpu::elementwise::gelu then
+// weights::fp8::quantize_act_1x128.
+extern "C" __global__ void gelu_quant_1x128(bf16* x, unsigned char* q, float* s, int M, int Mpad, int K,
+                                            int tanh_mode) {
+  quant_rows_1x128(q, s, M, Mpad, K, [=](int m, int c) {
+    bf16* e = x + (i64)m * K + c;
+    bf16 h = to_bf(gelu_f(bf(*e), tanh_mode));
+    *e = h;
+    return bf(h);
+  });
 }

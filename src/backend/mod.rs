@@ -322,6 +322,20 @@ pub trait Backend: Send + Sync + 'static {
         self.add_assign(x, y)?;
         self.rms_norm(x, w, eps, offset)
     }
+    /// The residual add and the next LayerNorm (the vision blocks): `x += y` (exactly
+    /// `add_assign`), then returns `layer_norm(x, w, b, eps)` of the updated `x`. Backends may
+    /// fuse the two (CUDA: one kernel that normalises the BF16-rounded sum it stores).
+    fn add_layer_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Tensor,
+        b: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.layer_norm(x, w, b, eps)
+    }
     /// `[n, 2m]` → `silu(x[:, :m]) · x[:, m:]`.
     fn swiglu(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `matmul(swiglu(gate_up), w)` (the MLP's down projection). Backends may fuse the SwiGLU
@@ -330,6 +344,12 @@ pub trait Backend: Send + Sync + 'static {
         self.matmul(&self.swiglu(gate_up)?, w)
     }
     fn gelu(&self, x: &mut Self::Tensor, kind: Gelu) -> Result<()>;
+    /// `gelu(x)` in place, then `matmul(x, w)` (the vision MLPs' second projection). Backends may
+    /// fuse the GELU with the activation quantisation of an FP8 projection.
+    fn gelu_matmul(&self, x: &mut Self::Tensor, kind: Gelu, w: &Self::Linear) -> Result<Self::Tensor> {
+        self.gelu(x, kind)?;
+        self.matmul(x, w)
+    }
     /// `h · Wᵀ` in f32 for an f32 `[rows, d]` weight; returns `[n, rows]` on the host.
     fn readout(&self, h: &Self::Tensor, w: &Self::Tensor) -> Result<Vec<f32>>;
 

@@ -580,26 +580,30 @@ impl<B: Backend> Qwen35<B> {
         let (cos, sin) = positions::vision_rope_tables(&coords, vc.head_dim(), vc.rope_theta());
         let cos = b.upload(&cos, &[row, vc.head_dim()])?;
         let sin = b.upload(&sin, &[row, vc.head_dim()])?;
-        for blk in &vt.blocks {
+        // Each residual add is fused with the LayerNorm that follows it: the block's second norm,
+        // and the next block's first (after the last block, the merger's), so `h` enters every
+        // block already normalised. The same ops in the same order as add, then norm.
+        let norm1 = |i: usize| match vt.blocks.get(i) {
+            Some(blk) => (&blk.norm1.0, &blk.norm1.1),
+            None => (&vt.merger_norm.0, &vt.merger_norm.1),
+        };
+        let mut h = b.layer_norm(&x, norm1(0).0, norm1(0).1, 1e-6)?;
+        for (i, blk) in vt.blocks.iter().enumerate() {
             if stop() {
                 return Ok(None);
             }
-            let h = b.layer_norm(&x, &blk.norm1.0, &blk.norm1.1, 1e-6)?;
             let qkv = b.matmul(&h, &blk.qkv)?;
             let a = b.vision_attention(&qkv, &cos, &sin, vc.num_heads, &segments)?;
             let a = b.matmul(&a, &blk.proj)?;
-            b.add_assign(&mut x, &a)?;
-            let h = b.layer_norm(&x, &blk.norm2.0, &blk.norm2.1, 1e-6)?;
-            let mut h = b.matmul(&h, &blk.fc1)?;
-            b.gelu(&mut h, vt.act)?;
-            let h = b.matmul(&h, &blk.fc2)?;
-            b.add_assign(&mut x, &h)?;
+            let h2 = b.add_layer_norm(&mut x, &a, &blk.norm2.0, &blk.norm2.1, 1e-6)?;
+            let mut f = b.matmul(&h2, &blk.fc1)?;
+            let f = b.gelu_matmul(&mut f, vt.act, &blk.fc2)?;
+            let (w, bias) = norm1(i + 1);
+            h = b.add_layer_norm(&mut x, &f, w, bias, 1e-6)?;
         }
-        let h = b.layer_norm(&x, &vt.merger_norm.0, &vt.merger_norm.1, 1e-6)?;
         let h = b.reshape(h, &[row / (merge * merge), merge * merge * vc.hidden_size])?;
         let mut h = b.matmul(&h, &vt.merger_fc1)?;
-        b.gelu(&mut h, Gelu::Erf)?;
-        let merged = b.matmul(&h, &vt.merger_fc2)?;
+        let merged = b.gelu_matmul(&mut h, Gelu::Erf, &vt.merger_fc2)?;
         per_image
             .into_iter()
             .map(|r| b.gather_rows(&merged, &r.collect::<Vec<_>>()))

@@ -33,6 +33,16 @@ pub fn row_norms(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Sp
         &c.layer_norm(&x2c, &c.param(&lw.r())?, &c.param(&lb.r())?, 1e-6)?.data,
     );
     rep.check(p, "layer_norm [420, 1024]", e, 1e-2);
+    // Residual add fused with the next LayerNorm (the vision blocks) against the CPU's add + norm,
+    // the updated x too.
+    let y2 = rng.bf16_normals(m2 * d2, 1.0);
+    let (mut xg2, mut xc2) = (g.upload(&x2, &[m2, d2])?, c.upload(&x2, &[m2, d2])?);
+    let hg =
+        g.add_layer_norm(&mut xg2, &g.upload(&y2, &[m2, d2])?, &g.param(&lw.r())?, &g.param(&lb.r())?, 1e-6)?;
+    let hc =
+        c.add_layer_norm(&mut xc2, &c.upload(&y2, &[m2, d2])?, &c.param(&lw.r())?, &c.param(&lb.r())?, 1e-6)?;
+    rep.check(p, "add_layer_norm [420, 1024]: norm vs CPU", rel(&g.download(&hg)?, &hc.data), 1e-2);
+    rep.check(p, "add_layer_norm [420, 1024]: updated x vs CPU", rel(&g.download(&xg2)?, &xc2.data), 1e-2);
     // Residual add fused with the next RMSNorm: vs the CPU add + norm, and bitwise vs the
     // GPU's own add_assign + rms_norm (same rounding, same reduction order).
     for (rows, d, off) in [(300usize, 2560usize, 1.0f32), (37, 1000, 0.0)] {
@@ -203,6 +213,55 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
         if d == 2560 {
             gemm_same(rep, &format!("{name} → fp8"), &hg, &lg, m)?;
         }
+        // LayerNorm (the vision tower's norms), plain and with the residual add, the same way.
+        let bias = MemoryTensor::f32("norm.bias", &[d], &rng.bf16_normals(d, 0.1));
+        let (bg, bu) = (g.param(&bias.r())?, u.param(&bias.r())?);
+        let name = format!("layer_norm_quant [{m}, {d}]");
+        let hg = g.layer_norm(&g.upload(&x, &[m, d])?, &wg, &bg, 1e-6)?;
+        let hu = u.layer_norm(&u.upload(&x, &[m, d])?, &wu, &bu, 1e-6)?;
+        same_norm_quant(g, &u, rep, &name, &hg, &hu)?;
+        if d == 2560 {
+            gemm_same(rep, &format!("{name} → fp8"), &hg, &lg, m)?;
+        }
+        let name = format!("add_layer_norm_quant [{m}, {d}]");
+        let (mut xg, mut xu, mut xf) =
+            (g.upload(&x, &[m, d])?, u.upload(&x, &[m, d])?, u.upload(&x, &[m, d])?);
+        let hg = g.add_layer_norm(&mut xg, &g.upload(&y, &[m, d])?, &wg, &bg, 1e-6)?;
+        // The reference is the unfused pair; u's own add_layer_norm (the fused kernel without the
+        // quantisation) must equal it too.
+        u.add_assign(&mut xu, &u.upload(&y, &[m, d])?)?;
+        let hu = u.layer_norm(&xu, &wu, &bu, 1e-6)?;
+        let hf = u.add_layer_norm(&mut xf, &u.upload(&y, &[m, d])?, &wu, &bu, 1e-6)?;
+        same_norm_quant(g, &u, rep, &name, &hg, &hu)?;
+        let (xg, xu, xf, hu, hf) =
+            (g.download(&xg)?, u.download(&xu)?, u.download(&xf)?, u.download(&hu)?, u.download(&hf)?);
+        rep.check(
+            p,
+            format!("{name}: updated x ≠ add_assign's; add_layer_norm without quantisation ≠ add + norm (bitwise count)"),
+            (bit_diff(&xg, &xu) + bit_diff(&xf, &xu) + bit_diff(&hf, &hu)) as f64,
+            0.0,
+        );
+    }
+    // GELU fused with the FP8 quantisation of the next projection (gelu_quant_1x128: the vision
+    // MLPs' fc2 and the merger's) against gelu, then the projection quantising on its own: the
+    // GELU output and the projection's output bitwise.
+    let k = 4096;
+    let wf = MemoryTensor::fp8("fc2.weight", &[256, k], &rng.bf16_normals(256 * k, 0.02));
+    let (lfg, lfu) = (g.linear(&[part(&wf)])?, u.linear(&[part(&wf)])?);
+    for (m, kind) in [(1usize, Gelu::Tanh), (16, Gelu::Erf), (37, Gelu::Tanh), (300, Gelu::Erf)] {
+        let x = input(rng, m, k);
+        let (mut tg, mut tu) = (g.upload(&x, &[m, k])?, u.upload(&x, &[m, k])?);
+        let yg = g.gelu_matmul(&mut tg, kind, &lfg)?;
+        u.gelu(&mut tu, kind)?;
+        let yu = u.matmul(&tu, &lfu)?;
+        let (dg, dy) =
+            (bit_diff(&g.download(&tg)?, &u.download(&tu)?), bit_diff(&g.download(&yg)?, &u.download(&yu)?));
+        rep.check(
+            p,
+            format!("gelu_quant_1x128 [{m}, {k}] {kind:?} → fp8: gelu output, projection ≠ unfused (bitwise count)"),
+            (dg + dy) as f64,
+            0.0,
+        );
     }
     // Widths that are not whole 128-blocks, and norms over part of a row, attach nothing.
     let x = rng.bf16_normals(7 * 1000, 1.0);

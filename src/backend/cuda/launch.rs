@@ -69,6 +69,9 @@ pub const KERNELS: &[KernelFile] = &[
             k("add_rms_norm"),
             k("add_rms_norm_quant"),
             k("layer_norm"),
+            k("layer_norm_quant"),
+            k("add_layer_norm"),
+            k("add_layer_norm_quant"),
             k("rms_norm_gated"),
             k("rms_norm_gated_quant"),
         ],
@@ -76,7 +79,7 @@ pub const KERNELS: &[KernelFile] = &[
     KernelFile {
         name: "quant",
         source: include_str!("../../../kernels/quant.cu"),
-        functions: &[k("quant_act_1x128"), k("swiglu_quant_1x128")],
+        functions: &[k("quant_act_1x128"), k("swiglu_quant_1x128"), k("gelu_quant_1x128")],
     },
     KernelFile {
         name: "attention",

@@ -14,9 +14,10 @@
 //!   is an f32 GEMM. Vectors (norm weights, biases, `A_log`, `dt_bias`) are kept in f32, other
 //!   parameters in BF16.
 //! * Fusions behind the same [`Backend`] calls (each kernel's CPU twin is the unfused ops composed):
-//!   residual add + RMSNorm (`add_rms_norm`); SwiGLU + the FP8 activation quantisation of the down
-//!   projection (`swiglu_quant_1x128`); and the row norms feeding FP8 projections (`rms_norm`,
-//!   `add_rms_norm`, the DeltaNet `rms_norm_gated` with 128-wide heads) write the 1×128 FP8
+//!   residual add with RMSNorm (`add_rms_norm`) and with LayerNorm (`add_layer_norm`); SwiGLU and
+//!   GELU with the FP8 activation quantisation of the next projection (`swiglu_quant_1x128`,
+//!   `gelu_quant_1x128`); and the row norms feeding FP8 projections (`rms_norm`, `add_rms_norm`,
+//!   `layer_norm`, `add_layer_norm`, the DeltaNet `rms_norm_gated` with 128-wide heads) write the 1×128 FP8
 //!   quantisation of their output beside it (`*_quant` kernels, bit-identical to
 //!   `quant_act_1x128` on that output). That quantisation travels with the tensor
 //!   ([`CudaTensor`]'s attachment, dropped by any in-place change), and `matmul` uses it instead
@@ -442,6 +443,17 @@ impl Backend for CudaBackend {
         norm::add_rms_norm(self, x, y, w, eps, offset)
     }
 
+    fn add_layer_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaTensor,
+        b: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        norm::add_layer_norm(self, x, y, w, b, eps)
+    }
+
     fn swiglu(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
         elementwise::swiglu(self, gate_up)
     }
@@ -452,6 +464,10 @@ impl Backend for CudaBackend {
 
     fn gelu(&self, x: &mut CudaTensor, kind: Gelu) -> Result<()> {
         elementwise::gelu(self, x, kind)
+    }
+
+    fn gelu_matmul(&self, x: &mut CudaTensor, kind: Gelu, w: &CudaLinear) -> Result<CudaTensor> {
+        quant::gelu_matmul(self, x, kind, w)
     }
 
     fn readout(&self, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {

@@ -1,4 +1,4 @@
-//! Row norms: RMSNorm (plain, and fused with the residual add), LayerNorm, and the DeltaNet's
+//! Row norms: RMSNorm and LayerNorm (plain, and fused with the residual add), and the DeltaNet's
 //! gated RMSNorm. Kernels: kernels/norm.cu; CPU twins: src/backend/cpu/norm.rs. When FP8
 //! projections are loaded, the norms feeding them also write the 1×128 FP8 quantisation of their
 //! output (the `*_quant` kernels), attached to the tensor they return.
@@ -36,31 +36,87 @@ impl CudaBackend {
         eps: f32,
         offset: f32,
     ) -> Result<Option<ActFp8>> {
-        if rows == 0 {
-            return Ok(None);
-        }
         let name = if residual.is_some() { "add_rms_norm" } else { "rms_norm" };
         // add_rms_norm's first argument is the residual it updates, then the addend.
         let mut args: Vec<Arg> = residual.into_iter().map(Arg::Ptr).collect();
         args.extend([Arg::Ptr(x), Arg::Ptr(self.p(w)), Arg::Ptr(self.p(out))]);
-        let fused = cols == d && self.fuse_act_quant(d);
-        let (fp8, blocks) = if fused {
-            let a = self.alloc_act_fp8(rows, d)?;
-            args.extend([
-                Arg::Ptr(self.p(&a.q)),
-                Arg::Ptr(self.p(&a.s)),
-                Arg::I32(rows as i32),
-                Arg::I32(a.mpad as i32),
-            ]);
-            let blocks = a.mpad;
-            (Some(a), blocks)
-        } else {
-            (None, rows)
-        };
-        args.extend([Arg::I32(d as i32), Arg::F32(eps), Arg::F32(offset)]);
-        let name = if fused { format!("{name}_quant") } else { name.to_string() };
+        self.launch_row_norm(
+            name,
+            args,
+            &[Arg::I32(d as i32), Arg::F32(eps), Arg::F32(offset)],
+            rows,
+            cols,
+            d,
+        )
+    }
+
+    /// The LayerNorm launches of `layer_norm` and `add_layer_norm`, as [`Self::row_norm`] for
+    /// RMSNorm: one block per row with `layer_norm`'s block size, the `_quant` kernel when the
+    /// output feeds FP8 projections.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_row_norm(
+        &self,
+        x: u64,
+        residual: Option<u64>,
+        w: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        out: &CudaSlice<bf16>,
+        rows: usize,
+        cols: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<Option<ActFp8>> {
+        let name = if residual.is_some() { "add_layer_norm" } else { "layer_norm" };
+        let mut args: Vec<Arg> = residual.into_iter().map(Arg::Ptr).collect();
+        args.extend([Arg::Ptr(x), Arg::Ptr(self.p(w)), Arg::Ptr(self.p(b)), Arg::Ptr(self.p(out))]);
+        self.launch_row_norm(name, args, &[Arg::I32(d as i32), Arg::F32(eps)], rows, cols, d)
+    }
+
+    /// One row-norm launch (`base`, or `base_quant` when [`Self::norm_quant_args`] attaches the
+    /// quantisation): the kernel's leading arguments `args`, the quantisation's, then `tail`; one
+    /// block per row (or padded row) of `norm_block(d)` threads.
+    fn launch_row_norm(
+        &self,
+        base: &str,
+        mut args: Vec<Arg>,
+        tail: &[Arg],
+        rows: usize,
+        cols: usize,
+        d: usize,
+    ) -> Result<Option<ActFp8>> {
+        if rows == 0 {
+            return Ok(None);
+        }
+        let (fp8, blocks) = self.norm_quant_args(rows, cols, d, &mut args)?;
+        args.extend_from_slice(tail);
+        let name = if fp8.is_some() { format!("{base}_quant") } else { base.to_string() };
         self.launch(&name, launch_config((blocks as u32, 1, 1), norm_block(d), 0), &args)?;
         Ok(fp8)
+    }
+
+    /// The quantisation a `*_quant` row norm writes beside its output: when the rows are the
+    /// tensor's rows (`cols == d`) and FP8 projections are loaded, allocates it, appends its
+    /// arguments (codes, scales, M, Mpad) and returns it with the grid (Mpad blocks: the kernel
+    /// writes the padding rows); else nothing and `rows` blocks.
+    fn norm_quant_args(
+        &self,
+        rows: usize,
+        cols: usize,
+        d: usize,
+        args: &mut Vec<Arg>,
+    ) -> Result<(Option<ActFp8>, usize)> {
+        if cols != d || !self.fuse_act_quant(d) {
+            return Ok((None, rows));
+        }
+        let a = self.alloc_act_fp8(rows, d)?;
+        args.extend([
+            Arg::Ptr(self.p(&a.q)),
+            Arg::Ptr(self.p(&a.s)),
+            Arg::I32(rows as i32),
+            Arg::I32(a.mpad as i32),
+        ]);
+        let blocks = a.mpad;
+        Ok((Some(a), blocks))
     }
 
     /// The DeltaNet output norm: `rms_norm_gated` of the f32 delta-rule output `core`
@@ -164,20 +220,31 @@ pub(super) fn layer_norm(
     let rows = x.numel() / d;
     let (xs, ws, bs) = (be.bf16_of(x)?, be.f32_of(w)?, be.f32_of(b)?);
     let y = be.alloc_bf16(rows * d)?;
-    if rows > 0 {
-        let block = norm_block(d);
-        be.launch(
-            "layer_norm",
-            launch_config((rows as u32, 1, 1), block, 0),
-            &[
-                Arg::Ptr(be.p(xs.s())),
-                Arg::Ptr(be.p(ws.s())),
-                Arg::Ptr(be.p(bs.s())),
-                Arg::Ptr(be.p(&y)),
-                Arg::I32(d as i32),
-                Arg::F32(eps),
-            ],
-        )?;
-    }
-    Ok(be.bf16_tensor(y, &x.shape))
+    let fp8 = be.layer_row_norm(be.p(xs.s()), None, ws.s(), bs.s(), &y, rows, x.rows_cols().1, d, eps)?;
+    let mut t = be.bf16_tensor(y, &x.shape);
+    t.fp8 = fp8;
+    Ok(t)
+}
+
+/// `Backend::add_layer_norm` (the trait documents the contract).
+pub(super) fn add_layer_norm(
+    be: &CudaBackend,
+    x: &mut CudaTensor,
+    y: &CudaTensor,
+    w: &CudaTensor,
+    b: &CudaTensor,
+    eps: f32,
+) -> Result<CudaTensor> {
+    ensure!(x.numel() == y.numel(), "add: shapes {:?} and {:?}", x.shape, y.shape);
+    let d = w.numel();
+    ensure!(b.numel() == d && d > 0 && x.numel() % d == 0, "layer_norm shapes");
+    let rows = x.numel() / d;
+    let (shape, cols) = (x.shape.clone(), x.rows_cols().1);
+    let xb = be.bf16_for_update(x)?;
+    let (ys, ws, bs) = (be.bf16_of(y)?, be.f32_of(w)?, be.f32_of(b)?);
+    let out = be.alloc_bf16(rows * d)?;
+    let fp8 = be.layer_row_norm(be.p(ys.s()), Some(be.p(xb)), ws.s(), bs.s(), &out, rows, cols, d, eps)?;
+    let mut t = be.bf16_tensor(out, &shape);
+    t.fp8 = fp8;
+    Ok(t)
 }

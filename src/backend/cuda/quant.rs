@@ -1,6 +1,7 @@
 //! Per-token 1×128 FP8 activations for the FP8 projections: `quant_act_1x128` (kernels/quant.cu)
-//! when no fused kernel attached them, SwiGLU fused with that quantisation for the MLP's down
-//! projection (`swiglu_quant_1x128`), and whether the row norms attach it. CPU twin:
+//! when no fused kernel attached them, SwiGLU and GELU fused with that quantisation for the MLPs'
+//! second projections (`swiglu_quant_1x128`, `gelu_quant_1x128`), and whether the row norms
+//! attach it. CPU twin:
 //! [`crate::weights::fp8::quantize_act_1x128`] (the fused kernels: their plain op's twin, then
 //! that quantiser).
 
@@ -8,6 +9,7 @@ use super::launch::{grid1, launch_config, Arg};
 use super::linear::CudaLinear;
 use super::tensor::{ActFp8, CudaTensor};
 use super::{elementwise, linear, CudaBackend};
+use crate::backend::Gelu;
 use crate::weights::fp8::FP8_BLOCK;
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
@@ -61,6 +63,40 @@ impl CudaBackend {
         )?;
         Ok(a)
     }
+}
+
+/// `Backend::gelu_matmul` (the trait documents the contract): with an FP8 projection, GELU in
+/// place fused with the quantisation the projection reads (`gelu_quant_1x128`).
+pub(super) fn gelu_matmul(
+    be: &CudaBackend,
+    x: &mut CudaTensor,
+    kind: Gelu,
+    w: &CudaLinear,
+) -> Result<CudaTensor> {
+    let (m, k) = x.rows_cols();
+    if k != w.in_dim || !w.has_fp8() || m == 0 || k % FP8_BLOCK != 0 {
+        elementwise::gelu(be, x, kind)?;
+        return linear::matmul(be, x, w);
+    }
+    let xs = be.p(be.bf16_for_update(x)?);
+    // The kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
+    let a = be.alloc_act_fp8(m, k)?;
+    let warps = a.mpad * (k / FP8_BLOCK);
+    be.launch(
+        "gelu_quant_1x128",
+        launch_config((grid1(warps * 32, 256), 1, 1), 256, 0),
+        &[
+            Arg::Ptr(xs),
+            Arg::Ptr(be.p(&a.q)),
+            Arg::Ptr(be.p(&a.s)),
+            Arg::I32(m as i32),
+            Arg::I32(a.mpad as i32),
+            Arg::I32(k as i32),
+            Arg::I32((kind == Gelu::Tanh) as i32),
+        ],
+    )?;
+    let y = be.matmul_quantised(be.bf16_for_update(x)?, Some(&a), m, k, w)?;
+    Ok(y)
 }
 
 /// `Backend::swiglu_matmul` (the trait documents the contract).
