@@ -1000,6 +1000,48 @@ __device__ __forceinline__ bool wgmma_block(WgmmaBlock& b, const i64* segs, int 
   return true;
 }
 
+// The key tiles kt0..ntiles of one block of attn_fwd_wgmma (and attn_fwd_wgmma_split, over one key
+// range): tile kt0 (and Q) already in flight into buffer 0; per tile: wait for it, start the next
+// tile's copies into the other buffer, S = Q K^T, the online softmax, O += P V. Updates this
+// thread's O accumulators and its two rows' running max and sum.
+template <int HDP, int BQ, int BK, int NO>
+__device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv, const WgmmaDescs<HDP, BK>& desc,
+                                                int kt0, int ntiles, int clean, int kvlen, int causal, int offset,
+                                                int qi0, int qi1, int tg, float scale_log2, int hd, float (&o)[NO],
+                                                float& m0, float& m1, float& l0, float& l1) {
+  for (int kt = kt0; kt < ntiles; kt++) {
+    cp_async_wait_all_groups();
+    fence_proxy_async();
+    __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
+    const int buf = (kt - kt0) & 1;
+    if (kt + 1 < ntiles) {
+      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+      kv.issue_both(nb, j0, kvlen - j0, hd);
+    }
+    cp_async_commit();
+
+    // S = Q K^T (64 rows x BK keys per warpgroup).
+    float s[BK / 2];
+    wgmma_fence();
+    wgmma_qk_tile<HDP, BQ>(s, desc.q, desc.k(buf));
+    wgmma_commit();
+    wgmma_wait0();
+
+    const bool masked = (kt + 1) * BK > clean;
+    float c0, c1;
+    wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
+    wgmma_rescale_o(o, c0, c1);
+    // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
+    // fence, so no register the MMAs read changes between them).
+    unsigned pa[BK / 16][4];
+    wgmma_pack_p(s, pa);
+    wgmma_fence();
+    wgmma_pv_tile<HDP>(o, pa, desc.v(buf));
+    wgmma_commit();
+    wgmma_wait0();
+  }
+}
+
 template <int HDP, int BK>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
@@ -1032,37 +1074,8 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
   const WgmmaDescs<HDP, BK> desc(Qs + wg * 64 * 128, Ks, Vs);
 
-  for (int kt = 0; kt < ntiles; kt++) {
-    cp_async_wait_all_groups();
-    fence_proxy_async();
-    __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
-    const int buf = kt & 1;
-    if (kt + 1 < ntiles) {
-      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      kv.issue_both(nb, j0, kvlen - j0, hd);
-    }
-    cp_async_commit();
-
-    // S = Q K^T (64 rows x BK keys per warpgroup).
-    float s[BK / 2];
-    wgmma_fence();
-    wgmma_qk_tile<HDP, BQ>(s, desc.q, desc.k(buf));
-    wgmma_commit();
-    wgmma_wait0();
-
-    const bool masked = (kt + 1) * BK > clean;
-    float c0, c1;
-    wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
-    wgmma_rescale_o(o, c0, c1);
-    // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
-    // fence, so no register the MMAs read changes between them).
-    unsigned pa[BK / 16][4];
-    wgmma_pack_p(s, pa);
-    wgmma_fence();
-    wgmma_pv_tile<HDP>(o, pa, desc.v(buf));
-    wgmma_commit();
-    wgmma_wait0();
-  }
+  wgmma_key_tiles<HDP, BQ, BK>(kv, desc, 0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg, scale_log2, hd, o,
+                               m0, m1, l0, l1);
   cp_async_wait_all_groups();
   wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }

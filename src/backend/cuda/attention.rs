@@ -16,8 +16,9 @@ use std::sync::Arc;
 
 /// Which attention kernel runs (for the head dims it serves; other head dims take `attn_fwd`).
 /// The choice depends on the options, the GPU and the head dim only, never on the batch, so a
-/// row's arithmetic is the same whatever shares a call. Passes over long caches split their keys
-/// with `attn_fwd_q128` whatever is chosen here.
+/// row's arithmetic is the same whatever shares a call. Passes over long caches split their keys:
+/// on Hopper with `attn_fwd_wgmma_split` (a KV group's query heads in one tile) unless `Rows128`
+/// or `Rows64` is chosen, else with `attn_fwd_q128`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
     /// `attn_fwd_wgmma` on Hopper (head dims 64 and 256), else `attn_fwd_q128`.
@@ -145,7 +146,8 @@ impl CudaBackend {
 
     /// The attention kernel over the segment table `meta` (see kernels/attention.cu; `meta_host`
     /// is the same table on the host). Passes over long caches split their keys into ranges
-    /// (`attn_fwd_q128` in split mode, then `attn_split_combine`); the rest run as one launch.
+    /// (`attn_fwd_wgmma_split` on Hopper, else `attn_fwd_q128` in split mode, then
+    /// `attn_split_combine`); the rest run as one launch.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_core(
         &self,
@@ -244,14 +246,31 @@ impl CudaBackend {
         let nsplit = split.iter().map(|&si| ranges[si]).max().unwrap_or(1);
         let slot = layout::attention_split_slot_floats(hdp);
         let part = self.alloc_f32(split.len() * heads * nsplit * slot)?;
-        let mut a = args(self.p(&table));
-        a.extend([
-            Arg::I32(layout::ATTENTION_KEY_RANGE as i32),
-            Arg::I32(nsplit as i32),
-            Arg::Ptr(self.p(&part)),
-        ]);
+        let range = Arg::I32(layout::ATTENTION_KEY_RANGE as i32);
         let grid = (heads as u32, nsplit as u32, split.len() as u32);
-        self.launch(&name, launch_config(grid, threads, smem), &a)?;
+        let hopper = self.state.info.compute_capability == (9, 0) && matches!(hdp, 64 | 256);
+        if hopper && !matches!(kernel, AttentionKernel::Rows128 | AttentionKernel::Rows64) {
+            // A KV group's query heads stacked in tiles of 128 rows: at most heads / kvh tiles per
+            // group (sequences that split have at most 128 rows), so `heads` blocks across.
+            let a = [
+                Arg::Ptr(self.p(q)),
+                Arg::Ptr(self.p(&table)),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(causal as i32),
+                Arg::F32(scale_log2),
+                range,
+                Arg::I32(nsplit as i32),
+                Arg::Ptr(self.p(&part)),
+            ];
+            let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
+            self.launch(&format!("attn_fwd_wgmma_split_{hdp}"), cfg, &a)?;
+        } else {
+            let mut a = args(self.p(&table));
+            a.extend([range, Arg::I32(nsplit as i32), Arg::Ptr(self.p(&part))]);
+            self.launch(&name, launch_config(grid, threads, smem), &a)?;
+        }
         let grid = (layout::ATTENTION_SPLIT_MAX_ROWS as u32, heads as u32, split.len() as u32);
         self.launch(
             &format!("attn_split_combine_{hdp}"),

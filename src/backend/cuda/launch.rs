@@ -83,10 +83,12 @@ pub const KERNELS: &[KernelFile] = &[
     },
     KernelFile {
         name: "attention",
-        // attention_overlap.cu continues attention.cu (it uses its helpers): one compilation unit.
+        // attention_overlap.cu and attention_split.cu continue attention.cu (they use its helpers):
+        // one compilation unit.
         source: concat!(
             include_str!("../../../kernels/attention.cu"),
-            include_str!("../../../kernels/attention_overlap.cu")
+            include_str!("../../../kernels/attention_overlap.cu"),
+            include_str!("../../../kernels/attention_split.cu")
         ),
         functions: &[
             k("attn_prep"),
@@ -101,6 +103,8 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("attn_fwd_wgmma_64", layout::attention_wgmma_smem_bytes(64)),
             k_smem("attn_fwd_wgmma_256", layout::attention_wgmma_smem_bytes(256)),
             k_smem("attn_fwd_wgmma_k128_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
+            k_smem("attn_fwd_wgmma_split_64", layout::attention_wgmma_smem_bytes(64)),
+            k_smem("attn_fwd_wgmma_split_256", layout::attention_wgmma_smem_bytes(256)),
             k_smem("attn_fwd_wgmma_ov_64", layout::attention_wgmma_smem_bytes(64)),
             k_smem("attn_fwd_wgmma_ov_256", layout::attention_wgmma_smem_bytes(256)),
             k_smem("attn_fwd_ws_64", layout::attention_ws_smem_bytes(64)),
