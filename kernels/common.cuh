@@ -64,10 +64,33 @@ __device__ __forceinline__ unsigned char act_code_e4m3(float v, float sc) { retu
 // the distance between its codes: 1 when lane l holds columns 4l..4l+3 (quant_act_1x128,
 // swiglu_quant_1x128, the *_quant row norms), 32 when it holds l, l+32, l+64, l+96
 // (rms_norm_gated_quant). Every quantising kernel ends here, so all give quant_act_1x128's bits.
+// With step 1 the four codes go out as one 4-byte store (q is then 4-byte aligned: every caller's
+// first column is a multiple of 4 in a row of a multiple of 128 bytes).
 __device__ __forceinline__ void quant_block_1x128(const float v[4], unsigned char* q, int step, float* scale) {
   float amax = 0.f;
   for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(v[j]));
   float sc = act_scale_1x128(warp_max(amax));
-  for (int j = 0; j < 4; j++) q[j * step] = act_code_e4m3(v[j], sc);
+  if (step == 1) {
+    unsigned packed = 0;
+    for (int j = 0; j < 4; j++) packed |= (unsigned)act_code_e4m3(v[j], sc) << (8 * j);
+    *(unsigned*)q = packed;
+  } else {
+    for (int j = 0; j < 4; j++) q[j * step] = act_code_e4m3(v[j], sc);
+  }
   if ((threadIdx.x & 31) == 0) *scale = sc;
+}
+
+// Four consecutive bf16 as one 8-byte load / store (p 8-byte aligned), and as f32 (exact).
+__device__ __forceinline__ void load_bf16x4(const bf16* p, bf16 h[4]) {
+  const uint2 u = *(const uint2*)p;
+  h[0] = __ushort_as_bfloat16((unsigned short)(u.x & 0xffffu));
+  h[1] = __ushort_as_bfloat16((unsigned short)(u.x >> 16));
+  h[2] = __ushort_as_bfloat16((unsigned short)(u.y & 0xffffu));
+  h[3] = __ushort_as_bfloat16((unsigned short)(u.y >> 16));
+}
+__device__ __forceinline__ void store_bf16x4(bf16* p, const bf16 h[4]) {
+  uint2 u;
+  u.x = (unsigned)__bfloat16_as_ushort(h[0]) | ((unsigned)__bfloat16_as_ushort(h[1]) << 16);
+  u.y = (unsigned)__bfloat16_as_ushort(h[2]) | ((unsigned)__bfloat16_as_ushort(h[3]) << 16);
+  *(uint2*)p = u;
 }

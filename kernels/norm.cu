@@ -46,12 +46,16 @@ __device__ __forceinline__ void rms_out_quant(const bf16* xr, const float* w, fl
   int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   for (int kb = threadIdx.x >> 5; kb < d / 128; kb += nw) {
     int c0 = kb * 128 + lane * 4;
+    bf16 x4[4], h[4];
+    load_bf16x4(xr + c0, x4);
+    const float4 w4 = *(const float4*)(w + c0);
+    const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
     float v[4];
     for (int j = 0; j < 4; j++) {
-      bf16 h = rms_out(xr[c0 + j], r, offset, w[c0 + j]);
-      yr[c0 + j] = h;
-      v[j] = bf(h);
+      h[j] = rms_out(x4[j], r, offset, wv[j]);
+      v[j] = bf(h[j]);
     }
+    store_bf16x4(yr + c0, h);
     quant_block_1x128(v, qr + c0, 1, s + (i64)kb * Mpad + m);
   }
 }
@@ -155,12 +159,16 @@ __device__ __forceinline__ void ln_out_quant(const bf16* xr, const float* w, con
   int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   for (int kb = threadIdx.x >> 5; kb < d / 128; kb += nw) {
     int c0 = kb * 128 + lane * 4;
+    bf16 x4[4], h[4];
+    load_bf16x4(xr + c0, x4);
+    const float4 w4 = *(const float4*)(w + c0), b4 = *(const float4*)(b + c0);
+    const float wv[4] = {w4.x, w4.y, w4.z, w4.w}, bv[4] = {b4.x, b4.y, b4.z, b4.w};
     float v[4];
     for (int j = 0; j < 4; j++) {
-      bf16 h = ln_out(xr[c0 + j], mean, r, w[c0 + j], b[c0 + j]);
-      yr[c0 + j] = h;
-      v[j] = bf(h);
+      h[j] = ln_out(x4[j], mean, r, wv[j], bv[j]);
+      v[j] = bf(h[j]);
     }
+    store_bf16x4(yr + c0, h);
     quant_block_1x128(v, qr + c0, 1, s + (i64)kb * Mpad + m);
   }
 }

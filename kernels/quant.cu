@@ -11,23 +11,28 @@ extern "C" __global__ void quant_act_1x128(const bf16* x, unsigned char* q, floa
   int lane = threadIdx.x & 31, KB = K / 128;
   if (warp >= (i64)Mpad * KB) return;
   int m = (int)(warp / KB), kb = (int)(warp % KB);
-  float v[4];
-  for (int j = 0; j < 4; j++) v[j] = m < M ? bf(x[(i64)m * K + kb * 128 + lane * 4 + j]) : 0.f;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  if (m < M) {
+    bf16 h[4];
+    load_bf16x4(x + (i64)m * K + kb * 128 + lane * 4, h);
+    for (int j = 0; j < 4; j++) v[j] = bf(h[j]);
+  }
   quant_block_1x128(v, q + (i64)m * K + kb * 128 + lane * 4, 1, s + (i64)kb * Mpad + m);
 }
 
 // The warp loop of the fused quantisers below: one warp per (row, 128-block) of [Mpad, K], 4
-// values per lane, grid-stride over warps; value(m, c) computes and stores the bf16 output of row
-// m < M, column c, and returns it; rows m >= M quantise zeros (scale 1), as quant_act_1x128.
-template <class Value>
-__device__ __forceinline__ void quant_rows_1x128(unsigned char* q, float* s, int M, int Mpad, int K, Value value) {
+// values per lane, grid-stride over warps; value4(m, c0, v) computes and stores the bf16 outputs of
+// row m < M, columns c0..c0+3 (c0 a multiple of 4: 8-byte accesses) and returns them in v as f32;
+// rows m >= M quantise zeros (scale 1), as quant_act_1x128.
+template <class Value4>
+__device__ __forceinline__ void quant_rows_1x128(unsigned char* q, float* s, int M, int Mpad, int K, Value4 value4) {
   int lane = threadIdx.x & 31, KB = K / 128;
   i64 nwarps = (i64)Mpad * KB, stride = ((i64)gridDim.x * blockDim.x) >> 5;
   for (i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; warp < nwarps; warp += stride) {
     int m = (int)(warp / KB), kb = (int)(warp % KB);
     int c0 = kb * 128 + lane * 4;
-    float v[4];
-    for (int j = 0; j < 4; j++) v[j] = m < M ? value(m, c0 + j) : 0.f;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (m < M) value4(m, c0, v);
     quant_block_1x128(v, q + (i64)m * K + c0, 1, s + (i64)kb * Mpad + m);
   }
 }
@@ -38,11 +43,16 @@ __device__ __forceinline__ void quant_rows_1x128(unsigned char* q, float* s, int
 // scale 1). CPU twin: cpu::elementwise::swiglu then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M,
                                               int Mpad, int K) {
-  quant_rows_1x128(q, s, M, Mpad, K, [=](int m, int c) {
+  quant_rows_1x128(q, s, M, Mpad, K, [=](int m, int c0, float v[4]) {
     const bf16* row = gu + (i64)m * 2 * K;
-    bf16 h = to_bf(silu_f(bf(row[c])) * bf(row[K + c]));
-    y[(i64)m * K + c] = h;
-    return bf(h);
+    bf16 gate[4], up[4], h[4];
+    load_bf16x4(row + c0, gate);
+    load_bf16x4(row + K + c0, up);
+    for (int j = 0; j < 4; j++) {
+      h[j] = to_bf(silu_f(bf(gate[j])) * bf(up[j]));
+      v[j] = bf(h[j]);
+    }
+    store_bf16x4(y + (i64)m * K + c0, h);
   });
 }
 
@@ -52,10 +62,14 @@ extern "C" __global__ void swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned 
 // weights::fp8::quantize_act_1x128.
 extern "C" __global__ void gelu_quant_1x128(bf16* x, unsigned char* q, float* s, int M, int Mpad, int K,
                                             int tanh_mode) {
-  quant_rows_1x128(q, s, M, Mpad, K, [=](int m, int c) {
-    bf16* e = x + (i64)m * K + c;
-    bf16 h = to_bf(gelu_f(bf(*e), tanh_mode));
-    *e = h;
-    return bf(h);
+  quant_rows_1x128(q, s, M, Mpad, K, [=](int m, int c0, float v[4]) {
+    bf16* e = x + (i64)m * K + c0;
+    bf16 h[4];
+    load_bf16x4(e, h);
+    for (int j = 0; j < 4; j++) {
+      h[j] = to_bf(gelu_f(bf(h[j]), tanh_mode));
+      v[j] = bf(h[j]);
+    }
+    store_bf16x4(e, h);
   });
 }
