@@ -62,8 +62,10 @@ __device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
 // head (x * rsqrt(sum x^2 + 1e-6)), q * dk^-1/2; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
 // Inputs are blocks of the fused projection with row stride ld (elements): channel c of row t is
 // x[t*ld + c] (c < C = 2*kh*dk + vh*dv), b and a of value head h are b[t*ld + h], a[t*ld + h].
-// A thread owns 4 consecutive channels and CONV_ROWS consecutive rows; the dk/4 lanes (4..32,
-// aligned within the warp) of a key head reduce its sum of squares with shuffles.
+// A thread owns 4 consecutive channels and CONV_ROWS consecutive rows, keeping the inputs of the
+// register taps from row to row (one new input row per output row while the sequence continues);
+// the dk/4 lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with
+// shuffles.
 // Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32.
 // vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
 extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs,
@@ -83,6 +85,10 @@ extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* 
   const i64 t0 = (i64)blockIdx.x * CONV_ROWS;
   i64 row0 = 0, row1 = 0;  // the current sequence's rows [row0, row1)
   const float* hist = nullptr;
+  // The inputs of the register taps for the last row computed (win[j]: local row i + j - (kw-1)),
+  // so that the next row of the same sequence loads one new input row instead of kw.
+  float win[CONV_REG_TAPS][4];
+  int last_i = -2;  // local row of the inputs in win; -2: none (a new sequence or the first row)
   // Row-level control flow is uniform over the block (depends on blockIdx and r only), so every
   // lane of a warp reaches the shuffles.
   for (int r = 0; r < CONV_ROWS; r++) {
@@ -94,23 +100,46 @@ extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* 
       row0 = segs[4 * s];
       row1 = row0 + segs[4 * s + 1];
       hist = (const float*)segs[4 * s + 2];
+      last_i = -2;
     }
     const int i = (int)(t - row0);
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (active) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f}, xv[4];
+      // Input row l of this sequence (l < 0: its history), the register taps' way.
+      auto input = [&](int l, float (&o)[4]) {
+        if (l >= 0) {
+          load4_bf16(x + (row0 + l) * ld + c0, vec != 0, o);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; e++) o[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
+        }
+      };
+      const int jl = min(kw, CONV_REG_TAPS) - 1;  // the last register tap
+      if (i == last_i + 1) {
+        // Slide: register taps 0..jl-1 take the previous row's taps 1..jl; tap jl is read.
+#pragma unroll
+        for (int j = 0; j + 1 < CONV_REG_TAPS; j++)
+          if (j < jl)
+#pragma unroll
+            for (int e = 0; e < 4; e++) win[j][e] = win[j + 1][e];
+        input(i + jl - (kw - 1), xv);
+#pragma unroll
+        for (int j = 0; j < CONV_REG_TAPS; j++)
+          if (j == jl)
+#pragma unroll
+            for (int e = 0; e < 4; e++) win[j][e] = xv[e];
+      } else {
+#pragma unroll
+        for (int j = 0; j < CONV_REG_TAPS; j++)
+          if (j < kw) input(i + j - (kw - 1), win[j]);
+      }
+      last_i = i;
 #pragma unroll
       for (int j = 0; j < CONV_REG_TAPS; j++) {
         if (j < kw) {
-          const int l = i + j - (kw - 1);
-          if (l >= 0) {
-            load4_bf16(x + (row0 + l) * ld + c0, vec != 0, xv);
-          } else {
 #pragma unroll
-            for (int e = 0; e < 4; e++) xv[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
-          }
-#pragma unroll
-          for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * xv[e];
+          for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * win[j][e];
         }
       }
       for (int j = CONV_REG_TAPS; j < kw; j++) {
