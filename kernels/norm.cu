@@ -12,27 +12,69 @@
 // stores which column changes. CPU twin of a *_quant kernel: its plain op's twin, then
 // weights::fp8::quantize_act_1x128 of the result.
 
-// 1 / rms of a row of length d, one block per row: thread t sums the squares of columns t,
-// t + blockDim.x, ... in order, then block_sum. rms_norm and rms_norm_quant share it (and
-// add_rms_norm's first pass reduces in the same order), so all give the same r.
+// The row norms' reductions visit a row's columns in one fixed order per (d, blockDim): with d a
+// multiple of 4, thread t takes the groups of 4 consecutive columns 4t, 4t + 4·blockDim.x, ...
+// (8-byte accesses; the rows start 8-byte aligned), else the single columns t, t + blockDim.x, ...;
+// f(c, h) gets column group c's values h[0..w) (w = 4 or 1) and returns their contribution, summed
+// in order, then block_sum. Every norm kernel reduces through it, so plain and fused kernels give
+// the same bits.
+template <class F>
+__device__ __forceinline__ float row_reduce(int d, float* sh, F f) {
+  float acc = 0.f;
+  if (d % 4 == 0) {
+    for (int c = 4 * threadIdx.x; c < d; c += 4 * blockDim.x) acc += f(c, 4);
+  } else {
+    for (int c = threadIdx.x; c < d; c += blockDim.x) acc += f(c, 1);
+  }
+  return block_sum(acc, sh);
+}
+
+// Values w (4 or 1) of row xr from column c, as bf16.
+__device__ __forceinline__ void row_values(const bf16* xr, int c, int w, bf16 h[4]) {
+  if (w == 4) {
+    load_bf16x4(xr + c, h);
+  } else {
+    h[0] = xr[c];
+  }
+}
+
+// 1 / rms of a row of length d, one block per row (row_reduce's order). rms_norm and rms_norm_quant
+// share it (and add_rms_norm's first pass reduces in the same order), so all give the same r.
 __device__ __forceinline__ float row_rsqrt(const bf16* xr, int d, float eps, float* sh) {
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) { float v = bf(xr[c]); ss += v * v; }
-  ss = block_sum(ss, sh);
+  const float ss = row_reduce(d, sh, [&](int c, int w) {
+    bf16 h[4];
+    row_values(xr, c, w, h);
+    float a = 0.f;
+    for (int j = 0; j < w; j++) { float v = bf(h[j]); a += v * v; }
+    return a;
+  });
   return rsqrtf(ss / d + eps);
+}
+
+// The add_ kernels' first pass over columns c.. (w of them): xr = bf16(xr + yr) exactly as
+// add_bf16, stored, and returned in h.
+__device__ __forceinline__ void add_row_values(bf16* xr, const bf16* yr, int c, int w, bf16 h[4]) {
+  bf16 y[4];
+  row_values(xr, c, w, h);
+  row_values(yr, c, w, y);
+  for (int j = 0; j < w; j++) h[j] = to_bf(bf(h[j]) + bf(y[j]));
+  if (w == 4) {
+    store_bf16x4(xr + c, h);
+  } else {
+    xr[c] = h[0];
+  }
 }
 
 // add_rms_norm's first pass: xr[c] = bf16(xr[c] + yr[c]) exactly as add_bf16, and 1 / rms of the
 // stored (rounded) row, in row_rsqrt's order.
 __device__ __forceinline__ float add_row_rsqrt(bf16* xr, const bf16* yr, int d, float eps, float* sh) {
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    bf16 s = to_bf(bf(xr[c]) + bf(yr[c]));
-    xr[c] = s;
-    float v = bf(s);
-    ss += v * v;
-  }
-  ss = block_sum(ss, sh);
+  const float ss = row_reduce(d, sh, [&](int c, int w) {
+    bf16 h[4];
+    add_row_values(xr, yr, c, w, h);
+    float a = 0.f;
+    for (int j = 0; j < w; j++) { float v = bf(h[j]); a += v * v; }
+    return a;
+  });
   return rsqrtf(ss / d + eps);
 }
 
@@ -95,7 +137,8 @@ extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y
 // Residual add fused with the next RMSNorm, one block per row of length d (launch it with the
 // block size rms_norm uses, so the sum of squares reduces in the same order):
 // x = bf16(x + y) exactly as add_bf16, then out = rms_norm(x) exactly as rms_norm on that rounded
-// x. CPU twin: add_assign then cpu::norm::rms_norm. Each thread re-reads only the elements it wrote.
+// x. CPU twin: add_assign then cpu::norm::rms_norm. The output pass reads x columns other threads
+// stored: block_sum's __syncthreads orders those writes first.
 extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, bf16* out, int d, float eps,
                                         float offset) {
   __shared__ float sh[32];
@@ -127,27 +170,37 @@ extern "C" __global__ void add_rms_norm_quant(bf16* x, const bf16* y, const floa
 // then for the variance. layer_norm, layer_norm_quant and the add_ variants share these helpers
 // and the block size, so all give the same mean, 1/std and outputs.
 __device__ __forceinline__ float ln_var_rsqrt(const bf16* xr, int d, float mean, float eps, float* sh) {
-  float v = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) { float t = bf(xr[c]) - mean; v += t * t; }
-  return rsqrtf(block_sum(v, sh) / d + eps);
+  const float v = row_reduce(d, sh, [&](int c, int w) {
+    bf16 h[4];
+    row_values(xr, c, w, h);
+    float a = 0.f;
+    for (int j = 0; j < w; j++) { float t = bf(h[j]) - mean; a += t * t; }
+    return a;
+  });
+  return rsqrtf(v / d + eps);
 }
 __device__ __forceinline__ void ln_stats(const bf16* xr, int d, float eps, float* sh, float& mean, float& r) {
-  float s = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) s += bf(xr[c]);
-  mean = block_sum(s, sh) / d;
+  mean = row_reduce(d, sh, [&](int c, int w) {
+    bf16 h[4];
+    row_values(xr, c, w, h);
+    float a = 0.f;
+    for (int j = 0; j < w; j++) a += bf(h[j]);
+    return a;
+  }) / d;
   r = ln_var_rsqrt(xr, d, mean, eps, sh);
 }
 // The add_ variants' first pass: xr[c] = bf16(xr[c] + yr[c]) exactly as add_bf16, summing the
-// stored (rounded) values in ln_stats' order; the variance pass re-reads only this thread's columns.
+// stored (rounded) values in ln_stats' order; the variance pass re-reads this thread's columns, the
+// output pass others' too (after block_sum's __syncthreads).
 __device__ __forceinline__ void add_ln_stats(bf16* xr, const bf16* yr, int d, float eps, float* sh, float& mean,
                                              float& r) {
-  float s = 0.f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    bf16 v = to_bf(bf(xr[c]) + bf(yr[c]));
-    xr[c] = v;
-    s += bf(v);
-  }
-  mean = block_sum(s, sh) / d;
+  mean = row_reduce(d, sh, [&](int c, int w) {
+    bf16 h[4];
+    add_row_values(xr, yr, c, w, h);
+    float a = 0.f;
+    for (int j = 0; j < w; j++) a += bf(h[j]);
+    return a;
+  }) / d;
   r = ln_var_rsqrt(xr, d, mean, eps, sh);
 }
 __device__ __forceinline__ bf16 ln_out(bf16 x, float mean, float r, float w, float b) {
