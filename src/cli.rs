@@ -265,6 +265,25 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         dump_layers: Option<PathBuf>,
     },
+    /// Compile every CUDA kernel for a GPU that need not be here, into a kernel cache folder that
+    /// the server reads (`IMAJEV_KERNEL_CACHE`): a machine with that GPU, driver and NVRTC version
+    /// then starts without compiling (~50 s on an H200's first start). Needs NVRTC (libnvrtc) and
+    /// the CUDA headers (`CUDA_HOME`), of the NVRTC version the target machine has.
+    PrecompileKernels {
+        /// The cache folder to fill (created if missing).
+        #[arg(long, value_name = "DIR")]
+        cache: PathBuf,
+        /// The GPU's name as the driver reports it (`nvidia-smi --query-gpu=name`).
+        #[arg(long, default_value = "NVIDIA H200")]
+        gpu_name: String,
+        /// Its compute capability, major.minor.
+        #[arg(long, default_value = "9.0")]
+        compute_capability: String,
+        /// The driver's CUDA version as cuDriverGetVersion reports it (13000 = CUDA 13.0; the
+        /// server logs it as `driver_version` at start).
+        #[arg(long, default_value_t = 13000)]
+        driver_version: i32,
+    },
     /// Write a synthetic Qwen3.5 checkpoint (and adapter) in the real layouts, random or
     /// trained-like, deterministic in the seed; transformers and PEFT load it unchanged.
     Synth {
@@ -339,6 +358,9 @@ pub fn run(cli: Cli) -> Result<()> {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }
         Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(model.as_deref(), jsonl),
+        Command::PrecompileKernels { cache, gpu_name, compute_capability, driver_version } => {
+            precompile_kernels_cmd(&cache, &gpu_name, &compute_capability, driver_version)
+        }
         Command::Verify(args) => crate::release::cli::run(&args),
         Command::Forward { model, adapter, input, out, device, quantize, dump_layers } => forward(
             &model,
@@ -670,5 +692,37 @@ fn forward(
         Some(p) => std::fs::write(p, json + "\n").with_context(|| format!("writing {}", p.display()))?,
         None => println!("{json}"),
     }
+    Ok(())
+}
+
+/// `precompile-kernels`: the cache entries of every kernel file for the GPU described.
+fn precompile_kernels_cmd(cache: &std::path::Path, gpu_name: &str, cc: &str, driver: i32) -> Result<()> {
+    use crate::backend::cuda::{compile, layout};
+    let parse = |s: &str| s.trim().parse::<i32>().ok();
+    let cc = match cc.split_once('.') {
+        Some((a, b)) => parse(a).zip(parse(b)),
+        None => None,
+    }
+    .ok_or_else(|| anyhow::anyhow!("--compute-capability {cc}: expected major.minor, e.g. 9.0"))?;
+    anyhow::ensure!(cc.0 >= 8, "--compute-capability {}.{}: the kernels need sm_80 or newer", cc.0, cc.1);
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        anyhow::bail!(
+            "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit or put libnvrtc on LD_LIBRARY_PATH"
+        );
+    }
+    let nvrtc = compile::nvrtc_version()?;
+    let tag = compile::device_tag(gpu_name, cc, driver, nvrtc);
+    let arch = layout::gpu_arch(cc.0, cc.1);
+    let t = std::time::Instant::now();
+    let written = compile::precompile(cache, &tag, &arch)?;
+    for p in &written {
+        println!("{}", p.display());
+    }
+    eprintln!(
+        "{} kernel files compiled for {arch} ({tag}) in {:.1} s into {}",
+        written.len(),
+        t.elapsed().as_secs_f64(),
+        cache.display()
+    );
     Ok(())
 }

@@ -4,8 +4,11 @@
 //! Sources are embedded with `include_str!`, so the binary needs no kernel files at run time;
 //! NVRTC needs the CUDA headers (`cuda_bf16.h`, `cuda_fp8.h`) only when something has to be
 //! compiled. A cache entry is keyed by the SHA-256 of (source, NVRTC options, GPU name, compute
-//! capability, driver and NVRTC versions) and carries a checksum of its payload; an entry that is
-//! truncated, corrupt or rejected by the driver is rebuilt, never fatal.
+//! capability, driver and NVRTC versions; not the header folder, whose headers come with that
+//! NVRTC) and carries a checksum of its payload; an entry that is truncated, corrupt or rejected by
+//! the driver is rebuilt, never fatal. [`precompile`] fills a cache for a GPU that is not there
+//! (`imajev-serve precompile-kernels`): the same compile path and keys, so a machine that has the
+//! GPU loads the entries instead of spending ~50 s in NVRTC at its first start.
 
 use super::launch::{KernelFile, KERNELS};
 use super::CudaOptions;
@@ -35,16 +38,27 @@ pub fn compile_options(arch: &str, include_dir: &Path) -> Vec<String> {
     ]
 }
 
-/// Cache key: hex SHA-256 over the program, its options and the device/driver tag.
+/// Cache key: hex SHA-256 over the program, its options (except the header folder, where a
+/// toolkit happens to be installed) and the device/driver tag.
 pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
     let mut h = Sha256::new();
-    for part in
-        std::iter::once(source).chain(options.iter().map(|s| s.as_str())).chain(std::iter::once(device_tag))
-    {
+    let options = options.iter().filter(|o| !o.starts_with("--include-path=")).map(|s| s.as_str());
+    for part in std::iter::once(source).chain(options).chain(std::iter::once(device_tag)) {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
     hex::encode(h.finalize())
+}
+
+/// What a kernel cache entry is keyed by besides the program: the GPU's name, compute capability,
+/// driver version (as `cuDriverGetVersion`) and NVRTC version, e.g. `NVIDIA H200|9.0|13000|13.0`.
+pub fn device_tag(gpu_name: &str, cc: (i32, i32), driver: i32, nvrtc: (i32, i32)) -> String {
+    format!("{gpu_name}|{}.{}|{driver}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1)
+}
+
+/// The cache file of kernel file `name` under `key` in `dir`.
+fn cache_path(dir: &Path, name: &str, key: &str) -> PathBuf {
+    dir.join(format!("{name}-{}.cubin", &key[..32]))
 }
 
 /// `$IMAJEV_KERNEL_CACHE`, else `$XDG_CACHE_HOME/imajev-serve/kernels`, else
@@ -176,7 +190,7 @@ pub(super) fn load_kernels(
         .map(|f| {
             let source = full_source(f);
             let key = cache_key(&source, &opts, device_tag);
-            let path = cache_dir.as_ref().map(|d| d.join(format!("{}-{}.cubin", f.name, &key[..32])));
+            let path = cache_dir.as_ref().map(|d| cache_path(d, f.name, &key));
             let cubin = path.as_deref().and_then(read_cache);
             Job { file: *f, source, path, cubin }
         })
@@ -211,13 +225,7 @@ pub(super) fn load_kernels(
             );
         }
         tracing::info!(count = todo.len(), arch, "compiling CUDA kernels with NVRTC");
-        let bins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
-            let hs: Vec<_> =
-                todo.iter().map(|j| s.spawn(|| nvrtc_cubin(j.file.name, &j.source, &opts))).collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked"))))
-                .collect()
-        });
+        let bins = compile_all(todo.iter().map(|j| (j.file.name, j.source.as_str())), &opts);
         for (j, bin) in todo.iter().zip(bins) {
             let bin = bin?;
             if let Some(p) = &j.path {
@@ -246,6 +254,38 @@ pub(super) fn load_kernels(
         }
     }
     Ok((funcs, cached, compiled))
+}
+
+/// NVRTC over several programs `(name, source)` at once, one thread each; results in order.
+fn compile_all<'a>(
+    programs: impl Iterator<Item = (&'a str, &'a str)>,
+    opts: &[String],
+) -> Vec<Result<Vec<u8>>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> =
+            programs.map(|(name, source)| s.spawn(move || nvrtc_cubin(name, source, opts))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC thread panicked")))).collect()
+    })
+}
+
+/// Fills `dir` with the cache entries of every kernel file for a GPU of `device_tag` and `arch`
+/// (e.g. `sm_90a`), compiled by this machine's NVRTC with the CUDA headers of
+/// [`cuda_include_dir`]; no GPU needed. The tag must name this NVRTC's version (the backend keys
+/// entries by the NVRTC that would otherwise compile them). Returns the files written.
+pub fn precompile(dir: &Path, device_tag: &str, arch: &str) -> Result<Vec<PathBuf>> {
+    let include = cuda_include_dir().map_err(|p| {
+        anyhow!("NVRTC needs the CUDA headers (cuda_bf16.h): none in {}; set CUDA_HOME", p.display())
+    })?;
+    let opts = compile_options(arch, &include);
+    let sources: Vec<(&str, String)> = KERNELS.iter().map(|f| (f.name, full_source(f))).collect();
+    let bins = compile_all(sources.iter().map(|(n, s)| (*n, s.as_str())), &opts);
+    let mut written = Vec::new();
+    for ((name, source), bin) in sources.iter().zip(bins) {
+        let path = cache_path(dir, name, &cache_key(source, &opts, device_tag));
+        write_cache(&path, &bin?)?;
+        written.push(path);
+    }
+    Ok(written)
 }
 
 #[cfg(test)]
@@ -282,6 +322,30 @@ mod tests {
         );
         // Length-prefixed: moving bytes between fields changes the key.
         assert_ne!(cache_key("ab", &["c".into()], "d"), cache_key("a", &["bc".into()], "d"));
+        // Not where the headers are: a cache filled elsewhere (precompile) serves this machine.
+        let elsewhere = compile_options("sm_90a", Path::new("/opt/pip/nvidia/cu13/include"));
+        assert_eq!(k, cache_key("src", &elsewhere, "H200|9.0|13000|13.0"));
+        assert_eq!(device_tag("NVIDIA H200", (9, 0), 13000, (13, 0)), "NVIDIA H200|9.0|13000|13.0");
+    }
+
+    /// With NVRTC and the headers present, precompile writes one valid entry per kernel file, at
+    /// the path and under the key load_kernels looks up for that device tag.
+    #[test]
+    fn precompile_fills_the_cache_load_kernels_reads() {
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } || cuda_include_dir().is_err() {
+            eprintln!("skipped: NVRTC or the CUDA headers not found");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let tag = device_tag("NVIDIA H200", (9, 0), 13000, nvrtc_version().unwrap());
+        let written = precompile(dir.path(), &tag, "sm_90a").unwrap();
+        assert_eq!(written.len(), KERNELS.len());
+        let opts = compile_options("sm_90a", &cuda_include_dir().unwrap());
+        for f in KERNELS {
+            let p = cache_path(dir.path(), f.name, &cache_key(&full_source(f), &opts, &tag));
+            let bin = read_cache(&p).unwrap_or_else(|| panic!("no valid entry for kernels/{}.cu", f.name));
+            assert!(bin.starts_with(b"\x7fELF"));
+        }
     }
 
     /// Where NVRTC and the CUDA headers are installed (no GPU needed), every kernel file must

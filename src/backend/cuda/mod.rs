@@ -226,12 +226,8 @@ impl CudaBackend {
         let nvrtc = compile::nvrtc_version()?;
         let arch = layout::gpu_arch(cc.0, cc.1);
         let started = std::time::Instant::now();
-        let (funcs, cached, compiled) = compile::load_kernels(
-            &ctx,
-            &options,
-            &arch,
-            &format!("{name}|{}.{}|{driver}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1),
-        )?;
+        let (funcs, cached, compiled) =
+            compile::load_kernels(&ctx, &options, &arch, &compile::device_tag(&name, cc, driver, nvrtc))?;
         let kernel_seconds = started.elapsed().as_secs_f64();
         let blas = Blas::new(stream.clone())?;
         let staging = std::sync::Mutex::new(staging::Staging::new(stream.clone())?);
