@@ -86,8 +86,8 @@ pub struct CudaOptions {
     /// same bits as each other. Default: `IMAJEV_GDN_TF32=1` in the environment.
     pub gdn_tf32: bool,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
-    /// they come from a row norm, instead of the fused `*_quant` norms: the reference the fused
-    /// path is tested against (same bits), and a switch for profiling. Default:
+    /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
+    /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
     /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
     pub unfused_act_quant: bool,
     /// Which attention kernel runs (see [`AttentionKernel`]): the reference kernels are kept for

@@ -35,9 +35,9 @@ impl CudaBackend {
         Ok((self.state.stream.clone_dtoh(&a.q)?, self.state.stream.clone_dtoh(&a.s)?))
     }
 
-    /// Whether a row norm writing rows of width `k` also writes their FP8 quantisation: only once
-    /// an FP8 projection exists (else no GEMM would read it), when `k` is whole 128-blocks, and
-    /// unless `unfused_act_quant` is set.
+    /// Whether a kernel writing rows of width `k` (a row norm, SwiGLU, GELU) also writes their FP8
+    /// quantisation: only once an FP8 projection exists (else no GEMM would read it), when `k` is
+    /// whole 128-blocks, and unless `unfused_act_quant` is set.
     pub(super) fn fuse_act_quant(&self, k: usize) -> bool {
         k > 0
             && k % FP8_BLOCK == 0
@@ -74,7 +74,7 @@ pub(super) fn gelu_matmul(
     w: &CudaLinear,
 ) -> Result<CudaTensor> {
     let (m, k) = x.rows_cols();
-    if k != w.in_dim || !w.has_fp8() || m == 0 || k % FP8_BLOCK != 0 {
+    if k != w.in_dim || !w.has_fp8() || m == 0 || !be.fuse_act_quant(k) {
         elementwise::gelu(be, x, kind)?;
         return linear::matmul(be, x, w);
     }
@@ -103,8 +103,9 @@ pub(super) fn gelu_matmul(
 pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
     let (m, d2) = gate_up.rows_cols();
     let k = d2 / 2;
-    if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || k % FP8_BLOCK != 0 {
-        // Nothing to fuse (BF16 projection), or a shape the unfused path reports.
+    if d2 % 2 != 0 || k != w.in_dim || !w.has_fp8() || m == 0 || !be.fuse_act_quant(k) {
+        // Nothing to fuse (BF16 projection, or IMAJEV_UNFUSED_ACT_QUANT), or a shape the unfused
+        // path reports.
         return linear::matmul(be, &elementwise::swiglu(be, gate_up)?, w);
     }
     let gs = be.bf16_of(gate_up)?;
