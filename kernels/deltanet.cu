@@ -106,7 +106,7 @@ extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* 
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (active) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f}, xv[4];
-      // Input row l of this sequence (l < 0: its history), the register taps' way.
+      // Input row l of this sequence (l < 0: its history).
       auto input = [&](int l, float (&o)[4]) {
         if (l >= 0) {
           load4_bf16(x + (row0 + l) * ld + c0, vec != 0, o);
@@ -143,13 +143,7 @@ extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* 
         }
       }
       for (int j = CONV_REG_TAPS; j < kw; j++) {
-        const int l = i + j - (kw - 1);
-        if (l >= 0) {
-          load4_bf16(x + (row0 + l) * ld + c0, vec != 0, xv);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; e++) xv[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
-        }
+        input(i + j - (kw - 1), xv);
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[e] += bf(convw[(i64)(c0 + e) * kw + j]) * xv[e];
       }

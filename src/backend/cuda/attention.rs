@@ -188,6 +188,7 @@ impl CudaBackend {
         // The kernel depends on the head dim and the options only, never on the batch, so a row's
         // arithmetic is the same whatever shares the call.
         let kernel = self.state.options.attention;
+        let hopper = self.state.info.compute_capability == (9, 0) && matches!(hdp, 64 | 256);
         if !layout::attention_q128_serves(hd) || kernel == AttentionKernel::Rows64 {
             let all: Vec<usize> = (0..segments.len()).collect();
             let grid = (longest(&all).div_ceil(64) as u32, heads as u32, segments.len() as u32);
@@ -215,7 +216,6 @@ impl CudaBackend {
             let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
-            let hopper = self.state.info.compute_capability == (9, 0) && matches!(hdp, 64 | 256);
             if hopper && kernel == AttentionKernel::WarpSpecialized {
                 let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
@@ -248,7 +248,6 @@ impl CudaBackend {
         let part = self.alloc_f32(split.len() * heads * nsplit * slot)?;
         let range = Arg::I32(layout::ATTENTION_KEY_RANGE as i32);
         let grid = (heads as u32, nsplit as u32, split.len() as u32);
-        let hopper = self.state.info.compute_capability == (9, 0) && matches!(hdp, 64 | 256);
         if hopper && !matches!(kernel, AttentionKernel::Rows128 | AttentionKernel::Rows64) {
             // A KV group's query heads stacked in tiles of 128 rows: at most heads / kvh tiles per
             // group (sequences that split have at most 128 rows), so `heads` blocks across.

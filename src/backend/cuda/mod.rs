@@ -248,7 +248,11 @@ impl CudaBackend {
             ?info,
             gdn_scan = if options.gdn_ffma { "ffma" } else { options.gdn_scan.describe() },
             gdn_products = if options.gdn_tf32 { "TF32" } else { "3xTF32" },
-            act_quant = if options.unfused_act_quant { "own kernel" } else { "fused into the row norms" },
+            act_quant = if options.unfused_act_quant {
+                "own kernel"
+            } else {
+                "fused into the norms, SwiGLU and GELU"
+            },
             narrow_gemm = options.narrow_gemm.describe(),
             "CUDA backend ready"
         );

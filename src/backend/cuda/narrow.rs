@@ -132,8 +132,8 @@ fn operands(g: &Gemm) -> Vec<Arg> {
 }
 
 impl CudaBackend {
-    /// Runs `g` on the narrow kernel when it is [`eligible`] and the option allows; false when
-    /// the caller must run it on cuBLASLt.
+    /// Runs `g` on one of these kernels when it is [`eligible_acc`] or [`eligible`] and the option
+    /// allows; false when the caller must run it on cuBLASLt.
     pub(super) fn gemm_narrow(&self, g: &Gemm) -> Result<bool> {
         if self.state.options.narrow_gemm.narrow_k() && eligible_acc(g) {
             return self.gemm_narrow_k_acc(g).map(|_| true);

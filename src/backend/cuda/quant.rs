@@ -65,6 +65,28 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// One launch of a fused quantiser of quant.cu (`swiglu_quant_1x128`, `gelu_quant_1x128`):
+    /// its leading arguments `head`, the quantisation it writes for `m` rows of width `k` (codes,
+    /// scales, M, Mpad, K), then `tail`; one warp per (padded row, 128-block). Returns that
+    /// quantisation (the kernel writes all of it: pad rows zero, scale 1).
+    fn fused_quant(&self, name: &str, head: &[Arg], m: usize, k: usize, tail: &[Arg]) -> Result<ActFp8> {
+        let a = self.alloc_act_fp8(m, k)?;
+        let warps = a.mpad * (k / FP8_BLOCK);
+        let mut args = head.to_vec();
+        args.extend([
+            Arg::Ptr(self.p(&a.q)),
+            Arg::Ptr(self.p(&a.s)),
+            Arg::I32(m as i32),
+            Arg::I32(a.mpad as i32),
+            Arg::I32(k as i32),
+        ]);
+        args.extend_from_slice(tail);
+        self.launch(name, launch_config((grid1(warps * 32, 256), 1, 1), 256, 0), &args)?;
+        Ok(a)
+    }
+}
+
 /// `Backend::gelu_matmul` (the trait documents the contract): with an FP8 projection, GELU in
 /// place fused with the quantisation the projection reads (`gelu_quant_1x128`).
 pub(super) fn gelu_matmul(
@@ -79,24 +101,9 @@ pub(super) fn gelu_matmul(
         return linear::matmul(be, x, w);
     }
     let xs = be.p(be.bf16_for_update(x)?);
-    // The kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
-    let a = be.alloc_act_fp8(m, k)?;
-    let warps = a.mpad * (k / FP8_BLOCK);
-    be.launch(
-        "gelu_quant_1x128",
-        launch_config((grid1(warps * 32, 256), 1, 1), 256, 0),
-        &[
-            Arg::Ptr(xs),
-            Arg::Ptr(be.p(&a.q)),
-            Arg::Ptr(be.p(&a.s)),
-            Arg::I32(m as i32),
-            Arg::I32(a.mpad as i32),
-            Arg::I32(k as i32),
-            Arg::I32((kind == Gelu::Tanh) as i32),
-        ],
-    )?;
-    let y = be.matmul_quantised(be.bf16_for_update(x)?, Some(&a), m, k, w)?;
-    Ok(y)
+    let a =
+        be.fused_quant("gelu_quant_1x128", &[Arg::Ptr(xs)], m, k, &[Arg::I32((kind == Gelu::Tanh) as i32)])?;
+    be.matmul_quantised(be.bf16_for_update(x)?, Some(&a), m, k, w)
 }
 
 /// `Backend::swiglu_matmul` (the trait documents the contract).
@@ -110,21 +117,7 @@ pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLine
     }
     let gs = be.bf16_of(gate_up)?;
     let xs = be.alloc_bf16(m * k)?;
-    // The kernel writes all mpad·k bytes and all scales (pad rows zero, scale 1).
-    let a = be.alloc_act_fp8(m, k)?;
-    let warps = a.mpad * (k / FP8_BLOCK);
-    be.launch(
-        "swiglu_quant_1x128",
-        launch_config((grid1(warps * 32, 256), 1, 1), 256, 0),
-        &[
-            Arg::Ptr(be.p(gs.s())),
-            Arg::Ptr(be.p(&xs)),
-            Arg::Ptr(be.p(&a.q)),
-            Arg::Ptr(be.p(&a.s)),
-            Arg::I32(m as i32),
-            Arg::I32(a.mpad as i32),
-            Arg::I32(k as i32),
-        ],
-    )?;
+    let a =
+        be.fused_quant("swiglu_quant_1x128", &[Arg::Ptr(be.p(gs.s())), Arg::Ptr(be.p(&xs))], m, k, &[])?;
     be.matmul_quantised(&xs, Some(&a), m, k, w)
 }
