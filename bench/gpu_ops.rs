@@ -3,7 +3,7 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,norm,attention,vision,deltanet] [--lengths 16384]` (`--only`: those groups;
+//! [--only gemm,norm,attention,vision,deltanet,narrow] [--lengths 16384]` (`--only`: those groups;
 //! `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g. under a profiler)
 //!
 //! * FP8 and BF16 GEMMs of the three large projection shapes at M = 2048;
@@ -15,9 +15,14 @@
 //!   tensor-core chunk scan (plain and pipelined: the same bits, the rest of the mixer the same
 //!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
 //!   own device time;
+//! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
+//!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
+//!   977 rows (the 256-token request's forward), 4K, 16K and 47,692 rows (the 2-image request)
+//!   or at `--lengths`;
 //! * the cuBLASLt algorithm fixed for each large GEMM shape.
 
 use anyhow::{Context, Result};
+use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, GdnScan};
 use imajev_serve::backend::{
     AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart,
@@ -131,6 +136,46 @@ impl Bench<'_> {
             let w = be.upload(&wv, &[d])?;
             let ms = time_ms(be, 20, &mut || be.matmul(&be.rms_norm(&x, &w, 1e-6, 1.0)?, &l).map(|_| ()))?;
             self.push(format!("rms_norm + fp8 GEMM N=128 [{m}, {d}], {label}"), ms, None);
+        }
+        Ok(())
+    }
+
+    /// The narrow BF16 GEMMs at `m` rows on each backend of `sides` (the same inputs): narrow
+    /// outputs `y = x·wᵀ` (n <= 128) and LoRA B's `y += 2·t·Bᵀ` (k = the fused rank).
+    fn narrow(&mut self, sides: &[(&str, &CudaBackend)], m: usize) -> Result<()> {
+        let iters = if m > 8192 { 5 } else { 20 };
+        for (what, n, k, beta) in [
+            ("DeltaNet a/b, LoRA A r64", 64usize, 2560usize, 0.0f32),
+            ("LoRA A r128 (two parts)", 128, 2560, 0.0),
+            ("LoRA A r64 of the down projection", 64, 9216, 0.0),
+            ("LoRA B r64 (o_proj, out_proj, down)", 2560, 64, 1.0),
+            ("LoRA B r128 (in_proj, two parts)", 12288, 128, 1.0),
+            ("LoRA B r128 (gate/up)", 18432, 128, 1.0),
+        ] {
+            let xv = self.rng.bf16_normals(m * k, 1.0);
+            let wv = self.rng.bf16_normals(n * k, 0.02);
+            let mut first = None;
+            // The split/whole choice is the narrow-output kernel's: LoRA B runs on the first two.
+            let sides = if beta == 0.0 { sides } else { &sides[..2.min(sides.len())] };
+            for &(label, g) in sides {
+                let x = g.gather_rows(&g.upload(&xv, &[m, k])?, &(0..m).collect::<Vec<_>>())?;
+                let w = g.gather_rows(&g.upload(&wv, &[n, k])?, &(0..n).collect::<Vec<_>>())?;
+                let mut y =
+                    g.gather_rows(&g.upload(&vec![0.0; m * n], &[m, n])?, &(0..m).collect::<Vec<_>>())?;
+                let ms = time_ms(g, iters, &mut || g.bf16_gemm(&x, &w, &mut y, 2.0, beta))?;
+                let vs = match first {
+                    None => {
+                        first = Some(ms);
+                        String::new()
+                    }
+                    Some(f) => format!(" ({:.2}x the first)", ms / f),
+                };
+                self.push(
+                    format!("narrow {what} N={n} K={k} M={m}, {label}{vs}"),
+                    ms,
+                    Some(2.0 * (m * n * k) as f64),
+                );
+            }
         }
         Ok(())
     }
@@ -274,7 +319,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 5] = ["gemm", "norm", "attention", "vision", "deltanet"];
+    const GROUPS: [&str; 6] = ["gemm", "norm", "attention", "vision", "deltanet", "narrow"];
     let only: Option<Vec<String>> = args.iter().position(|a| a == "--only").map(|i| match args.get(i + 1) {
         Some(v) => v.split(',').map(str::to_string).collect(),
         None => Vec::new(),
@@ -343,6 +388,23 @@ fn main() -> Result<()> {
         b.vision(&wg, "wgmma", 65_536)?;
         b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
         b.vision(&k128, "wgmma, 128-key tiles", 65_536)?;
+    }
+    if run("narrow") {
+        let side = |narrow_gemm, narrow_whole_rows| {
+            CudaBackend::new(0, CudaOptions { narrow_gemm, narrow_whole_rows, ..g.options().clone() })
+        };
+        let ours = side(NarrowGemm::Both, None)?;
+        let split = side(NarrowGemm::Both, Some(usize::MAX))?;
+        let whole = side(NarrowGemm::Both, Some(0))?;
+        let cublas = side(NarrowGemm::Cublas, None)?;
+        let sides = [("cuBLASLt", &cublas), ("ours", &ours), ("ours split", &split), ("ours whole", &whole)];
+        let rows: &[usize] = match &lengths_arg {
+            Some(l) => l,
+            None => &[977, 4096, 16384, 47692],
+        };
+        for &m in rows {
+            b.narrow(&sides, m)?;
+        }
     }
     // Both tensor-core chunk scans side by side (each forced; the mixer's other kernels are the same).
     let scan = |gdn_scan, gdn_tf32| {

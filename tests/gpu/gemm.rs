@@ -7,6 +7,7 @@ use super::harness::{lora_part, part, rel, rms_rel, variant, Report};
 use anyhow::{ensure, Result};
 use imajev_serve::backend::cpu::linear::matmul_xwt;
 use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::CudaBackend;
 use imajev_serve::backend::{Backend, LinearPart, LoraPair};
 use imajev_serve::synth::memory::MemoryTensor;
@@ -192,11 +193,16 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
 }
 
 /// The narrow BF16 GEMMs (src/backend/cuda/narrow.rs: n <= 128, K split by a constant) against
-/// the CPU and bitwise across M: one split (k <= 512, written directly), several (f32 partials
+/// the CPU and bitwise across M: one split (k <= 256, written directly), several (f32 partials
 /// added in order), a last split shorter than the others, each padded width (32, 64, 128), an
-/// output narrower than its width, and a LoRA A beside a BF16 projection.
+/// output narrower than its width, and a LoRA A beside a BF16 projection; and the whole shape
+/// (one block walks every split of its rows, as tall batches run) bitwise equal to the split one.
 pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let p = "gemm";
+    // The kernels are opt-in (cuBLASLt runs these shapes by default): checked on backends that
+    // use them, split where M allows it and whole.
+    let g = &variant(g, |o| o.narrow_gemm = NarrowGemm::N)?;
+    let whole = variant(g, |o| o.narrow_whole_rows = Some(0))?;
     for (n, k) in [(64usize, 2560usize), (32, 2560), (128, 9216), (64, 512), (8, 96), (24, 1056), (96, 4096)]
     {
         let m = 300;
@@ -207,6 +213,14 @@ pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
         let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
         rep.check(p, format!("narrow bf16 N={n} K={k} M={m}"), rel(&yg, &yc), 1e-2);
         invariance(g, rep, &format!("narrow bf16 N={n} K={k}"), &lg, &x, k, &yg)?;
+        let yw = whole.download(&whole.matmul(&whole.upload(&x, &[m, k])?, &whole.linear(&[part(&w)])?)?)?;
+        let differ = yw.iter().zip(&yg).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        rep.check(
+            p,
+            format!("narrow bf16 N={n} K={k} M={m}: whole ≠ split (bitwise count)"),
+            differ as f64,
+            0.0,
+        );
     }
     // A LoRA (A: n = rank 64 on the narrow kernel, B on gemm_narrow_k_acc) on a 256-wide BF16
     // projection.
@@ -231,6 +245,8 @@ pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
 /// that end inside a 128-column tile and rows that end inside a 128-row tile, on a BF16 projection
 /// (tight tolerance) and on FP8 ones as the model runs them.
 pub fn lora_b(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    // The k kernel is opt-in (cuBLASLt runs LoRA B by default): checked on a backend that uses it.
+    let g = &variant(g, |o| o.narrow_gemm = NarrowGemm::Both)?;
     let (k, r, m) = (1024usize, 64usize, 300usize);
     for (outs, fp8) in [(vec![2560usize], false), (vec![1304, 1296], true), (vec![512, 136, 136], true)] {
         let n: usize = outs.iter().sum();
@@ -300,14 +316,16 @@ pub fn invariance(
     Ok(())
 }
 
-/// Rows of the GEMMs a 46K-token request runs (past the 30K rows where cuBLASLt once rejected a
-/// fixed algorithm) equal the rows of small batches, bitwise: the LoRA A shape (BF16, N = 64,
-/// split K), in_proj b/a (BF16, N = 32) and the FP8 down projection; no GEMM left its algorithm.
+/// Rows of GEMMs at the 64K-token ceiling (past the 30K rows where cuBLASLt once rejected a
+/// fixed algorithm) equal the rows of small batches, bitwise: the LoRA A shapes (BF16, N = 64,
+/// K = 2560 and 9216), in_proj b/a (BF16, N = 32) and the FP8 down projection; no GEMM left its
+/// algorithm. Whichever route the options give the narrow shapes (our kernels or cuBLASLt).
 pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
-    let m = 46_000;
+    let m = 65_536;
     let before = g.gemm_fallbacks();
     for (name, n, k, fp8) in [
         ("bf16 LoRA A", 64usize, 2560usize, false),
+        ("bf16 LoRA A of down", 64, 9216, false),
         ("bf16 in_proj b", 32, 2560, false),
         ("fp8 down", 2560, 9216, true),
     ] {
@@ -328,14 +346,14 @@ pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> R
         }
         rep.check(
             "gemm",
-            format!("{name} N={n} K={k}: rows of M=46000 ≠ the same rows alone (bitwise count)"),
+            format!("{name} N={n} K={k}: rows of M={m} ≠ the same rows alone (bitwise count)"),
             bad as f64,
             0.0,
         );
     }
     rep.check(
         "gemm",
-        "GEMM calls that left their fixed algorithm at M=46000",
+        format!("GEMM calls that left their fixed algorithm at M={m}"),
         (g.gemm_fallbacks() - before) as f64,
         0.0,
     );

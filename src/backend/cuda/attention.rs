@@ -21,14 +21,16 @@ use std::sync::Arc;
 /// or `Rows64` is chosen, else with `attn_fwd_q128`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// `attn_fwd_wgmma` on Hopper (head dims 64 and 256), else `attn_fwd_q128`.
+    /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 (as `WgmmaK128`), 64-key tiles at
+    /// 256; else `attn_fwd_q128`.
     #[default]
     Auto,
-    /// `attn_fwd_wgmma` where the GPU and head dim allow it (as `Auto`).
+    /// `attn_fwd_wgmma` with 64-key tiles where the GPU and head dim allow it (the default at head
+    /// dim 64 until 2026-12-04: bench/NOTES.md).
     Wgmma,
     /// `attn_fwd_wgmma` with 128-key tiles at head dim 64 (`attn_fwd_wgmma_k128_64`: the vision
-    /// tower; the same bits as `WarpSpecialized`, whose tiles are 128 keys there too), 64-key tiles
-    /// (`Wgmma`) at 256. An option until measured against `Wgmma`.
+    /// tower; the same bits as `WarpSpecialized`, whose tiles are 128 keys there too; 1.23x the
+    /// 64-key kernel at 16K patches, bench/NOTES.md), 64-key tiles at 256.
     WgmmaK128,
     /// `attn_fwd_wgmma_ov`: `attn_fwd_wgmma` with each tile's softmax overlapped with the previous
     /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
@@ -222,7 +224,10 @@ impl CudaBackend {
             } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
-            } else if hopper && kernel == AttentionKernel::WgmmaK128 && hdp == 64 {
+            } else if hopper
+                && matches!(kernel, AttentionKernel::Auto | AttentionKernel::WgmmaK128)
+                && hdp == 64
+            {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes_tiles(hdp, 128));
                 self.launch("attn_fwd_wgmma_k128_64", cfg, &args(tp))?;
             } else if hopper

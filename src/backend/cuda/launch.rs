@@ -58,7 +58,16 @@ pub const KERNELS: &[KernelFile] = &[
     KernelFile {
         name: "gemm_narrow",
         source: include_str!("../../../kernels/gemm_narrow.cu"),
-        functions: &[k("gemm_narrow_32"), k("gemm_narrow_64"), k("gemm_narrow_128"), k("gemm_narrow_k_acc")],
+        functions: &[
+            k("gemm_narrow_32"),
+            k("gemm_narrow_64"),
+            k("gemm_narrow_128"),
+            k("gemm_narrow_whole_32"),
+            k("gemm_narrow_whole_64"),
+            k("gemm_narrow_whole_128"),
+            k("gemm_narrow_sum"),
+            k_smem("gemm_narrow_k_acc", super::narrow::ACC_SMEM_BYTES),
+        ],
     },
     KernelFile {
         name: "norm",

@@ -96,8 +96,11 @@ pub struct CudaOptions {
     pub attention: AttentionKernel,
     /// Which narrow BF16 GEMMs run on our kernels (`narrow.rs`: n <= 128, i.e. DeltaNet a/b and
     /// LoRA A; k <= 256 accumulating, i.e. LoRA B) rather than cuBLASLt, for comparisons.
-    /// Default: `IMAJEV_NARROW_GEMM=both|n|k|cublas` in the environment, else both.
+    /// Default: `IMAJEV_NARROW_GEMM=both|n|k|cublas` in the environment, else cublas.
     pub narrow_gemm: narrow::NarrowGemm,
+    /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
+    /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
+    pub narrow_whole_rows: Option<usize>,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -130,8 +133,6 @@ struct DeviceState {
     blas: Blas,
     funcs: HashMap<&'static str, CudaFunction>,
     staging: std::sync::Mutex<staging::Staging>,
-    /// `gemm_narrow`'s arrival counter per row block (all zero between GEMMs: see `narrow.rs`).
-    narrow_arrivals: cudarc::driver::CudaSlice<u32>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     options: CudaOptions,
@@ -231,7 +232,6 @@ impl CudaBackend {
         let kernel_seconds = started.elapsed().as_secs_f64();
         let blas = Blas::new(stream.clone())?;
         let staging = std::sync::Mutex::new(staging::Staging::new(stream.clone())?);
-        let narrow_arrivals = stream.alloc_zeros::<u32>(narrow::ARRIVAL_COUNTERS)?;
         let info = DeviceInfo {
             ordinal,
             name,
@@ -262,7 +262,6 @@ impl CudaBackend {
                 blas,
                 funcs,
                 staging,
-                narrow_arrivals,
                 stream,
                 ctx,
                 options,

@@ -12,39 +12,55 @@
 //! `y`; its kernel reads and writes each element once, with no split at all. What this layer does
 //! not know: where the GEMM comes from (projection, LoRA); the caller's [`Gemm`] says everything.
 //!
-//! `IMAJEV_NARROW_GEMM=both|n|k|cublas` (or [`super::CudaOptions::narrow_gemm`]) picks which of
-//! the two kinds run here; the others go to cuBLASLt, for comparisons.
+//! Status (2026-12-04, bench/NOTES.md): opt-in. With the GEMM plans fixed at `gemm::M_REF` rows,
+//! cuBLASLt holds its one algorithm per narrow shape up to 65,536 rows with rows bitwise equal to
+//! small batches (tests/gpu `large_batches`), and whole requests ran 2-5% faster on it than with
+//! the narrow-output kernel (a second launch per split GEMM at short M, and 2x slower at
+//! K = 9216); LoRA B on `gemm_narrow_k_acc` was 1.2-2.3x slower than cuBLASLt in isolation.
+//! `IMAJEV_NARROW_GEMM=both|n|k|cublas` (or [`super::CudaOptions::narrow_gemm`]; default
+//! `cublas`) picks which of the two kinds run here; the others go to cuBLASLt.
 
 use super::gemm::{Gemm, GemmKind};
-use super::launch::{launch_config, Arg};
+use super::launch::{grid1, launch_config, Arg};
+use super::tensor::CudaTensor;
 use super::CudaBackend;
-use anyhow::Result;
+use anyhow::{ensure, Result};
 
 /// Columns of K per split; the kernel's `NARROW_KS`.
-pub const KSPLIT: usize = 512;
+pub const KSPLIT: usize = 256;
 /// Rows per block; the kernel's `NARROW_BM`.
 const BLOCK_ROWS: usize = 64;
-/// Row blocks whose splits the split blocks themselves add up (one zeroed arrival counter each,
-/// kept by the backend): up to 524,288 rows; taller GEMMs go to cuBLASLt.
-pub const ARRIVAL_COUNTERS: usize = 8192;
+/// From this many rows on, a narrow-output GEMM runs whole (`gemm_narrow_whole_<n>`: one block
+/// walks every split of its rows) instead of one block per split: the row blocks alone fill the
+/// GPU, and the split partials would double the bytes moved. The same bits either way (the
+/// kernel file says why), so this is a speed choice only; [`super::CudaOptions::narrow_whole_rows`]
+/// overrides it for measurements.
+pub const WHOLE_ROWS: usize = 16_384;
 /// Widest output the kernel takes.
 pub const MAX_N: usize = 128;
 /// Longest reduction the accumulating kernel takes.
 pub const MAX_K_ACC: usize = 256;
 /// Rows and columns of Y per block of the accumulating kernel (`NK_BM`, `NK_BN`).
 const ACC_TILE: usize = 128;
+/// Dynamic shared memory of the accumulating kernel (`NK_SMEM_BYTES`): two stages of X and W
+/// tiles (128 rows x 40 bf16 each) and the Y tile (128 rows x 136 bf16).
+pub const ACC_SMEM_BYTES: usize = (2 * (ACC_TILE + ACC_TILE) * 40 + ACC_TILE * (ACC_TILE + 8)) * 2;
 
 /// Which narrow GEMMs run on these kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NarrowGemm {
-    /// Both kinds (the default).
-    #[default]
+    /// Both kinds.
     Both,
     /// Only narrow outputs (`n <= 128`); LoRA B on cuBLASLt.
     N,
     /// Only the accumulating narrow reductions (LoRA B); narrow outputs on cuBLASLt.
     K,
-    /// Neither: every GEMM on cuBLASLt.
+    /// Neither: every GEMM on cuBLASLt (the default). Its one algorithm per shape, fixed at
+    /// `gemm::M_REF` rows, holds up to the 64K-row ceiling with rows bitwise equal to small
+    /// batches (tests/gpu `large_batches`), and whole requests ran 2-5% faster than with `N`
+    /// (bench/NOTES.md, 2026-12-04): these kernels stay for comparisons and for a cuBLASLt that
+    /// would not hold its algorithm.
+    #[default]
     Cublas,
 }
 
@@ -58,8 +74,8 @@ impl NarrowGemm {
     /// For the start-up log.
     pub fn describe(self) -> &'static str {
         match self {
-            Self::Both => "own kernels (n <= 128: K split by 512; LoRA B: k <= 256)",
-            Self::N => "own kernel for n <= 128 (K split by 512), LoRA B on cuBLASLt",
+            Self::Both => "own kernels (n <= 128: K split by 256; LoRA B: k <= 256)",
+            Self::N => "own kernel for n <= 128 (K split by 256), LoRA B on cuBLASLt",
             Self::K => "own kernel for LoRA B (k <= 256), n <= 128 on cuBLASLt",
             Self::Cublas => "cuBLASLt",
         }
@@ -105,9 +121,10 @@ pub fn eligible(g: &Gemm) -> bool {
     g.beta == 0.0 && g.n <= MAX_N && shape_fits(g)
 }
 
-/// Whether the accumulating kernel takes this GEMM: `β = 1`, `k <= 256`, and [`shape_fits`].
+/// Whether the accumulating kernel takes this GEMM: `β = 1`, `k <= 256`, [`shape_fits`], and Y
+/// in 16-byte chunks (the kernel copies its Y tile with 16-byte copies).
 pub fn eligible_acc(g: &Gemm) -> bool {
-    g.beta == 1.0 && g.k <= MAX_K_ACC && shape_fits(g)
+    g.beta == 1.0 && g.k <= MAX_K_ACC && shape_fits(g) && g.y % 16 == 0 && g.ldy % 8 == 0
 }
 
 /// How many splits of K the kernel makes (a function of `k` alone).
@@ -141,26 +158,86 @@ impl CudaBackend {
         if !self.state.options.narrow_gemm.narrow_n() || !eligible(g) {
             return Ok(false);
         }
-        let blocks = g.m.div_ceil(BLOCK_ROWS);
-        if blocks > ARRIVAL_COUNTERS {
-            return Ok(false);
-        }
         if g.m == 0 {
             return Ok(true);
         }
-        let width = padded_width(g.n).expect("eligible: n <= 128");
+        let blocks = g.m.div_ceil(BLOCK_ROWS);
         let s = splits(g.k);
-        let part = if s > 1 { Some(self.alloc_f32(s * g.m * g.n)?) } else { None };
-        let part_ptr = part.as_ref().map(|p| self.p(p)).unwrap_or(0);
-        let mut args = operands(g);
-        args.extend([Arg::Ptr(part_ptr), Arg::Ptr(self.p(&self.state.narrow_arrivals))]);
-        let name = match width {
-            32 => "gemm_narrow_32",
-            64 => "gemm_narrow_64",
-            _ => "gemm_narrow_128",
-        };
-        self.launch(name, launch_config((blocks as u32, s as u32, 1), 128, 0), &args)?;
+        let whole_rows = self.state.options.narrow_whole_rows.unwrap_or(WHOLE_ROWS);
+        let width = padded_width(g.n).expect("eligible: n <= 128");
+        if s == 1 || g.m >= whole_rows {
+            let name = format!("gemm_narrow_whole_{width}");
+            return self
+                .launch(&name, launch_config((blocks as u32, 1, 1), 128, 0), &operands(g))
+                .map(|_| true);
+        }
+        // Each split's f32 partial, then their sum in split order (gemm_narrow_sum).
+        let part = self.alloc_f32(s * g.m * g.n)?;
+        let args = [
+            Arg::Ptr(g.x),
+            Arg::I64(g.ldx as i64),
+            Arg::Ptr(g.w),
+            Arg::I64(g.ldw as i64),
+            Arg::I64(g.m as i64),
+            Arg::I32(g.n as i32),
+            Arg::I32(g.k as i32),
+            Arg::Ptr(self.p(&part)),
+        ];
+        self.launch(
+            &format!("gemm_narrow_{width}"),
+            launch_config((blocks as u32, s as u32, 1), 128, 0),
+            &args,
+        )?;
+        let sum = [
+            Arg::Ptr(self.p(&part)),
+            Arg::I32(s as i32),
+            Arg::I64(g.m as i64),
+            Arg::I32(g.n as i32),
+            Arg::F32(g.alpha),
+            Arg::Ptr(g.y),
+            Arg::I64(g.ldy as i64),
+        ];
+        self.launch("gemm_narrow_sum", launch_config((grid1(g.m * g.n / 4, 256), 1, 1), 256, 0), &sum)?;
         Ok(true)
+    }
+
+    /// `y = α·x·wᵀ + β·y` (β 0 or 1) on BF16 tensors `x [m, k]`, `w [n, k]`, `y [m, n]`, by the
+    /// route the model's BF16 GEMMs take (these kernels where they apply and the options allow,
+    /// else cuBLASLt): the narrow GEMMs in isolation, for benchmarks (bench/gpu_ops.rs).
+    pub fn bf16_gemm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        y: &mut CudaTensor,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        let ((m, k), (n, kw), (my, ny)) = (x.rows_cols(), w.rows_cols(), y.rows_cols());
+        ensure!(
+            kw == k && my == m && ny == n,
+            "bf16_gemm: x [{m}, {k}], w [{n}, {kw}], y [{my}, {ny}] do not fit"
+        );
+        ensure!(beta == 0.0 || beta == 1.0, "bf16_gemm: beta must be 0 or 1, is {beta}");
+        let (xv, wv) = (self.bf16_of(x)?, self.bf16_of(w)?);
+        let (xp, wp) = (self.p(xv.s()), self.p(wv.s()));
+        let yp = self.p(self.bf16_for_update(y)?);
+        let g = Gemm {
+            kind: GemmKind::Bf16,
+            n,
+            m,
+            k,
+            w: wp,
+            ldw: k,
+            x: xp,
+            ldx: k,
+            y: yp,
+            ldy: n,
+            alpha,
+            beta,
+            w_scale: 0,
+            x_scale: 0,
+        };
+        self.gemm(&g)
     }
 
     /// `y += α·x·wᵀ` on `gemm_narrow_k_acc` ([`eligible_acc`] holds).
@@ -169,7 +246,7 @@ impl CudaBackend {
             return Ok(());
         }
         let grid = (g.n.div_ceil(ACC_TILE) as u32, g.m.div_ceil(ACC_TILE) as u32, 1);
-        self.launch("gemm_narrow_k_acc", launch_config(grid, 256, 0), &operands(g))
+        self.launch("gemm_narrow_k_acc", launch_config(grid, 256, ACC_SMEM_BYTES), &operands(g))
     }
 }
 
@@ -220,6 +297,8 @@ mod tests {
         assert!(!eligible_acc(&Gemm { beta: 0.0, ..acc(2560, 64) }), "not accumulating");
         assert!(!eligible(&acc(64, 64)), "the narrow-output kernel overwrites");
         assert!(!eligible_acc(&Gemm { y: (3 << 20) + 2, ..acc(2560, 64) }), "Y pairs not 4-byte aligned");
+        assert!(!eligible_acc(&Gemm { y: (3 << 20) + 8, ..acc(2560, 64) }), "Y not 16-byte aligned");
+        assert!(!eligible_acc(&Gemm { ldy: 2564, ..acc(2560, 64) }), "Y rows not 16-byte aligned");
     }
 
     #[test]
@@ -239,9 +318,9 @@ mod tests {
 
     #[test]
     fn splits_depend_on_k_alone() {
-        assert_eq!(splits(512), 1);
-        assert_eq!(splits(2560), 5);
-        assert_eq!(splits(9216), 18);
+        assert_eq!(splits(256), 1);
+        assert_eq!(splits(2560), 10);
+        assert_eq!(splits(9216), 36);
         assert_eq!(padded_width(8), Some(32));
         assert_eq!(padded_width(64), Some(64));
         assert_eq!(padded_width(96), Some(128));
