@@ -6,7 +6,7 @@
 #   3. our side of bench/gpu_bench.py for the base binary (.gpu/imajev-serve-base) and the new one
 #      (.gpu/imajev-serve) on the same requests (SIZES, IMAGES, LONG, REPEATS as in h200_quick.sh);
 #      with BASE_ENV="NAME=value ..." the base side is the new binary run with those variables
-#      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_NARROW_GEMM=cublas), and
+#      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_ATTENTION=wgmma), and
 #      NEW_ENV likewise for the new side (an option that switches something on); FIDELITY=0 skips
 #      gpu_bench's fidelity requests (a second weight load per side, ~20 s);
 #   4. with STAGES=1, IMAJEV_PROFILE=1 stage timings (the device synchronised at every stage) of

@@ -3,7 +3,7 @@
 
     source bench/device_env.sh
     python3 bench/variant_fidelity.py --bin .gpu/imajev-serve --work /tmp/vf --out $OUT \
-        --variant IMAJEV_GDN_TF32=1 --variant "IMAJEV_NARROW_GEMM=cublas"
+        --variant IMAJEV_GDN_TF32=1 --variant "IMAJEV_NARROW_GEMM=n"
 
 An option that changes arithmetic (one TF32 MMA per DeltaNet product instead of 3xTF32, our own
 narrow GEMMs instead of cuBLASLt, ...) should become the default only if it moves decisions less

@@ -132,8 +132,8 @@ pub fn splits(k: usize) -> usize {
     k.div_ceil(KSPLIT)
 }
 
-/// The arguments both kernels start with: `x, ldx, w, ldw, m, n, k, alpha, y, ldy`.
-fn operands(g: &Gemm) -> Vec<Arg> {
+/// The arguments every GEMM kernel here starts with: `x, ldx, w, ldw, m, n, k`.
+fn inputs(g: &Gemm) -> Vec<Arg> {
     vec![
         Arg::Ptr(g.x),
         Arg::I64(g.ldx as i64),
@@ -142,10 +142,14 @@ fn operands(g: &Gemm) -> Vec<Arg> {
         Arg::I64(g.m as i64),
         Arg::I32(g.n as i32),
         Arg::I32(g.k as i32),
-        Arg::F32(g.alpha),
-        Arg::Ptr(g.y),
-        Arg::I64(g.ldy as i64),
     ]
+}
+
+/// The arguments of the kernels that write Y themselves: [`inputs`], then `alpha, y, ldy`.
+fn operands(g: &Gemm) -> Vec<Arg> {
+    let mut a = inputs(g);
+    a.extend([Arg::F32(g.alpha), Arg::Ptr(g.y), Arg::I64(g.ldy as i64)]);
+    a
 }
 
 impl CudaBackend {
@@ -173,16 +177,8 @@ impl CudaBackend {
         }
         // Each split's f32 partial, then their sum in split order (gemm_narrow_sum).
         let part = self.alloc_f32(s * g.m * g.n)?;
-        let args = [
-            Arg::Ptr(g.x),
-            Arg::I64(g.ldx as i64),
-            Arg::Ptr(g.w),
-            Arg::I64(g.ldw as i64),
-            Arg::I64(g.m as i64),
-            Arg::I32(g.n as i32),
-            Arg::I32(g.k as i32),
-            Arg::Ptr(self.p(&part)),
-        ];
+        let mut args = inputs(g);
+        args.push(Arg::Ptr(self.p(&part)));
         self.launch(
             &format!("gemm_narrow_{width}"),
             launch_config((blocks as u32, s as u32, 1), 128, 0),
