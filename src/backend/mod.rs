@@ -240,6 +240,16 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Keeps the host at most one step ahead of the device in a loop of long steps (the vision
+    /// blocks): waits until the work queued before the previous call has run, then marks the work
+    /// queued so far. A stop condition asked right after it is then at most a step behind the
+    /// device — without it the host queues every step in milliseconds and a check between steps
+    /// asks long before the device gets there — while the device always has the next step queued.
+    /// A no-op on the CPU, whose ops have finished when they return.
+    fn pace(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Per-kernel device timings since the previous call, when the backend records them
     /// (`IMAJEV_PROFILE=kernels` on CUDA).
     fn kernel_report(&self) -> Result<Option<String>> {

@@ -589,6 +589,9 @@ impl<B: Backend> Qwen35<B> {
         };
         let mut h = b.layer_norm(&x, norm1(0).0, norm1(0).1, 1e-6)?;
         for (i, blk) in vt.blocks.iter().enumerate() {
+            // The device has run all but the last block queued: `stop` is asked about work that
+            // is about to run, not seconds ahead of it.
+            b.pace()?;
             if stop() {
                 return Ok(None);
             }

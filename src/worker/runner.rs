@@ -226,7 +226,15 @@ impl<B: Backend> Qwen35<B> {
             }
         };
         match self.encode_images_until(images, &stop)? {
-            Some(f) => Ok(f),
+            Some(f) => {
+                // The device finishes the tower before the stage ends, so that `vision_ms` (the
+                // metrics, and the rates that cost admission learns) is its time, not the time
+                // to queue it; one wait per request with images, whose tower runs for far longer.
+                if !images.is_empty() {
+                    self.backend.synchronize()?;
+                }
+                Ok(f)
+            }
             None => {
                 let why = why.get().unwrap_or(StopReason::Deadline);
                 let stage = Stage::Vision { block: asked.get(), blocks: self.config.vision_config.depth };
@@ -433,6 +441,8 @@ impl<B: Backend> Qwen35<B> {
         let mut prefix = self.new_state()?;
         self.forward(&[Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut prefix])?;
         prefix.share(&self.backend)?;
+        // As after the vision tower: `prefill_ms` is the device's time for the prefix.
+        self.backend.synchronize()?;
         out.tokens += layout.ids.len();
         out.prefill_ms = ms(t);
         out.prefill_ran = true;

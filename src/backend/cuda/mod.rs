@@ -133,6 +133,8 @@ struct DeviceState {
     blas: Blas,
     funcs: HashMap<&'static str, CudaFunction>,
     staging: std::sync::Mutex<staging::Staging>,
+    /// The mark of the previous [`Backend::pace`] call (an event after the work queued then).
+    pace: std::sync::Mutex<Option<cudarc::driver::CudaEvent>>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     options: CudaOptions,
@@ -262,6 +264,7 @@ impl CudaBackend {
                 blas,
                 funcs,
                 staging,
+                pace: std::sync::Mutex::new(None),
                 stream,
                 ctx,
                 options,
@@ -316,6 +319,15 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.state.stream.synchronize()?;
+        Ok(())
+    }
+
+    fn pace(&self) -> Result<()> {
+        let now = self.state.stream.record_event(None)?;
+        let before = self.state.pace.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
+        if let Some(e) = before {
+            e.synchronize()?;
+        }
         Ok(())
     }
 
