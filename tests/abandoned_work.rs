@@ -1,7 +1,8 @@
 //! Work the engine abandons says where it stopped: a request whose deadline passes (or whose
 //! caller leaves) between two steps is stopped there, and the error names the stage — before the
-//! first stage, inside the vision tower after how many blocks, after vision, or between question
-//! passes after how many ran — with the reason. The worker logs that stage with the request id
+//! first stage, inside the vision tower after how many blocks, after vision, inside a lone
+//! prefix's forward after how many layers, or between question passes after how many ran — with
+//! the reason. The worker logs that stage with the request id
 //! and the caller's 504 names it (`src/worker/mod.rs`, `src/api/server.rs`; the real server's log
 //! and 504 are checked by tests/adversarial.rs).
 
@@ -45,10 +46,8 @@ fn stop_after(
 fn a_stopped_run_names_the_stage_it_abandoned() {
     let m = common::tiny(SynthDtype::Bf16, 41);
     let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
-    let depth = imajev_serve::engine::ModelConfig::from_file(&m.model.join("config.json"))
-        .unwrap()
-        .vision_config
-        .depth;
+    let config = imajev_serve::engine::ModelConfig::from_file(&m.model.join("config.json")).unwrap();
+    let (depth, layers) = (config.vision_config.depth, config.text_config.num_hidden_layers);
     let d = packing::decider(&m.model, &m.adapter, 12, 2);
     let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
     let two_images = reqs.iter().find(|r| r.name == "two images").unwrap();
@@ -72,13 +71,21 @@ fn a_stopped_run_names_the_stage_it_abandoned() {
     assert_eq!(stop_after(&engine, two_images, packed, 1 + depth, deadline), Err((deadline, Stage::Prefill)));
     assert_eq!(stop_after(&engine, two_images, packed, 2 + depth, deadline), Ok(()));
 
-    // Alone: after the prefix and after every batch of passes (here: one pass a batch).
+    // Alone: before every layer of the prefix, after the prefix and after every batch of passes
+    // (here: one pass a batch).
     let total = text.plan.scored.iter().map(|q| q.passes.len()).sum::<usize>();
     assert!(total >= 3, "{total} passes");
     assert_eq!(stop_after(&engine, text, alone, 0, deadline), Err((deadline, Stage::Start)));
     assert_eq!(stop_after(&engine, text, alone, 1, deadline), Err((deadline, Stage::Prefill)));
+    for layer in [0, 1, layers - 1] {
+        assert_eq!(
+            stop_after(&engine, text, alone, 2 + layer, StopReason::CallerGone),
+            Err((StopReason::CallerGone, Stage::PrefixLayers { layer, layers })),
+            "stopped after {layer} prefix layers"
+        );
+    }
     // No vision blocks without images; the prefix ran, then a check after every batch of passes.
-    let first_pass_check = 2;
+    let first_pass_check = 2 + layers;
     assert_eq!(
         stop_after(&engine, text, alone, first_pass_check, deadline),
         Err((deadline, Stage::Questions { done: 0, total }))
@@ -97,6 +104,7 @@ fn stages_read_as_what_was_given_up() {
     let cases = [
         (Stage::Queued, "while queued (nothing ran)"),
         (Stage::Vision { block: 3, blocks: 27 }, "in the vision tower (after 3 of 27 blocks)"),
+        (Stage::PrefixLayers { layer: 9, layers: 32 }, "in the prompt's forward (after 9 of 32 layers)"),
         (Stage::Questions { done: 5, total: 16 }, "between question passes (5 of 16 ran)"),
     ];
     for (stage, text) in cases {

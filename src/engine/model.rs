@@ -651,8 +651,34 @@ impl<B: Backend> Qwen35<B> {
         &self,
         segs: &[Segment<B>],
         states: &mut [&mut State<B>],
-        mut dump: Option<&mut LayerDump>,
+        dump: Option<&mut LayerDump>,
     ) -> Result<B::Tensor> {
+        Ok(self
+            .forward_inner(segs, states, dump, None)?
+            .expect("a forward without a stop check runs to its end"))
+    }
+
+    /// [`Qwen35::forward`] paced against the device layer by layer ([`Backend::pace`]), asking
+    /// `stop` before every layer: `Ok(None)` when it said stop (the states are then half-written
+    /// and must be dropped). For long prefixes that run alone: a request past its deadline or
+    /// whose caller left must not hold the engine for the rest of a multi-second forward. Not for
+    /// short packed forwards, whose layers run about as long as the host takes to queue them.
+    pub fn forward_until(
+        &self,
+        segs: &[Segment<B>],
+        states: &mut [&mut State<B>],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<B::Tensor>> {
+        self.forward_inner(segs, states, None, Some(stop))
+    }
+
+    fn forward_inner(
+        &self,
+        segs: &[Segment<B>],
+        states: &mut [&mut State<B>],
+        mut dump: Option<&mut LayerDump>,
+        stop: Option<&dyn Fn() -> bool>,
+    ) -> Result<Option<B::Tensor>> {
         ensure!(segs.len() == states.len() && !segs.is_empty(), "forward needs one state per sequence");
         let b = &self.backend;
         let mut ids = Vec::new();
@@ -734,6 +760,12 @@ impl<B: Backend> Qwen35<B> {
         let mut h =
             b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
         for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(stop) = stop {
+                b.pace()?;
+                if stop() {
+                    return Ok(None);
+                }
+            }
             prof.mark(b, "norms+residual");
             // A dump needs every row of the last layer too.
             let last_layer = li + 1 == self.layers.len() && dump.is_none();
@@ -825,7 +857,7 @@ impl<B: Backend> Qwen35<B> {
             states[j].tokens = before + s.layout.ids.len();
             states[j].next_pos = s.layout.next_pos;
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// `prefill(tokens, images) → (State, hidden of the last token)`.

@@ -71,6 +71,8 @@ pub enum Stage {
     Vision { block: usize, blocks: usize },
     /// After vision, before the prefix (alone) or the packed forward ran.
     Prefill,
+    /// In the forward of a prefix that runs alone, before layer `layer` of `layers`.
+    PrefixLayers { layer: usize, layers: usize },
     /// After the prefix, between batches of question passes: `done` of `total` passes ran.
     Questions { done: usize, total: usize },
 }
@@ -84,6 +86,9 @@ impl std::fmt::Display for Stage {
                 write!(f, "in the vision tower (after {block} of {blocks} blocks)")
             }
             Stage::Prefill => write!(f, "after vision, before the prompt's forward"),
+            Stage::PrefixLayers { layer, layers } => {
+                write!(f, "in the prompt's forward (after {layer} of {layers} layers)")
+            }
             Stage::Questions { done, total } => {
                 write!(f, "between question passes ({done} of {total} ran)")
             }
@@ -204,6 +209,42 @@ struct PackedSegment {
     parent: Option<usize>,
 }
 
+/// A job's `keep_going` as the `stop` a loop of steps asks before each step
+/// (`encode_images_until`, `forward_until`): counts the steps it let start and keeps why it
+/// stopped.
+struct StopAsker<'a> {
+    keep_going: &'a dyn Fn() -> Result<(), StopReason>,
+    asked: std::cell::Cell<usize>,
+    why: std::cell::Cell<Option<StopReason>>,
+}
+
+impl<'a> StopAsker<'a> {
+    fn new(keep_going: &'a dyn Fn() -> Result<(), StopReason>) -> Self {
+        StopAsker { keep_going, asked: std::cell::Cell::new(0), why: std::cell::Cell::new(None) }
+    }
+    /// Whether to stop before the next step.
+    fn stop(&self) -> bool {
+        match (self.keep_going)() {
+            Ok(()) => {
+                self.asked.set(self.asked.get() + 1);
+                false
+            }
+            Err(r) => {
+                self.why.set(Some(r));
+                true
+            }
+        }
+    }
+    /// Steps let start before it said stop.
+    fn asked(&self) -> usize {
+        self.asked.get()
+    }
+    /// Why it said stop.
+    fn why(&self) -> StopReason {
+        self.why.get().unwrap_or(StopReason::Deadline)
+    }
+}
+
 impl<B: Backend> Qwen35<B> {
     /// The vision tower over `images`, stopped between blocks when `keep_going` says so.
     fn vision_checked(
@@ -211,20 +252,10 @@ impl<B: Backend> Qwen35<B> {
         images: &[&PatchedImage],
         keep_going: &dyn Fn() -> Result<(), StopReason>,
     ) -> Result<Vec<B::Tensor>, RunError> {
-        let why = std::cell::Cell::new(None);
-        // `stop` is asked before every block: the blocks that ran are the questions answered so far.
-        let asked = std::cell::Cell::new(0usize);
+        // Asked before every block: the blocks that ran are the questions answered so far.
+        let asker = StopAsker::new(keep_going);
         let t = Instant::now();
-        let stop = || match keep_going() {
-            Ok(()) => {
-                asked.set(asked.get() + 1);
-                false
-            }
-            Err(r) => {
-                why.set(Some(r));
-                true
-            }
-        };
+        let stop = || asker.stop();
         match self.encode_images_until(images, &stop)? {
             Some(f) => {
                 // The device finishes the tower before the stage ends, so that `vision_ms` (the
@@ -236,10 +267,9 @@ impl<B: Backend> Qwen35<B> {
                 Ok(f)
             }
             None => {
-                let why = why.get().unwrap_or(StopReason::Deadline);
-                let stage = Stage::Vision { block: asked.get(), blocks: self.config.vision_config.depth };
-                tracing::debug!(reason = %why, %stage, ms = ms(t).round(), "vision abandoned between blocks");
-                Err(RunError::Stopped(why, stage))
+                let stage = Stage::Vision { block: asker.asked(), blocks: self.config.vision_config.depth };
+                tracing::debug!(reason = %asker.why(), %stage, ms = ms(t).round(), "vision abandoned between blocks");
+                Err(RunError::Stopped(asker.why(), stage))
             }
         }
     }
@@ -439,7 +469,13 @@ impl<B: Backend> Qwen35<B> {
 
         let t = Instant::now();
         let mut prefix = self.new_state()?;
-        self.forward(&[Segment { layout: &layout, images: &feats, parent: None }], &mut [&mut prefix])?;
+        // Asked before every layer (paced: the device is at most a layer behind the question).
+        let asker = StopAsker::new(keep_going);
+        let segment = Segment { layout: &layout, images: &feats, parent: None };
+        if self.forward_until(&[segment], &mut [&mut prefix], &|| asker.stop())?.is_none() {
+            let layers = self.config.text_config.num_hidden_layers;
+            return Err(RunError::Stopped(asker.why(), Stage::PrefixLayers { layer: asker.asked(), layers }));
+        }
         prefix.share(&self.backend)?;
         // As after the vision tower: `prefill_ms` is the device's time for the prefix.
         self.backend.synchronize()?;
