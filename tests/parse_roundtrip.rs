@@ -250,20 +250,30 @@ fn flattenable(max: usize) -> impl Strategy<Value = Value> {
     ]
 }
 
+/// Instructions a noul, choice or score question accepts: any flattenable form except one that
+/// flattens to no text (`[""]`: its question would be empty, which the contract refuses; a multi
+/// question still reads its labels, so multi takes any flattenable form).
+fn question_instructions() -> impl Strategy<Value = Value> {
+    flattenable(80).prop_filter("flattens to no text", |v| match v {
+        Value::Array(a) => !matches!(a.as_slice(), [Value::String(s)] if s.is_empty()),
+        _ => true,
+    })
+}
+
 /// A question as a client may send it: instructions and descriptions in any accepted form.
 fn wire_question() -> impl Strategy<Value = Value> {
     let desc = || prop_oneof![1 => Just(Value::Null), 3 => flattenable(40)];
     let crit_obj = |n: usize| prop::collection::vec((text(24), desc()), 1..=n);
     prop_oneof![
-        (flattenable(80), desc(), desc()).prop_map(
+        (question_instructions(), desc(), desc()).prop_map(
             |(i, t, f)| json!({"type": "noul", "instructions": i, "criteria": {"true": t, "false": f}})
         ),
-        flattenable(80).prop_map(|i| json!({"type": "noul", "instructions": i})),
-        (flattenable(80), crit_obj(8)).prop_filter_map("fewer than 2 distinct options", |(i, c)| {
+        question_instructions().prop_map(|i| json!({"type": "noul", "instructions": i})),
+        (question_instructions(), crit_obj(8)).prop_filter_map("fewer than 2 distinct options", |(i, c)| {
             let c: Map<String, Value> = c.into_iter().filter(|(k, _)| option_value_ok(k)).collect();
             (c.len() >= 2).then(|| json!({"type": "choice", "instructions": i, "criteria": c}))
         }),
-        (flattenable(80), prop::collection::vec(text(30).prop_map(Value::String), 2..=10))
+        (question_instructions(), prop::collection::vec(text(30).prop_map(Value::String), 2..=10))
             .prop_map(|(i, l)| json!({"type": "score", "instructions": i, "criteria": l})),
         (flattenable(80), crit_obj(6), prop::option::of(0.0..=1.0f64)).prop_map(|(i, c, t)| {
             let mut q =
