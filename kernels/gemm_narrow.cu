@@ -15,6 +15,9 @@
 // The LoRA B side is bound by reading and writing Y (its arithmetic is tiny); cuBLASLt's
 // accumulating GEMM ran it at about half the copy rate (NOTES), gemm_narrow_k_acc reads each Y
 // element once and writes it once, the rank's products in registers, no split.
+// Measured since (bench/NOTES.md, 2026-12-04): cuBLASLt's plans, now fixed at 4,096 rows, hold to
+// 65,536 rows bitwise and were faster in whole requests; these kernels are opt-in
+// (IMAJEV_NARROW_GEMM), kept for comparisons.
 //
 // Layout: a block of 4 warps owns 64 rows x all n (<= NP) columns; warp w owns rows 16w..16w+15
 // (mma.sync m16n8k16, NP/8 accumulator tiles of 4 floats per thread). X and W tiles of 32
