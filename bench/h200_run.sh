@@ -13,7 +13,8 @@
 set -uo pipefail
 source bench/device_env.sh
 python3 -c "import torch, transformers, peft, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'fla', fla.__version__)" | tee "$OUT/versions.txt"
-echo "tensor cores (3xTF32)" >"$OUT/scan.txt"
+if [ "${IMAJEV_GDN_TF32:-1}" = 0 ]; then products=3xTF32; else products=TF32; fi
+echo "tensor cores ($products products)" >"$OUT/scan.txt"
 if [ "${SKIP_GPU_TEST:-0}" != 1 ]; then
   timeout 240 ./.gpu/gpu-test --nocapture --test-threads 1 >"$OUT/gpu-test.log" 2>&1
   rc=$?

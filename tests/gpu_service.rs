@@ -142,7 +142,7 @@ fn wide_fp8_config(dir: &std::path::Path) -> std::path::PathBuf {
 /// a 4B-wide FP8 model (the serving precision), with one- and two-level question trees. Also the
 /// two-level tree against the separate prefill → shared question tokens → passes path it
 /// replaces (the same arithmetic: within 3e-2, and the bits that differ are printed) and
-/// against the one-level tree (within 3e-2 on BF16, 5e-2 on FP8: another summation order).
+/// against the one-level tree (within 3e-2 on BF16, 8e-2 on FP8: another summation order).
 #[test]
 fn gpu_packed_requests_get_the_bits_they_get_alone() {
     use common::packing::{self, bits, prepare, run_packed};
@@ -202,9 +202,10 @@ fn gpu_packed_requests_get_the_bits_they_get_alone() {
             );
             // The one-level tree computes the same mathematics in another order (the question's
             // DeltaNet chunks start elsewhere), and FP8 activation rounding amplifies the f32
-            // differences through 4 random-weight layers: the H200 measured up to 3.8e-2 on the
-            // 4B-wide FP8 model (bench/NOTES.md), ≤ 4e-3 on the tiny BF16 one.
-            let one_level_tol = if name.contains("fp8") { 5e-2 } else { 3e-2 };
+            // differences through 4 random-weight layers. The H200 measured up to 3.8e-2 (3xTF32
+            // scan products) and 5.8e-2 (TF32, the default) on the 4B-wide FP8 model, ≤ 4e-3 and
+            // 9.4e-3 on the tiny BF16 one (bench/NOTES.md). A wrong tree is off by far more.
+            let one_level_tol = if name.contains("fp8") { 8e-2 } else { 3e-2 };
             if e_sep > 3e-2 || e_one > one_level_tol {
                 failures.push(format!("{name}, {}: two-level tree off by {e_sep:.2e} / {e_one:.2e}", r.name));
             }

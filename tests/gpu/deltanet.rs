@@ -48,12 +48,14 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
 /// (1, 63, 64, 65 and 127 rows; 4,097 and 16,384 rows = 65 and 256 chunks) and in a tree (a
 /// 2-token parent and a 4,097-token parent with children, one of them 600 tokens long), each
 /// continued by a second call: against the CPU twin, and BITWISE against the plain tensor-core
-/// scan (`GdnScan::Plain`) on the same inputs (outputs and final states after every call). Then
-/// batch invariance under the default choice by length.
+/// scan (`GdnScan::Plain`) on the same inputs (outputs and final states after every call), with
+/// 3xTF32 products (the default TF32 products have the same checks in `tf32_cases`). Then batch
+/// invariance under the default choice by length.
 pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let tc = |scan| {
         variant(g, |o| {
             o.gdn_ffma = false;
+            o.gdn_tf32 = false;
             o.gdn_scan = scan;
         })
     };
@@ -89,7 +91,7 @@ pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
     batch_invariance_across_scans(g, rep, rng)
 }
 
-/// The one-TF32-MMA scans (`gdn_tf32`, opt-in): plain and pipelined against the CPU twin (final
+/// The one-TF32-MMA scans (`gdn_tf32`, the default): plain and pipelined against the CPU twin (final
 /// states within 4e-3 instead of 3xTF32's 1e-3: operands rounded to 10-bit mantissas) at the
 /// lengths where the pipeline changes shape and in a tree, and bitwise against each other.
 pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {

@@ -137,7 +137,7 @@ fn deltanet_matches_cpu_with_both_scans() {
     rep.finish("deltanet");
 }
 
-/// The one-TF32-MMA chunk scans (opt-in `gdn_tf32`).
+/// The one-TF32-MMA chunk scans (`gdn_tf32`, the default).
 #[test]
 fn tf32_deltanet_scans_match_cpu() {
     let Some(d) = gpu("deltanet (TF32)") else { return };

@@ -42,9 +42,9 @@ pub enum GdnScan {
 impl GdnScan {
     pub fn describe(self) -> &'static str {
         match self {
-            GdnScan::ByLength => "tensor cores (3xTF32), pipelined for long sequences",
-            GdnScan::Pipelined => "tensor cores (3xTF32), pipelined",
-            GdnScan::Plain => "tensor cores (3xTF32), not pipelined",
+            GdnScan::ByLength => "tensor cores, pipelined for long sequences",
+            GdnScan::Pipelined => "tensor cores, pipelined",
+            GdnScan::Plain => "tensor cores, not pipelined",
             GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
         }
     }
@@ -580,9 +580,10 @@ mod tests {
     fn scan_kernel_follows_options_and_the_longest_sequence() {
         let by_length = CudaOptions::default();
         assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
-        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS - 1).0, "gdn_chunk_scan_tc_128");
-        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS).0, "gdn_chunk_scan_tc_pipelined_128");
-        let forced = |gdn_scan| CudaOptions { gdn_scan, ..CudaOptions::default() };
+        assert!(by_length.gdn_tf32, "one TF32 MMA per product is the default");
+        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS - 1).0, "gdn_chunk_scan_tf32_128");
+        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS).0, "gdn_chunk_scan_tf32_pipelined_128");
+        let forced = |gdn_scan| CudaOptions { gdn_scan, gdn_tf32: false, ..CudaOptions::default() };
         assert_eq!(scan_kernel(&forced(GdnScan::Pipelined), 64, 1).0, "gdn_chunk_scan_tc_pipelined_64");
         assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 1000).0, "gdn_chunk_scan_tc_64");
         let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };

@@ -64,7 +64,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// How the CUDA backend places weights and where it caches kernels.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct CudaOptions {
     /// Quantise BF16/F32 projections whose dims are multiples of 128 to block FP8 at load (the
     /// RTN 128×128 recipe of `weights::fp8::quantize_fp8_blocks`). FP8 checkpoint weights are FP8 anyway.
@@ -72,7 +72,7 @@ pub struct CudaOptions {
     /// Dequantise block-FP8 checkpoint projections to BF16 at load (BF16 GEMMs, no FP8 rounding
     /// of activations; twice the weight memory). Wins over `quantize_fp8`.
     pub dequantize_fp8: bool,
-    /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores (3xTF32).
+    /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores.
     /// Default: `IMAJEV_GDN_FFMA=1` in the environment.
     pub gdn_ffma: bool,
     /// Which tensor-core chunk scan runs when `gdn_ffma` is off: the pipelined one for launches
@@ -81,9 +81,10 @@ pub struct CudaOptions {
     /// when this field is left at [`GdnScan::ByLength`]).
     pub gdn_scan: GdnScan,
     /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
-    /// mantissas, f32 accumulation) instead of 3xTF32 (f32-level): about a third of the MMAs on the
-    /// scan's sequential chain. Opt-in while it is measured; plain and pipelined still give the
-    /// same bits as each other. Default: `IMAJEV_GDN_TF32=1` in the environment.
+    /// mantissas, f32 accumulation; the default) rather than 3xTF32 (f32-level, `false`): about a
+    /// third of the MMAs on the scan's sequential chain. Whole requests 8–12% faster on the H200,
+    /// decisions within median |Δp| 1.4e-5 of 3xTF32 (bench/NOTES.md); plain and pipelined give
+    /// the same bits as each other either way. `IMAJEV_GDN_TF32=0` in the environment turns it off.
     pub gdn_tf32: bool,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
@@ -104,6 +105,23 @@ pub struct CudaOptions {
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            quantize_fp8: false,
+            dequantize_fp8: false,
+            gdn_ffma: false,
+            gdn_scan: GdnScan::default(),
+            gdn_tf32: true,
+            unfused_act_quant: false,
+            attention: AttentionKernel::default(),
+            narrow_gemm: narrow::NarrowGemm::default(),
+            narrow_whole_rows: None,
+            kernel_cache_dir: None,
+        }
+    }
 }
 
 /// What the backend runs on.
@@ -173,8 +191,13 @@ impl CudaBackend {
                 Ok(other) => bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain, split or by-length"),
             }
         }
-        if std::env::var("IMAJEV_GDN_TF32").is_ok_and(|v| v == "1") {
-            options.gdn_tf32 = true;
+        match std::env::var("IMAJEV_GDN_TF32").as_deref() {
+            Ok("1") => options.gdn_tf32 = true,
+            Ok("0") => options.gdn_tf32 = false,
+            Ok("") | Err(_) => {}
+            Ok(other) => {
+                bail!("IMAJEV_GDN_TF32={other}: expected 1 (TF32 products, the default) or 0 (3xTF32)")
+            }
         }
         if let Ok(v) = std::env::var("IMAJEV_NARROW_GEMM") {
             if !v.is_empty() {
