@@ -304,87 +304,6 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
   }
 }
 
-// Tensor-core (mma.sync m16n8k8 TF32) helpers of the chunk preparation and the tc scans. Fragments
-// (gr = lane/4, tg = lane%4): A a0 (gr,tg) a1 (gr+8,tg) a2 (gr,tg+4) a3 (gr+8,tg+4); B b0 (tg,gr)
-// b1 (tg+4,gr); C c0 (gr,2tg) c1 (gr,2tg+1) c2 (gr+8,2tg) c3 (gr+8,2tg+1).
-__device__ __forceinline__ unsigned f2tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ void mma_tf32_1688(float* d, const unsigned* a, const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-struct TfA { unsigned hi[4], lo[4]; };
-struct TfB { unsigned hi[2], lo[2]; };
-__device__ __forceinline__ TfA split_a(float a0, float a1, float a2, float a3) {
-  TfA r;
-  const float a[4] = {a0, a1, a2, a3};
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    r.hi[i] = f2tf32(a[i]);
-    r.lo[i] = f2tf32(a[i] - __uint_as_float(r.hi[i]));
-  }
-  return r;
-}
-__device__ __forceinline__ TfB split_b(float b0, float b1) {
-  TfB r;
-  r.hi[0] = f2tf32(b0);
-  r.lo[0] = f2tf32(b0 - __uint_as_float(r.hi[0]));
-  r.hi[1] = f2tf32(b1);
-  r.lo[1] = f2tf32(b1 - __uint_as_float(r.hi[1]));
-  return r;
-}
-__device__ __forceinline__ void mma3(float* d, const TfA& a, const TfB& b) {
-  mma_tf32_1688(d, a.lo, b.hi);
-  mma_tf32_1688(d, a.hi, b.lo);
-  mma_tf32_1688(d, a.hi, b.hi);
-}
-// One product on tensor cores at the scan's precision: P = 3 is 3xTF32 (f32-level), P = 1 one TF32
-// MMA on the rounded operands (10-bit mantissas, as cuBLAS's TF32 mode; the lo halves computed by
-// split_a/split_b are then dead code). The accumulator is f32 either way.
-template <int P>
-__device__ __forceinline__ void mma_p(float* d, const TfA& a, const TfB& b) {
-  static_assert(P == 1 || P == 3, "P: 1 (TF32) or 3 (3xTF32)");
-  if constexpr (P == 1) mma_tf32_1688(d, a.hi, b.hi);
-  else mma3(d, a, b);
-}
-// A (16 x 8 at rows m0, cols k0) of A[m][k] = X[k*ld + m] (X stored transposed).
-__device__ __forceinline__ TfA frag_at(const float* X, int ld, int m0, int k0, int gr, int tg) {
-  return split_a(X[(k0 + tg) * ld + m0 + gr], X[(k0 + tg) * ld + m0 + gr + 8], X[(k0 + tg + 4) * ld + m0 + gr],
-                 X[(k0 + tg + 4) * ld + m0 + gr + 8]);
-}
-// B (8 x 8 at rows k0, cols n0) of B[k][n] = X[k*ld + n].
-__device__ __forceinline__ TfB frag_b(const float* X, int ld, int k0, int n0, int gr, int tg) {
-  return split_b(X[(k0 + tg) * ld + n0 + gr], X[(k0 + tg + 4) * ld + n0 + gr]);
-}
-
-// acc[nt] += A . B over k in [0, kend): A is 16 rows m0.. of X stored transposed (X[k*LDX + m]), B
-// the 32 columns of Y[k*LDY + n] (four 8-column tiles).
-template <int LDX, int LDY, int P>
-__device__ __forceinline__ void mma_rows(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend, int gr,
-                                         int tg) {
-#pragma unroll 2
-  for (int k0 = 0; k0 < kend; k0 += 8) {
-    const TfA a = frag_at(X, LDX, m0, k0, gr, tg);
-#pragma unroll
-    for (int nt = 0; nt < 4; nt++) mma_p<P>(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
-  }
-}
-// Stores the 16 x 32 accumulator tile at rows r0.. of Y (row stride LDY).
-template <int LDY>
-__device__ __forceinline__ void store_rows(float* Y, const float (&acc)[4][4], int r0, int gr, int tg) {
-#pragma unroll
-  for (int nt = 0; nt < 4; nt++) {
-    const int c = 8 * nt + 2 * tg;
-    *(float2*)(Y + (r0 + gr) * LDY + c) = make_float2(acc[nt][0], acc[nt][1]);
-    *(float2*)(Y + (r0 + gr + 8) * LDY + c) = make_float2(acc[nt][2], acc[nt][3]);
-  }
-}
-
 // Chunk matrices, all f32, per chunk of <= 64 rows (rows past the chunk's length have beta = g = 0 and
 // zero q, k, v, so they add nothing). gamma = cumsum(g) inside the chunk (per value head);
 //   P[i][j] = e^{gamma_i - gamma_j} q_i.k_j              (j <= i, else 0)
@@ -394,16 +313,12 @@ __device__ __forceinline__ void store_rows(float* Y, const float (&acc)[4][4], i
 // entries of 4 consecutive rows i of one column j with one 16-byte load.
 //
 // gdn_chunk_prep_<DK>: one block of 256 threads per (chunk, key head). q.k and k.k depend on the key
-// head only and are computed once for its vh/kh value heads, on tensor cores as 3xTF32 MMAs
-// (f32-level, as the scans' 3xTF32 products) from q and k staged transposed in shared memory
-// ([DK][68], the scans' layout and fragment loaders): warp w computes rows 16(w%4).. of k.k (w < 4)
-// or q.k (w >= 4), only the 8-column tiles on or below the diagonal, and keeps them in registers
-// for every value head. Then, two value heads at a time, the q.k warps scale their tiles into P and
-// store it to global memory (zeros above the diagonal tiles included), the k.k warps write A to
-// shared memory (over the staging, no longer needed), and one thread per column c of T runs the
-// forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its column in registers (no barriers
-// inside the solve). The products on CUDA cores were ~60% of this kernel's instructions
-// (bench/NOTES.md, ncu at 1,024 tokens).
+// head only and are computed once for its vh/kh value heads: thread (ti, tj) = (tid/16, tid%16) holds
+// the 4x4 tile rows 4ti.., cols 4tj.. of both (tiles above the diagonal are zero) from q and k staged
+// transposed in shared memory ([DK][64]: 16-byte loads of 4 rows). Then, two value heads at a time,
+// P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
+// one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
+// column in registers (no barriers inside the solve).
 template <int DK>
 __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
                            const int* chunks, int kh, int vh, float* tp) {
@@ -416,28 +331,30 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   float* gam = smem_prep + STAGE;    // [2][64]
   float* bet = gam + 2 * CHUNK;      // [2][64]
   const int ck = blockIdx.x, hk = blockIdx.y, r = vh / kh, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
   const i64 row0 = chunks[2 * ck];
   const int len = chunks[2 * ck + 1];
   stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
   __syncthreads();
-  // Rows m0.. of k.k (warps 0-3) or q.k (warps 4-7); column tiles nt <= last (the diagonal 16 x 16
-  // block's two). Rows past len are zero in the staging, so their products are zero.
-  const bool is_qk = warp >= 4;
-  const int m0 = 16 * (warp & 3), last = 2 * (warp & 3) + 1;
-  float acc[8][4];
+  const int ti = tid >> 4, tj = tid & 15;
+  float kk[4][4], qk[4][4];
 #pragma unroll
-  for (int nt = 0; nt < 8; nt++)
+  for (int a = 0; a < 4; a++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) acc[nt][e] = 0.f;
-  if (m0 < len) {
-    const float* X = is_qk ? Qt : Kt;
-#pragma unroll 2
-    for (int k0 = 0; k0 < DK; k0 += 8) {
-      const TfA a = frag_at(X, LDQK, m0, k0, gr, tg);
+    for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.f;
+  if (tj <= ti && 4 * tj < len) {
+#pragma unroll 4
+    for (int d = 0; d < DK; d++) {
+      const float4 ki = *(const float4*)(Kt + d * LDQK + 4 * ti);
+      const float4 kj = *(const float4*)(Kt + d * LDQK + 4 * tj);
+      const float4 qi = *(const float4*)(Qt + d * LDQK + 4 * ti);
+      const float xi[4] = {ki.x, ki.y, ki.z, ki.w}, yi[4] = {qi.x, qi.y, qi.z, qi.w}, xj[4] = {kj.x, kj.y, kj.z, kj.w};
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-        if (nt <= last) mma_p<3>(acc[nt], a, frag_b(Kt, LDQK, k0, 8 * nt, gr, tg));
+      for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+          kk[a][b] += xi[a] * xj[b];
+          qk[a][b] += yi[a] * xj[b];
+        }
     }
   }
   for (int base = 0; base < r; base += 2) {
@@ -464,20 +381,18 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
       float* Ah = As + h * CHUNK * LDA;
       float* Pg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + CHUNK * CHUNK;
       const float* gh = gam + h * CHUNK;
-      // Accumulator element e of tile nt: row i = m0 + gr (+8 for e >= 2), column j = 8nt + 2tg (+1
-      // for odd e).
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
+      for (int b = 0; b < 4; b++) {
+        const int j = 4 * tj + b;
+        float pv[4];
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int i = m0 + gr + 8 * (e >> 1), j = 8 * nt + 2 * tg + (e & 1);
-          if (is_qk) {
-            const float pv = nt <= last && j <= i ? acc[nt][e] * expf(gh[i] - gh[j]) : 0.f;
-            Pg[j * CHUNK + i] = pv;
-          } else if (nt <= last) {
-            Ah[i * LDA + j] = j < i ? bet[h * CHUNK + i] * acc[nt][e] * expf(gh[i] - gh[j]) : 0.f;
-          }
+        for (int a = 0; a < 4; a++) {
+          const int i = 4 * ti + a;
+          const float e = j <= i ? expf(gh[i] - gh[j]) : 0.f;
+          Ah[i * LDA + j] = j < i ? bet[h * CHUNK + i] * kk[a][b] * e : 0.f;
+          pv[a] = j <= i ? qk[a][b] * e : 0.f;
         }
+        *(float4*)(Pg + j * CHUNK + 4 * ti) = make_float4(pv[0], pv[1], pv[2], pv[3]);
       }
     }
     __syncthreads();
@@ -504,7 +419,7 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
 }
 
 #define PREP_ENTRY(DK)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                                   \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep_##DK(                                      \
       const float* qn, const float* kn, const float* beta, const float* g, const int* chunks, int kh, int vh, \
       float* tp) {                                                                                            \
     chunk_prep<DK>(qn, kn, beta, g, chunks, kh, vh, tp);                                                      \
@@ -680,8 +595,87 @@ SCAN_ENTRY(128)
 //   Vn = T R (warps 0-3), O = e^gamma q S + P Vn (warps 4-7), both over j < 16*(warp%4)+16;
 //   S <- e^{gamma_last} S + (fac k)^T Vn (warp w: state rows 16w.., over the chunk's real rows).
 // gdn_chunk_scan_tf32_<DK> (and _tf32_pipelined_<DK> below): the same kernels with each product as
-// ONE TF32 MMA (mma_p<1>; the default since whole requests ran 8-12% faster with it). Fragment
-// layouts: above the chunk preparation.
+// ONE TF32 MMA (mma_p<1>), to measure how much of the per-chunk latency is the 3xTF32 chain.
+// m16n8k8 TF32 fragments (gr = lane/4, tg = lane%4): A a0 (gr,tg) a1 (gr+8,tg) a2 (gr,tg+4)
+// a3 (gr+8,tg+4); B b0 (tg,gr) b1 (tg+4,gr); C c0 (gr,2tg) c1 (gr,2tg+1) c2 (gr+8,2tg) c3 (gr+8,2tg+1).
+
+__device__ __forceinline__ unsigned f2tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32_1688(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+struct TfA { unsigned hi[4], lo[4]; };
+struct TfB { unsigned hi[2], lo[2]; };
+__device__ __forceinline__ TfA split_a(float a0, float a1, float a2, float a3) {
+  TfA r;
+  const float a[4] = {a0, a1, a2, a3};
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    r.hi[i] = f2tf32(a[i]);
+    r.lo[i] = f2tf32(a[i] - __uint_as_float(r.hi[i]));
+  }
+  return r;
+}
+__device__ __forceinline__ TfB split_b(float b0, float b1) {
+  TfB r;
+  r.hi[0] = f2tf32(b0);
+  r.lo[0] = f2tf32(b0 - __uint_as_float(r.hi[0]));
+  r.hi[1] = f2tf32(b1);
+  r.lo[1] = f2tf32(b1 - __uint_as_float(r.hi[1]));
+  return r;
+}
+__device__ __forceinline__ void mma3(float* d, const TfA& a, const TfB& b) {
+  mma_tf32_1688(d, a.lo, b.hi);
+  mma_tf32_1688(d, a.hi, b.lo);
+  mma_tf32_1688(d, a.hi, b.hi);
+}
+// One product on tensor cores at the scan's precision: P = 3 is 3xTF32 (f32-level), P = 1 one TF32
+// MMA on the rounded operands (10-bit mantissas, as cuBLAS's TF32 mode; the lo halves computed by
+// split_a/split_b are then dead code). The accumulator is f32 either way.
+template <int P>
+__device__ __forceinline__ void mma_p(float* d, const TfA& a, const TfB& b) {
+  static_assert(P == 1 || P == 3, "P: 1 (TF32) or 3 (3xTF32)");
+  if constexpr (P == 1) mma_tf32_1688(d, a.hi, b.hi);
+  else mma3(d, a, b);
+}
+// A (16 x 8 at rows m0, cols k0) of A[m][k] = X[k*ld + m] (X stored transposed).
+__device__ __forceinline__ TfA frag_at(const float* X, int ld, int m0, int k0, int gr, int tg) {
+  return split_a(X[(k0 + tg) * ld + m0 + gr], X[(k0 + tg) * ld + m0 + gr + 8], X[(k0 + tg + 4) * ld + m0 + gr],
+                 X[(k0 + tg + 4) * ld + m0 + gr + 8]);
+}
+// B (8 x 8 at rows k0, cols n0) of B[k][n] = X[k*ld + n].
+__device__ __forceinline__ TfB frag_b(const float* X, int ld, int k0, int n0, int gr, int tg) {
+  return split_b(X[(k0 + tg) * ld + n0 + gr], X[(k0 + tg + 4) * ld + n0 + gr]);
+}
+
+// acc[nt] += A . B over k in [0, kend): A is 16 rows m0.. of X stored transposed (X[k*LDX + m]), B
+// the 32 columns of Y[k*LDY + n] (four 8-column tiles).
+template <int LDX, int LDY, int P>
+__device__ __forceinline__ void mma_rows(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend, int gr,
+                                         int tg) {
+#pragma unroll 2
+  for (int k0 = 0; k0 < kend; k0 += 8) {
+    const TfA a = frag_at(X, LDX, m0, k0, gr, tg);
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) mma_p<P>(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
+  }
+}
+// Stores the 16 x 32 accumulator tile at rows r0.. of Y (row stride LDY).
+template <int LDY>
+__device__ __forceinline__ void store_rows(float* Y, const float (&acc)[4][4], int r0, int gr, int tg) {
+#pragma unroll
+  for (int nt = 0; nt < 4; nt++) {
+    const int c = 8 * nt + 2 * tg;
+    *(float2*)(Y + (r0 + gr) * LDY + c) = make_float2(acc[nt][0], acc[nt][1]);
+    *(float2*)(Y + (r0 + gr + 8) * LDY + c) = make_float2(acc[nt][2], acc[nt][3]);
+  }
+}
 
 template <int DK, int P>
 __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
