@@ -7,6 +7,9 @@
 #   .gpu/gpu-service   (cargo test --release --test gpu_service --no-run; likewise; optional)
 #   .gpu/gpu-ops       (cargo build --release --example bench_gpu_ops; strip; for h200_quick.sh)
 #   .whl/              (flash-linear-attention 0.6.0 + fla-core 0.6.0 wheels, pure Python)
+# The peer runs the short rows, then the fidelity comparison, then the long rows (--long: ~40-60 s
+# per request for transformers); everything with --long 1,2 does not fit one 600 s device call
+# (2026-12-04: the call ended in the 47.7K peer request): give the long rows their own call.
 # Writes everything under $OUT (8 files: the most a device call returns). If the DeltaNet kernel
 # checks fail with the tensor-core scan, the benchmark runs with the CUDA-core scan
 # (IMAJEV_GDN_FFMA=1) and says so in $OUT/scan.txt.
