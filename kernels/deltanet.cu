@@ -62,9 +62,11 @@ __device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
 // head (x * rsqrt(sum x^2 + 1e-6)), q * dk^-1/2; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
 // Inputs are blocks of the fused projection with row stride ld (elements): channel c of row t is
 // x[t*ld + c] (c < C = 2*kh*dk + vh*dv), b and a of value head h are b[t*ld + h], a[t*ld + h].
-// A thread owns 4 consecutive channels and CONV_ROWS consecutive rows, keeping the inputs of the
-// register taps from row to row (one new input row per output row while the sequence continues);
-// the dk/4 lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with
+// A thread owns 4 consecutive channels and CONV_ROWS consecutive rows. When those rows lie inside
+// one sequence past its first kw-1 rows (nearly every block of a long prefill), all their input
+// rows are loaded at once, so a thread has kw-1+CONV_ROWS loads in flight (the kernel ran at about
+// a third of the copy rate with one or two); otherwise the row loop keeps the inputs of the register
+// taps from row to row (one new input row per output row while the sequence continues). The dk/4 lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with
 // shuffles.
 // Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32.
 // vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
@@ -82,74 +84,9 @@ extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* 
   for (int e = 0; e < 4; e++)
 #pragma unroll
     for (int j = 0; j < CONV_REG_TAPS; j++) wr[e][j] = active && j < kw ? bf(convw[(i64)(c0 + e) * kw + j]) : 0.f;
-  const i64 t0 = (i64)blockIdx.x * CONV_ROWS;
-  i64 row0 = 0, row1 = 0;  // the current sequence's rows [row0, row1)
-  const float* hist = nullptr;
-  // The inputs of the register taps for the last row computed (win[j]: local row i + j - (kw-1)),
-  // so that the next row of the same sequence loads one new input row instead of kw.
-  float win[CONV_REG_TAPS][4];
-  int last_i = -2;  // local row of the inputs in win; -2: none (a new sequence or the first row)
-  // Row-level control flow is uniform over the block (depends on blockIdx and r only), so every
-  // lane of a warp reaches the shuffles.
-  for (int r = 0; r < CONV_ROWS; r++) {
-    const i64 t = t0 + r;
-    if (t >= n) break;
-    if (t < row0 || t >= row1) {
-      const int s = find_seg4(segs, nseg, t);
-      if (s < 0) continue;
-      row0 = segs[4 * s];
-      row1 = row0 + segs[4 * s + 1];
-      hist = (const float*)segs[4 * s + 2];
-      last_i = -2;
-    }
-    const int i = (int)(t - row0);
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (active) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f}, xv[4];
-      // Input row l of this sequence (l < 0: its history).
-      auto input = [&](int l, float (&o)[4]) {
-        if (l >= 0) {
-          load4_bf16(x + (row0 + l) * ld + c0, vec != 0, o);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; e++) o[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
-        }
-      };
-      const int jl = min(kw, CONV_REG_TAPS) - 1;  // the last register tap
-      if (i == last_i + 1) {
-        // Slide: register taps 0..jl-1 take the previous row's taps 1..jl; tap jl is read.
-#pragma unroll
-        for (int j = 0; j + 1 < CONV_REG_TAPS; j++)
-          if (j < jl)
-#pragma unroll
-            for (int e = 0; e < 4; e++) win[j][e] = win[j + 1][e];
-        input(i + jl - (kw - 1), xv);
-#pragma unroll
-        for (int j = 0; j < CONV_REG_TAPS; j++)
-          if (j == jl)
-#pragma unroll
-            for (int e = 0; e < 4; e++) win[j][e] = xv[e];
-      } else {
-#pragma unroll
-        for (int j = 0; j < CONV_REG_TAPS; j++)
-          if (j < kw) input(i + j - (kw - 1), win[j]);
-      }
-      last_i = i;
-#pragma unroll
-      for (int j = 0; j < CONV_REG_TAPS; j++) {
-        if (j < kw) {
-#pragma unroll
-          for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * win[j][e];
-        }
-      }
-      for (int j = CONV_REG_TAPS; j < kw; j++) {
-        input(i + j - (kw - 1), xv);
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[e] += bf(convw[(i64)(c0 + e) * kw + j]) * xv[e];
-      }
-#pragma unroll
-      for (int e = 0; e < 4; e++) v[e] = silu_f(acc[e]);
-    }
+  // The end of every output row: the key heads' sums of squares (shuffles: every lane of the warp
+  // must get here), L2 norms and scales, the f32 stores.
+  auto emit = [&](i64 t, const float (&v)[4]) {
     float ss = v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
     for (int o = G >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (active) {
@@ -168,6 +105,117 @@ extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* 
         dst = vo + t * (i64)(vh * dv) + (c0 - 2 * kd);
         *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
       }
+    }
+  };
+  const i64 t0 = (i64)blockIdx.x * CONV_ROWS;
+  // The common case: the block's CONV_ROWS rows all lie in one sequence, past its first kw-1 rows,
+  // and every tap is a register tap. Then the kw-1+CONV_ROWS input rows are loaded up front (that
+  // many independent loads in flight per thread, where the row loop below waits on one or two per
+  // row) and each output row is the same sum, in the same order, as in the row loop: same bits.
+  bool fast = false;
+  if (kw <= CONV_REG_TAPS && t0 + CONV_ROWS <= n) {
+    const int s = find_seg4(segs, nseg, t0);
+    if (s >= 0) {
+      const i64 r0 = segs[4 * s], r1 = r0 + segs[4 * s + 1];
+      fast = t0 - r0 >= kw - 1 && t0 + CONV_ROWS <= r1;
+    }
+  }
+  if (fast) {
+    // xin[l]: input row t0 + l - (kw-1); output row t0 + r reads xin[r + j], taps j = 0..kw-1.
+    constexpr int NIN = CONV_ROWS + CONV_REG_TAPS - 1;
+    float xin[NIN][4];
+#pragma unroll
+    for (int l = 0; l < NIN; l++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) xin[l][e] = 0.f;
+      if (active && l < CONV_ROWS + kw - 1) load4_bf16(x + (t0 + l - (kw - 1)) * ld + c0, vec != 0, xin[l]);
+    }
+#pragma unroll
+    for (int r = 0; r < CONV_ROWS; r++) {
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (active) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < CONV_REG_TAPS; j++) {
+          if (j < kw) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * xin[r + j][e];
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) v[e] = silu_f(acc[e]);
+      }
+      emit(t0 + r, v);
+    }
+  } else {
+    i64 row0 = 0, row1 = 0;  // the current sequence's rows [row0, row1)
+    const float* hist = nullptr;
+    // The inputs of the register taps for the last row computed (win[j]: local row i + j - (kw-1)),
+    // so that the next row of the same sequence loads one new input row instead of kw.
+    float win[CONV_REG_TAPS][4];
+    int last_i = -2;  // local row of the inputs in win; -2: none (a new sequence or the first row)
+    // Row-level control flow is uniform over the block (depends on blockIdx and r only), so every
+    // lane of a warp reaches the shuffles.
+    for (int r = 0; r < CONV_ROWS; r++) {
+      const i64 t = t0 + r;
+      if (t >= n) break;
+      if (t < row0 || t >= row1) {
+        const int s = find_seg4(segs, nseg, t);
+        if (s < 0) continue;
+        row0 = segs[4 * s];
+        row1 = row0 + segs[4 * s + 1];
+        hist = (const float*)segs[4 * s + 2];
+        last_i = -2;
+      }
+      const int i = (int)(t - row0);
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (active) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f}, xv[4];
+        // Input row l of this sequence (l < 0: its history).
+        auto input = [&](int l, float (&o)[4]) {
+          if (l >= 0) {
+            load4_bf16(x + (row0 + l) * ld + c0, vec != 0, o);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[e] = hist[(i64)(kw - 1 + l) * C + c0 + e];
+          }
+        };
+        const int jl = min(kw, CONV_REG_TAPS) - 1;  // the last register tap
+        if (i == last_i + 1) {
+          // Slide: register taps 0..jl-1 take the previous row's taps 1..jl; tap jl is read.
+#pragma unroll
+          for (int j = 0; j + 1 < CONV_REG_TAPS; j++)
+            if (j < jl)
+#pragma unroll
+              for (int e = 0; e < 4; e++) win[j][e] = win[j + 1][e];
+          input(i + jl - (kw - 1), xv);
+#pragma unroll
+          for (int j = 0; j < CONV_REG_TAPS; j++)
+            if (j == jl)
+#pragma unroll
+              for (int e = 0; e < 4; e++) win[j][e] = xv[e];
+        } else {
+#pragma unroll
+          for (int j = 0; j < CONV_REG_TAPS; j++)
+            if (j < kw) input(i + j - (kw - 1), win[j]);
+        }
+        last_i = i;
+#pragma unroll
+        for (int j = 0; j < CONV_REG_TAPS; j++) {
+          if (j < kw) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * win[j][e];
+          }
+        }
+        for (int j = CONV_REG_TAPS; j < kw; j++) {
+          input(i + j - (kw - 1), xv);
+#pragma unroll
+          for (int e = 0; e < 4; e++) acc[e] += bf(convw[(i64)(c0 + e) * kw + j]) * xv[e];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) v[e] = silu_f(acc[e]);
+      }
+      emit(t, v);
     }
   }
   const int nthreads = gridDim.y * blockDim.x;
