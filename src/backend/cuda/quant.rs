@@ -65,14 +65,19 @@ impl CudaBackend {
     }
 }
 
+/// (row, 128-block) items per warp of the fused quantisers (= QUANT_ITEMS in kernels/quant.cu; the
+/// kernels stride over the grid, so another count here costs speed, never correctness).
+const FUSED_QUANT_ITEMS: usize = 2;
+
 impl CudaBackend {
     /// One launch of a fused quantiser of quant.cu (`swiglu_quant_1x128`, `gelu_quant_1x128`):
     /// its leading arguments `head`, the quantisation it writes for `m` rows of width `k` (codes,
-    /// scales, M, Mpad, K), then `tail`; one warp per (padded row, 128-block). Returns that
-    /// quantisation (the kernel writes all of it: pad rows zero, scale 1).
+    /// scales, M, Mpad, K), then `tail`; one warp per [`FUSED_QUANT_ITEMS`] (padded row,
+    /// 128-block) items. Returns that quantisation (the kernel writes all of it: pad rows zero,
+    /// scale 1).
     fn fused_quant(&self, name: &str, head: &[Arg], m: usize, k: usize, tail: &[Arg]) -> Result<ActFp8> {
         let a = self.alloc_act_fp8(m, k)?;
-        let warps = a.mpad * (k / FP8_BLOCK);
+        let warps = (a.mpad * (k / FP8_BLOCK)).div_ceil(FUSED_QUANT_ITEMS);
         let mut args = head.to_vec();
         args.extend([
             Arg::Ptr(self.p(&a.q)),
