@@ -66,8 +66,8 @@ __device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
 // one sequence past its first kw-1 rows (nearly every block of a long prefill), all their input
 // rows are loaded at once, so a thread has kw-1+CONV_ROWS loads in flight (the kernel ran at about
 // a third of the copy rate with one or two); otherwise the row loop keeps the inputs of the register
-// taps from row to row (one new input row per output row while the sequence continues). The dk/4 lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with
-// shuffles.
+// taps from row to row (one new input row per output row while the sequence continues). The dk/4
+// lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with shuffles.
 // Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32.
 // vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
 extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs,
