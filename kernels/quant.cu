@@ -64,8 +64,8 @@ __device__ __forceinline__ void quant_rows_1x128(unsigned char* q, float* s, int
 struct SwigluRaw {
   bf16 gate[4], up[4];
 };
-extern "C" __global__ void __launch_bounds__(256, 5) swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M,
-                                              int Mpad, int K) {
+extern "C" __global__ void __launch_bounds__(256, 5)
+    swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M, int Mpad, int K) {
   quant_rows_1x128<SwigluRaw>(
       q, s, M, Mpad, K,
       [=](int m, int c0, SwigluRaw& r) {
@@ -90,8 +90,8 @@ extern "C" __global__ void __launch_bounds__(256, 5) swiglu_quant_1x128(const bf
 struct GeluRaw {
   bf16 h[4];
 };
-extern "C" __global__ void __launch_bounds__(256, 6) gelu_quant_1x128(bf16* x, unsigned char* q, float* s, int M, int Mpad, int K,
-                                            int tanh_mode) {
+extern "C" __global__ void __launch_bounds__(256, 6)
+    gelu_quant_1x128(bf16* x, unsigned char* q, float* s, int M, int Mpad, int K, int tanh_mode) {
   quant_rows_1x128<GeluRaw>(
       q, s, M, Mpad, K, [=](int m, int c0, GeluRaw& r) { load_bf16x4(x + (i64)m * K + c0, r.h); },
       [=](int m, int c0, const GeluRaw& r, float v[4]) {
