@@ -23,7 +23,7 @@
 
 use anyhow::{Context, Result};
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
-use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, GdnScan};
+use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, CudaTensor, GdnScan};
 use imajev_serve::backend::{
     AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart,
 };
@@ -67,16 +67,16 @@ fn part(w: &MemoryTensor) -> LinearPart<'_> {
     LinearPart { weight: w.r(), bias: None, lora: None }
 }
 
-/// A BF16 device tensor of random values (an upload is F32; a row gather makes it BF16, as the
-/// model's activations are).
-fn bf16_input(
-    g: &CudaBackend,
-    rng: &mut SplitMix,
-    shape: &[usize],
-) -> Result<imajev_serve::backend::cuda::CudaTensor> {
+/// `values` as a BF16 device tensor of `shape` (an upload is F32; a row gather makes it BF16, as
+/// the model's activations are).
+fn bf16_tensor(g: &CudaBackend, values: &[f32], shape: &[usize]) -> Result<CudaTensor> {
+    g.gather_rows(&g.upload(values, shape)?, &(0..shape[0]).collect::<Vec<_>>())
+}
+
+/// A BF16 device tensor of random values.
+fn bf16_input(g: &CudaBackend, rng: &mut SplitMix, shape: &[usize]) -> Result<CudaTensor> {
     let n: usize = shape.iter().product();
-    let t = g.upload(&rng.bf16_normals(n, 1.0), shape)?;
-    g.gather_rows(&t, &(0..shape[0]).collect::<Vec<_>>())
+    bf16_tensor(g, &rng.bf16_normals(n, 1.0), shape)
 }
 
 struct Bench<'a> {
@@ -132,7 +132,7 @@ impl Bench<'_> {
         let wv = self.rng.bf16_normals(d, 0.1);
         for (label, be) in [("fused quantisation", g), ("quant_act_1x128 launch", &u)] {
             let l = be.linear(&[part(&wp)])?;
-            let x = be.gather_rows(&be.upload(&xv, &[m, d])?, &(0..m).collect::<Vec<_>>())?;
+            let x = bf16_tensor(be, &xv, &[m, d])?;
             let w = be.upload(&wv, &[d])?;
             let ms = time_ms(be, 20, &mut || be.matmul(&be.rms_norm(&x, &w, 1e-6, 1.0)?, &l).map(|_| ()))?;
             self.push(format!("rms_norm + fp8 GEMM N=128 [{m}, {d}], {label}"), ms, None);
@@ -158,10 +158,8 @@ impl Bench<'_> {
             // The split/whole choice is the narrow-output kernel's: LoRA B runs on the first two.
             let sides = if beta == 0.0 { sides } else { &sides[..2.min(sides.len())] };
             for &(label, g) in sides {
-                let x = g.gather_rows(&g.upload(&xv, &[m, k])?, &(0..m).collect::<Vec<_>>())?;
-                let w = g.gather_rows(&g.upload(&wv, &[n, k])?, &(0..n).collect::<Vec<_>>())?;
-                let mut y =
-                    g.gather_rows(&g.upload(&vec![0.0; m * n], &[m, n])?, &(0..m).collect::<Vec<_>>())?;
+                let (x, w) = (bf16_tensor(g, &xv, &[m, k])?, bf16_tensor(g, &wv, &[n, k])?);
+                let mut y = bf16_tensor(g, &vec![0.0; m * n], &[m, n])?;
                 let ms = time_ms(g, iters, &mut || g.bf16_gemm(&x, &w, &mut y, 2.0, beta))?;
                 let vs = match first {
                     None => {
@@ -261,9 +259,8 @@ impl Bench<'_> {
         let mut single = Vec::new();
         let mut forked = Vec::new();
         for &(label, g) in scans {
-            let rows = |n: usize| (0..n).collect::<Vec<_>>();
-            let proj = g.gather_rows(&g.upload(&proj_h, &[m, pw])?, &rows(m))?;
-            let conv = g.gather_rows(&g.upload(&conv_h, &[ch, 4])?, &rows(ch))?;
+            let proj = bf16_tensor(g, &proj_h, &[m, pw])?;
+            let conv = bf16_tensor(g, &conv_h, &[ch, 4])?;
             let (alog, dtb, nw) = (
                 g.upload(&vec![1.0; vh], &[vh])?,
                 g.upload(&vec![0.0; vh], &[vh])?,
@@ -286,7 +283,7 @@ impl Bench<'_> {
                 // The benchmark request's passes: 11 forks of one state, 73 tokens each (two chunks).
                 let n: usize = lens.iter().sum();
                 let base = g.new_delta_state(&dims)?;
-                let x = g.gather_rows(&proj, &rows(n))?;
+                let x = g.gather_rows(&proj, &(0..n).collect::<Vec<_>>())?;
                 let inputs = DeltaNetInputs { proj: &x, ..inputs };
                 let ms = time_ms(g, 5, &mut || {
                     let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
