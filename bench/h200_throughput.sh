@@ -37,23 +37,14 @@ passes=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["reque
   "$OUT/throughput.json") || { echo "no packed report: see load.log"; exit 1; }
 load unpacked 18778 --clients 16 --out "$OUT/throughput-unpacked.json" \
   -- "${SERVE[@]}" --batch-sequences $((passes + 1))
-python3 - "$OUT/throughput.json" "$OUT/throughput-unpacked.json" <<'PY' | tee "$OUT/summary.txt"
+{
+  python3 bench/http_load.py --print-report "$OUT/throughput.json" "$OUT/throughput-unpacked.json"
+  python3 - "$OUT/throughput.json" "$OUT/throughput-unpacked.json" <<'PY'
 import json, sys
 from pathlib import Path
 reports = [json.loads(Path(p).read_text()) if Path(p).exists() else None for p in sys.argv[1:]]
-for name, r in zip(("packing on", "packing off"), reports):
-    if r is None:
-        print(f"{name}: no report")
-        continue
-    print(f"{name}: {r['server']}")
-    print(f"  request: {r['request']}")
-    for row, d in zip(r["throughput"], r["details"]):
-        print(f"  {row['clients']:3d} clients: {row['requests_per_s']:7.2f} req/s  p50 {row['p50_ms']} ms  "
-              f"p99 {row['p99_ms']} ms  statuses {row['statuses']}  identical {row['identical_to_single_client']}  "
-              f"requests/round {d['requests_per_engine_round']}")
-    for p in r["problems"][:5]:
-        print(f"  problem: {p}")
 if all(reports):
     same = reports[0]["reference_sha256"] == reports[1]["reference_sha256"]
-    print(f"single-client answers of the two servers identical: {same}")
+    print(f"single-client answers of the two servers (packing on, off) identical: {same}")
 PY
+} | tee "$OUT/summary.txt"

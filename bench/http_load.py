@@ -221,6 +221,23 @@ def start_server(args, work):
     raise SystemExit(f"the server did not become healthy in {args.start_timeout} s; see {log_path}")
 
 
+def print_report(path):
+    """A report written by --out as a few lines: its server, its request, then per client count the
+    requests/s, latencies, statuses, the byte-identity check and requests per engine round."""
+    if not Path(path).exists():
+        print(f"{path}: no report")
+        return
+    r = json.loads(Path(path).read_text())
+    print(f"{Path(path).stem}: {r['server']}")
+    print(f"  request: {r['request']}")
+    for row, d in zip(r["throughput"], r["details"]):
+        print(f"  {row['clients']:3d} clients: {row['requests_per_s']:7.2f} req/s  p50 {row['p50_ms']} ms  "
+              f"p99 {row['p99_ms']} ms  statuses {row['statuses']}  identical {row['identical_to_single_client']}  "
+              f"requests/round {d['requests_per_engine_round']}")
+    for q in r["problems"][:5]:
+        print(f"  problem: {q}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", help="imajev-serve binary: start `serve` (and build the model with `synth` when needed)")
@@ -240,9 +257,15 @@ def main():
     ap.add_argument("--merge-into", help="also set this JSON file's \"throughput\" (e.g. bench/results/h200.json)")
     ap.add_argument("--merge-report", action="append", default=[],
                     help="with --merge-into and no run: a report written by --out (a second one: packing off)")
+    ap.add_argument("--print-report", nargs="+", metavar="REPORT",
+                    help="no run: print reports written by --out, a block each (server, request, one line per level)")
     ap.add_argument("server_args", nargs="*", help="after --: extra `serve` flags (e.g. --device cuda --quantize fp8)")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    if args.print_report:
+        for path in args.print_report:
+            print_report(path)
+        return
     if args.merge_report:
         if not args.merge_into or args.bin or args.url or len(args.merge_report) > 2:
             ap.error("--merge-report: one or two reports, with --merge-into and without --bin/--url")
