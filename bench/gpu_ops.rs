@@ -12,9 +12,9 @@
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
 //!   prefix, TFLOP/s counted over the causal half; the 128-row kernel beside the 64-row one;
 //! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens, once with each
-//!   tensor-core chunk scan (plain and pipelined: the same bits, the rest of the mixer the same
-//!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
-//!   own device time;
+//!   tensor-core chunk scan (plain, pipelined and the wide plain one: the same bits, the rest of
+//!   the mixer the same kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also
+//!   each scan kernel's own device time;
 //! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
 //!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
 //!   977 rows (the 256-token request's forward), 4K, 16K and 47,692 rows (the 2-image request)
@@ -416,9 +416,12 @@ fn main() -> Result<()> {
     let (plain1, piped1) = (scan(GdnScan::Plain, true)?, scan(GdnScan::Pipelined, true)?);
     // The split delta rule (`GdnScan::Split`), each beside the pipelined scan of its precision.
     let (split3, split1) = (scan(GdnScan::Split, false)?, scan(GdnScan::Split, true)?);
+    // The wide plain scan (one block per head over all value columns) beside the plain one.
+    let wide1 = scan(GdnScan::Wide, true)?;
     let tf32 = [
         [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
         [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
+        [("plain TF32 scan", &plain1), ("wide TF32 scan", &wide1)],
         [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
         [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
     ];

@@ -252,19 +252,19 @@ extern "C" __global__ void gdn_conv_hist(const bf16* x, i64 ld, const i64* segs,
 // Xt + d*LDQK + i. Global reads are 16-byte and coalesced (a warp reads 4 float4 from each of 8
 // rows); the transposed shared stores of a warp hit 16 banks (2-way) thanks to the 68-float stride.
 constexpr int LDQK = CHUNK + 4;
-template <int DK>
+template <int DK, int THREADS = 256>
 __device__ __forceinline__ void stage_qk_t(float* Kt, float* Qt, const float* qn, const float* kn, i64 row0, int len,
                                            int kh, int hk) {
-  // Blocks are 256 threads (every caller); compile-time trip counts let a thread's loads (4 rows of
-  // k and q at a time) be in flight together instead of one L2 round trip per iteration.
-  constexpr int N = CHUNK * DK / 4 / 256 > 0 ? CHUNK * DK / 4 / 256 : 1;
+  // Blocks are THREADS threads; compile-time trip counts let a thread's loads (4 rows of k and q
+  // at a time) be in flight together instead of one L2 round trip per iteration.
+  constexpr int N = CHUNK * DK / 4 / THREADS > 0 ? CHUNK * DK / 4 / THREADS : 1;
   constexpr int G = N < 4 ? N : 4;
 #pragma unroll
   for (int u0 = 0; u0 < N; u0 += G) {
     float4 kv[G], qv[G];
 #pragma unroll
     for (int u = 0; u < G; u++) {
-      const int t = threadIdx.x + 256 * (u0 + u);
+      const int t = threadIdx.x + THREADS * (u0 + u);
       const int i = (t & 7) + 8 * ((t >> 3) / (DK / 4)), d = 4 * ((t >> 3) % (DK / 4));
       kv[u] = qv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (t < CHUNK * DK / 4 && i < len) {
@@ -275,7 +275,7 @@ __device__ __forceinline__ void stage_qk_t(float* Kt, float* Qt, const float* qn
     }
 #pragma unroll
     for (int u = 0; u < G; u++) {
-      const int t = threadIdx.x + 256 * (u0 + u);
+      const int t = threadIdx.x + THREADS * (u0 + u);
       if (t >= CHUNK * DK / 4) continue;
       const int i = (t & 7) + 8 * ((t >> 3) / (DK / 4)), d = 4 * ((t >> 3) % (DK / 4));
       Kt[(d + 0) * LDQK + i] = kv[u].x;
@@ -290,12 +290,12 @@ __device__ __forceinline__ void stage_qk_t(float* Kt, float* Qt, const float* qn
   }
 }
 
-// Copies 32 columns c0.. (ncols of them real, a multiple of 4; the rest zero) of a [DK][dv] state
+// Copies NC columns c0.. (ncols of them real, a multiple of 4; the rest zero) of a [DK][dv] state
 // into S [DK][ld] with 16-byte asynchronous copies (the caller waits).
-template <int DK>
+template <int DK, int NC = 32>
 __device__ __forceinline__ void load_state_async(float* S, int ld, const float* state_in, int dv, int c0, int ncols) {
-  for (int idx = threadIdx.x; idx < DK * 8; idx += blockDim.x) {
-    const int d = idx / 8, c = (idx % 8) * 4;
+  for (int idx = threadIdx.x; idx < DK * (NC / 4); idx += blockDim.x) {
+    const int d = idx / (NC / 4), c = (idx % (NC / 4)) * 4;
     const bool ok = c < ncols;
     cp_async16(S + d * ld + c, state_in + (ok ? (i64)d * dv + c0 + c : 0), ok);
   }
@@ -321,15 +321,16 @@ __device__ __forceinline__ void chunk_gates(float* gam, float* bet, const float*
 // Everything a scan chunk starts from, after the barrier that ends the previous chunk: q and k
 // staged transposed, R <- v (columns c0.., row stride ldr, zeros past len / ncols) by cp.async,
 // gamma and beta; returns after the barriers that make them visible (gamma's upper half fixed up).
-template <int DK>
+// NC: the block's value columns (32, or all of them up to 128 in the wide scan); THREADS: its size.
+template <int DK, int NC = 32, int THREADS = 256>
 __device__ __forceinline__ void chunk_inputs(float* Kt, float* Qt, float* R, int ldr, float* gam, float* bet,
                                              const float* qn, const float* kn, const float* v, const float* g,
                                              const float* beta, i64 row0, int len, int kh, int hk, int vh, int hv,
                                              int dv, int c0, int ncols) {
   __syncthreads();
-  stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
-  for (int idx = threadIdx.x; idx < CHUNK * 8; idx += blockDim.x) {
-    const int i = idx / 8, c = (idx % 8) * 4;
+  stage_qk_t<DK, THREADS>(Kt, Qt, qn, kn, row0, len, kh, hk);
+  for (int idx = threadIdx.x; idx < CHUNK * (NC / 4); idx += blockDim.x) {
+    const int i = idx / (NC / 4), c = (idx % (NC / 4)) * 4;
     const bool ok = i < len && c < ncols;
     cp_async16(R + i * ldr + c, v + (ok ? ((row0 + i) * vh + hv) * dv + c0 + c : 0), ok);
   }
@@ -342,12 +343,12 @@ __device__ __forceinline__ void chunk_inputs(float* Kt, float* Qt, float* R, int
 
 // The twin of load_state_async: waits for outstanding copies (a sequence with no rows still copies
 // its state), then writes the real columns of S [DK][ld] back to a [DK][dv] state.
-template <int DK>
+template <int DK, int NC = 32>
 __device__ __forceinline__ void store_state(float* state, int dv, int c0, int ncols, const float* S, int ld) {
   cp_async_wait_all();
   __syncthreads();
-  for (int idx = threadIdx.x; idx < DK * 32; idx += blockDim.x) {
-    const int d = idx / 32, c = idx % 32;
+  for (int idx = threadIdx.x; idx < DK * NC; idx += blockDim.x) {
+    const int d = idx / NC, c = idx % NC;
     if (c < ncols) state[(i64)d * dv + c0 + c] = S[d * ld + c];
   }
 }
@@ -703,22 +704,22 @@ __device__ __forceinline__ TfB frag_b(const float* X, int ld, int k0, int n0, in
 }
 
 // acc[nt] += A . B over k in [0, kend): A is 16 rows m0.. of X stored transposed (X[k*LDX + m]), B
-// the 32 columns of Y[k*LDY + n] (four 8-column tiles).
-template <int LDX, int LDY, int P>
-__device__ __forceinline__ void mma_rows(float (&acc)[4][4], const float* X, const float* Y, int m0, int kend, int gr,
-                                         int tg) {
+// the 8·NT columns of Y[k*LDY + n] (NT 8-column tiles; 4 in the 32-column scans).
+template <int LDX, int LDY, int P, int NT>
+__device__ __forceinline__ void mma_rows(float (&acc)[NT][4], const float* X, const float* Y, int m0, int kend,
+                                         int gr, int tg) {
 #pragma unroll 2
   for (int k0 = 0; k0 < kend; k0 += 8) {
     const TfA a = frag_at(X, LDX, m0, k0, gr, tg);
 #pragma unroll
-    for (int nt = 0; nt < 4; nt++) mma_p<P>(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
+    for (int nt = 0; nt < NT; nt++) mma_p<P>(acc[nt], a, frag_b(Y, LDY, k0, 8 * nt, gr, tg));
   }
 }
-// Stores the 16 x 32 accumulator tile at rows r0.. of Y (row stride LDY).
-template <int LDY>
-__device__ __forceinline__ void store_rows(float* Y, const float (&acc)[4][4], int r0, int gr, int tg) {
+// Stores the 16 x 8·NT accumulator tile at rows r0.. of Y (row stride LDY).
+template <int LDY, int NT>
+__device__ __forceinline__ void store_rows(float* Y, const float (&acc)[NT][4], int r0, int gr, int tg) {
 #pragma unroll
-  for (int nt = 0; nt < 4; nt++) {
+  for (int nt = 0; nt < NT; nt++) {
     const int c = 8 * nt + 2 * tg;
     *(float2*)(Y + (r0 + gr) * LDY + c) = make_float2(acc[nt][0], acc[nt][1]);
     *(float2*)(Y + (r0 + gr + 8) * LDY + c) = make_float2(acc[nt][2], acc[nt][3]);
@@ -847,6 +848,152 @@ SCAN_TC_ENTRY(16)
 SCAN_TC_ENTRY(32)
 SCAN_TC_ENTRY(64)
 SCAN_TC_ENTRY(128)
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_scan_{tc,tf32}_wide_<DK>: gdn_chunk_scan_{tc,tf32}_<DK> with one block per (sequence,
+// value head) over all its value columns (dv <= 128, 16 warps), where the plain scan runs four
+// blocks of 32 columns that each stage the chunk's q and k, load its T and P and compute its gates
+// — four times the global round trips and staging per (sequence, head), and four times the blocks
+// (a packed round of 96 short sequences: 12,288 blocks a layer, 46 waves of ~26 µs for one or
+// two chunks each; the plain scan was 22% of that forward, NOTES). Here each warp's MMAs cover 64
+// columns where they covered 32, so a warp has twice the independent accumulators per k step.
+// Same BITS as gdn_chunk_scan_{tc,tf32}_<DK>: every output and state element is the same MMA
+// sequence over the same k order on the same operand values, and every elementwise step the same
+// f32 expression; only which warp computes which tile differs (the device suite compares them
+// bitwise). 16 warps:
+//   k S (warps 0-7) and q S (warps 8-15): rows 16(w%4).., columns 64((w/4)%2).. (8 tiles of 8);
+//   Vn = T R: warp w rows 16(w%4).., columns 32(w/4)..;
+//   O = e^gamma q S + P Vn: warps 8-15, on their q S tiles;
+//   S <- e^{gamma_last} S + (fac k)^T Vn: warp w state rows 16(w%8).., columns 64(w/8)...
+// Shared memory (layout::delta_tc_wide_smem_bytes): k and q staged transposed [DK][68] (q's
+// staging then holds T and P), S [DK][136], R and Vn [64][136], the gates: 209,664 bytes at dk 128,
+// one block per SM (16 warps, as two plain blocks).
+template <int DK, int P>
+__device__ void chunk_scan_tc_wide(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
+                                   const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv,
+                                   float* out) {
+  extern __shared__ __align__(16) float smem_tcw[];
+  constexpr int THREADS = 512, NC = 128;
+  constexpr int LD = LDQK;                    // 68
+  constexpr int LS = NC + 8;                  // 136: conflict-free B fragments, as the plain scan's 40
+  constexpr int QREG = (DK * LD > 2 * CHUNK * LD) ? DK * LD : 2 * CHUNK * LD;
+  float* Kt = smem_tcw;                       // [DK][68]
+  float* Qt = Kt + DK * LD;                   // [DK][68], then Tt [64][68] and Pt [64][68]
+  float* Tt = Qt;
+  float* Pt = Qt + CHUNK * LD;
+  float* S = Qt + QREG;                       // [DK][136]
+  float* R = S + DK * LS;                     // [64][136]
+  float* Vn = R + CHUNK * LS;                 // [64][136]
+  float* gam = Vn + CHUNK * LS;
+  float* bet = gam + CHUNK;
+  float* fac = bet + CHUNK;
+  const int s = blockIdx.x, hv = blockIdx.y, hk = hv / (vh / kh), tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
+  const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
+  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  const int ncols = dv;            // <= NC (the host picks this kernel only then)
+  const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
+  const bool kwarp = warp < 8;
+  const int ch = 64 * ((warp >> 2) & 1);  // k S / q S / O: this warp's 64 columns
+  const int cv = 32 * (warp >> 2);        // Vn: this warp's 32 columns
+  const int d0 = 16 * (warp & 7), cs = 64 * (warp >> 3);  // state update: rows and 64 columns
+  load_state_async<DK, NC>(S, LS, state_in, dv, 0, ncols);  // waited for with the first chunk's copies
+  for (int ck = first; ck < first + nch; ck++) {
+    const i64 row0 = chunks[2 * ck];
+    const int len = chunks[2 * ck + 1];
+    chunk_inputs<DK, NC, THREADS>(Kt, Qt, R, LS, gam, bet, qn, kn, v, g, beta, row0, len, kh, hk, vh, hv, dv, 0,
+                                  ncols);
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    if (m0 < len) mma_rows<LD, LS, P>(acc, kwarp ? Kt : Qt, S + ch, m0, DK, gr, tg);
+    __syncthreads();  // q is no longer needed: its staging now takes T and P
+    const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
+    for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += THREADS) {
+      const int row = idx / 16, q4 = (idx % 16) * 4;  // row 0..127 over [T; P]
+      cp_async16(Tt + row * LD + q4, Tg + 4 * idx, true);
+    }
+    if (kwarp) {
+      // R_i = beta_i (v_i - e^{gamma_i} (k S)_i) on this thread's fragment elements.
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int i = m0 + gr + 8 * (e >> 1), c = ch + 8 * nt + 2 * tg + (e & 1);
+          R[i * LS + c] = bet[i] * (R[i * LS + c] - expf(gam[i]) * acc[nt][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] *= expf(gam[m0 + gr + 8 * (e >> 1)]);
+    }
+    if (tid < CHUNK) fac[tid] = expf(gam[CHUNK - 1] - gam[tid]);
+    cp_async_wait_all();
+    __syncthreads();
+    // Vn = T R, every warp a 16 x 32 tile; T lower triangular: columns j < m0 + 16 suffice. Rows
+    // past len come out 0 and are written, since the state update reads them.
+    {
+      float vacc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
+      if (m0 < len) mma_rows<LD, LS, P>(vacc, Tt, R + cv, m0, m0 + 16, gr, tg);
+      store_rows<LS>(Vn + cv, vacc, m0, gr, tg);
+    }
+    __syncthreads();
+    // O = e^gamma q S + P Vn (warps 8-15), rows below len and real columns written out.
+    if (!kwarp && m0 < len) {
+      mma_rows<LD, LS, P>(acc, Pt, Vn + ch, m0, m0 + 16, gr, tg);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int i = m0 + gr + 8 * (e >> 1), c = ch + 8 * nt + 2 * tg + (e & 1);
+          if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c] = acc[nt][e];
+        }
+    }
+    // S <- e^{gamma_last} S + (fac k)^T Vn over real rows: warp w its rows d0.., columns cs...
+    if (d0 < DK) {
+      const float el = expf(gam[CHUNK - 1]);
+      float sacc[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        const int c = cs + 8 * nt + 2 * tg;
+        sacc[nt][0] = el * S[(d0 + gr) * LS + c];
+        sacc[nt][1] = el * S[(d0 + gr) * LS + c + 1];
+        sacc[nt][2] = el * S[(d0 + gr + 8) * LS + c];
+        sacc[nt][3] = el * S[(d0 + gr + 8) * LS + c + 1];
+      }
+      const int kmax = (len + 7) & ~7;
+      for (int k0 = 0; k0 < kmax; k0 += 8) {
+        const float f0 = fac[k0 + tg], f1 = fac[k0 + tg + 4];
+        const TfA a = split_a(f0 * Kt[(d0 + gr) * LD + k0 + tg], f0 * Kt[(d0 + gr + 8) * LD + k0 + tg],
+                              f1 * Kt[(d0 + gr) * LD + k0 + tg + 4], f1 * Kt[(d0 + gr + 8) * LD + k0 + tg + 4]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) mma_p<P>(sacc[nt], a, frag_b(Vn, LS, k0, cs + 8 * nt, gr, tg));
+      }
+      store_rows<LS>(S + cs, sacc, d0, gr, tg);
+    }
+  }
+  store_state<DK, NC>(state, dv, 0, ncols, S, LS);
+}
+
+#define SCAN_TCW_ENTRY(DK)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_scan_tc_wide_##DK(                        \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan_tc_wide<DK, 3>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                      \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_scan_tf32_wide_##DK(                      \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
+      const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    chunk_scan_tc_wide<DK, 1>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                      \
+  }
+SCAN_TCW_ENTRY(16)
+SCAN_TCW_ENTRY(32)
+SCAN_TCW_ENTRY(64)
+SCAN_TCW_ENTRY(128)
 
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_scan_tc_pipelined_<DK>: gdn_chunk_scan_tc_<DK> with the next chunk's inputs in flight

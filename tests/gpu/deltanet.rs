@@ -128,6 +128,45 @@ pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
     )
 }
 
+/// The wide plain scan (`GdnScan::Wide`: one block per (sequence, value head) over all value
+/// columns), with TF32 and with 3xTF32 products: against the CPU twin and BITWISE against the plain
+/// scan of the same precision (outputs and final states after every call), at 1, 63, 64, 65, 127
+/// and 4,097 rows, in a tree (a 2-token parent and a 4,097-token parent with children) and with a
+/// value dim of 24 (one block, 104 of its 128 columns padding).
+pub fn wide_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    for tf32 in [true, false] {
+        let scan = |gdn_scan| {
+            variant(g, |o| {
+                o.gdn_ffma = false;
+                o.gdn_tf32 = tf32;
+                o.gdn_scan = gdn_scan;
+            })
+        };
+        let (wide, plain) = (scan(GdnScan::Wide)?, scan(GdnScan::Plain)?);
+        if wide.options().gdn_ffma || wide.options().gdn_scan != GdnScan::Wide {
+            rep.flag(
+                "gdn",
+                "wide scan",
+                false,
+                "IMAJEV_GDN_FFMA / IMAJEV_GDN_SCAN force another scan: unset them",
+            );
+            return Ok(());
+        }
+        let p = if tf32 { "TF32" } else { "3xTF32" };
+        let tname = format!("plain {p} scan");
+        let twin = Some((tname.as_str(), &plain));
+        let (d4b, alt) = (DELTANET_4B, DELTANET_SMALL_VALUE_DIM);
+        let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097], &[2, 64, 1, 70, 65, 3]];
+        delta_case_vs(&wide, twin, c, rep, rng, &format!("4B, wide {p} scan"), d4b, lens, &[])?;
+        let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+        let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+        delta_case_vs(&wide, twin, c, rep, rng, &format!("4B, wide {p} scan"), d4b, lens, &tree)?;
+        let lens: &[&[usize]] = &[&[100, 5, 700], &[1, 70, 64]];
+        delta_case_vs(&wide, twin, c, rep, rng, &format!("alt, wide {p} scan"), alt, lens, &[])?;
+    }
+    Ok(())
+}
+
 /// The split delta rule (`GdnScan::Split`, kernels/deltanet_split.cu), with 3xTF32 and with TF32
 /// products: against the CPU twin at the lengths where chunks and buffers change shape, in a tree
 /// (children start from their parents' new states), at a small value dim; and a sequence's bits
@@ -204,8 +243,8 @@ fn batch_invariance_across_scans(g: &CudaBackend, rep: &mut Report, rng: &mut Sp
     }
     let dims = DELTANET_4B;
     let (short, long): (usize, usize) = ((PIPELINED_MIN_CHUNKS - 1) * 64 - 1, 16384);
-    let (alone, _) = scan_kernel(be.options(), dims.key_dim, short.div_ceil(64));
-    let (beside, _) = scan_kernel(be.options(), dims.key_dim, long.div_ceil(64));
+    let alone = scan_kernel(be.options(), dims.key_dim, dims.value_dim, short.div_ceil(64)).name;
+    let beside = scan_kernel(be.options(), dims.key_dim, dims.value_dim, long.div_ceil(64)).name;
     rep.flag(
         "gdn",
         format!("scan by length: {short} tokens alone run {alone}, beside {long} {beside}"),

@@ -146,6 +146,15 @@ fn tf32_deltanet_scans_match_cpu() {
     rep.finish("deltanet (TF32)");
 }
 
+/// The wide plain scan (opt-in `GdnScan::Wide`), TF32 and 3xTF32, bitwise against the plain scan.
+#[test]
+fn wide_deltanet_scan_matches_cpu_and_the_plain_scan() {
+    let Some(d) = gpu("deltanet (wide)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(17));
+    rep.guard("gdn", "deltanet (wide)", |rep| deltanet::wide_cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("deltanet (wide)");
+}
+
 /// The split delta rule (opt-in `GdnScan::Split`), 3xTF32 and TF32.
 #[test]
 fn split_deltanet_matches_cpu() {

@@ -2,8 +2,9 @@
 //! gated delta rule (`gdn_chunk_prep_<dk>`, then a chunk scan walking each sequence's chunks from
 //! its state: `gdn_chunk_scan_tc_pipelined_<dk>` for launches with a long sequence,
 //! `gdn_chunk_scan_tc_<dk>` otherwise, their one-TF32-MMA twins `gdn_chunk_scan_tf32[_pipelined]_<dk>`
-//! with `gdn_tf32`, `gdn_chunk_scan_<dk>` with `gdn_ffma`; or, opt-in, the split path of
-//! kernels/deltanet_split.cu: [`GdnScan::Split`]), and the gated
+//! with `gdn_tf32`, `gdn_chunk_scan_<dk>` with `gdn_ffma`; opt-in, the wide plain scan
+//! `gdn_chunk_scan_{tc,tf32}_wide_<dk>` ([`GdnScan::Wide`]) or the split path of
+//! kernels/deltanet_split.cu ([`GdnScan::Split`])), and the gated
 //! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
 //! copy-on-write ([`CudaDeltaState`]).
 
@@ -37,6 +38,11 @@ pub enum GdnScan {
     /// (the same mathematics summed in another order), so it is chosen for every launch, never
     /// per launch. Value dims over 128 fall back to [`GdnScan::ByLength`]. Opt-in while measured.
     Split,
+    /// Always `gdn_chunk_scan_{tc,tf32}_wide_<dk>`: the plain scan with one block per (sequence,
+    /// value head) over all value columns instead of four blocks of 32 (q, k, T and P staged once
+    /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 fall back to
+    /// [`GdnScan::ByLength`]. Opt-in while measured.
+    Wide,
 }
 
 impl GdnScan {
@@ -46,6 +52,7 @@ impl GdnScan {
             GdnScan::Pipelined => "tensor cores, pipelined",
             GdnScan::Plain => "tensor cores, not pipelined",
             GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
+            GdnScan::Wide => "tensor cores, one block per head over all value columns",
         }
     }
 }
@@ -61,23 +68,43 @@ impl GdnScan {
 /// both scans at 2K, 4K and 16K tokens and on 11 forks × 73 tokens to check this threshold.
 pub const PIPELINED_MIN_CHUNKS: usize = 8;
 
-/// The chunk-scan kernel of one launch and its dynamic shared memory, for key dim `dk` and the
-/// chunk count of the launch's longest sequence.
-pub fn scan_kernel(options: &CudaOptions, dk: usize, longest_chunks: usize) -> (String, usize) {
+/// One chunk-scan launch: the kernel, its dynamic shared memory, its block size and how many
+/// blocks of value columns each (sequence, value head) gets (the grid's z).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanKernel {
+    pub name: String,
+    pub smem: usize,
+    pub threads: u32,
+    pub column_blocks: u32,
+}
+
+/// The chunk-scan kernel of one launch, for key dim `dk`, value dim `dv` and the chunk count of
+/// the launch's longest sequence.
+pub fn scan_kernel(options: &CudaOptions, dk: usize, dv: usize, longest_chunks: usize) -> ScanKernel {
+    let narrow =
+        |name: String, smem| ScanKernel { name, smem, threads: 256, column_blocks: dv.div_ceil(32) as u32 };
     if options.gdn_ffma {
-        return (format!("gdn_chunk_scan_{dk}"), layout::delta_scan_smem_bytes(dk));
+        return narrow(format!("gdn_chunk_scan_{dk}"), layout::delta_scan_smem_bytes(dk));
+    }
+    // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
+    let products = if options.gdn_tf32 { "tf32" } else { "tc" };
+    if options.gdn_scan == GdnScan::Wide && dv <= 128 {
+        return ScanKernel {
+            name: format!("gdn_chunk_scan_{products}_wide_{dk}"),
+            smem: layout::delta_tc_wide_smem_bytes(dk),
+            threads: 512,
+            column_blocks: 1,
+        };
     }
     let pipelined = match options.gdn_scan {
         GdnScan::Pipelined => true,
         GdnScan::Plain => false,
-        GdnScan::ByLength | GdnScan::Split => longest_chunks >= PIPELINED_MIN_CHUNKS,
+        GdnScan::ByLength | GdnScan::Split | GdnScan::Wide => longest_chunks >= PIPELINED_MIN_CHUNKS,
     };
-    // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
-    let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     if pipelined {
-        (format!("gdn_chunk_scan_{products}_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
+        narrow(format!("gdn_chunk_scan_{products}_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
     } else {
-        (format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk))
+        narrow(format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk))
     }
 }
 
@@ -470,10 +497,10 @@ fn delta_rule(
         if count == 0 {
             continue;
         }
-        let (scan, smem) = scan_kernel(&be.state.options, dk, longest);
+        let scan = scan_kernel(&be.state.options, dk, dv, longest);
         be.launch(
-            &scan,
-            launch_config((count as u32, vh as u32, dv.div_ceil(32) as u32), 256, smem),
+            &scan.name,
+            launch_config((count as u32, vh as u32, scan.column_blocks), scan.threads, scan.smem),
             &[
                 Arg::Ptr(be.p(&x.q)),
                 Arg::Ptr(be.p(&x.k)),
@@ -581,16 +608,28 @@ mod tests {
         let by_length = CudaOptions::default();
         assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
         assert!(by_length.gdn_tf32, "one TF32 MMA per product is the default");
-        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS - 1).0, "gdn_chunk_scan_tf32_128");
-        assert_eq!(scan_kernel(&by_length, 128, PIPELINED_MIN_CHUNKS).0, "gdn_chunk_scan_tf32_pipelined_128");
+        assert_eq!(
+            scan_kernel(&by_length, 128, 128, PIPELINED_MIN_CHUNKS - 1).name,
+            "gdn_chunk_scan_tf32_128"
+        );
+        assert_eq!(
+            scan_kernel(&by_length, 128, 128, PIPELINED_MIN_CHUNKS).name,
+            "gdn_chunk_scan_tf32_pipelined_128"
+        );
         let forced = |gdn_scan| CudaOptions { gdn_scan, gdn_tf32: false, ..CudaOptions::default() };
-        assert_eq!(scan_kernel(&forced(GdnScan::Pipelined), 64, 1).0, "gdn_chunk_scan_tc_pipelined_64");
-        assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 1000).0, "gdn_chunk_scan_tc_64");
+        assert_eq!(
+            scan_kernel(&forced(GdnScan::Pipelined), 64, 128, 1).name,
+            "gdn_chunk_scan_tc_pipelined_64"
+        );
+        assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 128, 1000).name, "gdn_chunk_scan_tc_64");
         let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };
-        assert_eq!(scan_kernel(&ffma, 32, 1000).0, "gdn_chunk_scan_32");
+        assert_eq!(scan_kernel(&ffma, 32, 128, 1000).name, "gdn_chunk_scan_32");
         let tf32 = |gdn_scan| CudaOptions { gdn_tf32: true, ..forced(gdn_scan) };
-        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 1).0, "gdn_chunk_scan_tf32_128");
-        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 256).0, "gdn_chunk_scan_tf32_pipelined_128");
+        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 128, 1).name, "gdn_chunk_scan_tf32_128");
+        assert_eq!(
+            scan_kernel(&tf32(GdnScan::ByLength), 128, 128, 256).name,
+            "gdn_chunk_scan_tf32_pipelined_128"
+        );
         let split = |gdn_tf32| CudaOptions { gdn_tf32, ..forced(GdnScan::Split) };
         for tf32 in [false, true] {
             for dk in [16, 32, 64, 128] {
@@ -606,22 +645,45 @@ mod tests {
         assert!(split_kernels(&CudaOptions { gdn_ffma: true, ..split(false) }, 128, 128).is_none());
         // The FMA scan wins over the TF32 products.
         assert_eq!(
-            scan_kernel(&CudaOptions { gdn_tf32: true, ..ffma.clone() }, 32, 1).0,
+            scan_kernel(&CudaOptions { gdn_tf32: true, ..ffma.clone() }, 32, 128, 1).name,
             "gdn_chunk_scan_32"
         );
         // Every choice is a kernel of the table, launched with the shared memory it is allowed.
         let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
-        let all =
-            [by_length, forced(GdnScan::Pipelined), forced(GdnScan::Plain), ffma, tf32(GdnScan::ByLength)];
+        let wide = |gdn_tf32| CudaOptions { gdn_tf32, ..forced(GdnScan::Wide) };
+        assert_eq!(scan_kernel(&wide(true), 128, 128, 1).name, "gdn_chunk_scan_tf32_wide_128");
+        assert_eq!(scan_kernel(&wide(false), 64, 24, 300).name, "gdn_chunk_scan_tc_wide_64");
+        assert_eq!(
+            scan_kernel(&wide(true), 128, 160, 1).name,
+            "gdn_chunk_scan_tf32_128",
+            "dv > 128 falls back"
+        );
+        let all = [
+            by_length,
+            forced(GdnScan::Pipelined),
+            forced(GdnScan::Plain),
+            ffma,
+            tf32(GdnScan::ByLength),
+            wide(true),
+            wide(false),
+        ];
         for o in all {
             for dk in [16, 32, 64, 128] {
                 for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
-                    let (name, smem) = scan_kernel(&o, dk, longest);
-                    let f = table
-                        .iter()
-                        .find(|f| f.name == name)
-                        .unwrap_or_else(|| panic!("{name} is not in KERNELS"));
-                    assert_eq!(f.max_dynamic_smem, smem, "{name}");
+                    for dv in [24, 128, 160] {
+                        let ScanKernel { name, smem, threads, column_blocks } =
+                            scan_kernel(&o, dk, dv, longest);
+                        let f = table
+                            .iter()
+                            .find(|f| f.name == name)
+                            .unwrap_or_else(|| panic!("{name} is not in KERNELS"));
+                        assert_eq!(f.max_dynamic_smem, smem, "{name}");
+                        // The wide scan where chosen and possible; every value column covered.
+                        let wide = name.contains("_wide_");
+                        assert_eq!(wide, o.gdn_scan == GdnScan::Wide && !o.gdn_ffma && dv <= 128, "{name}");
+                        let want = if wide { (512, 1) } else { (256, dv.div_ceil(32) as u32) };
+                        assert_eq!((threads, column_blocks), want, "{name} at dv {dv}");
+                    }
                 }
             }
         }

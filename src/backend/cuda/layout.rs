@@ -225,6 +225,15 @@ pub const fn delta_tc_smem_bytes(dk: usize) -> usize {
     (dk * (c + 4) + max(dk * (c + 4), 2 * c * (c + 4)) + dk * 40 + 2 * c * 40 + 3 * c) * 4
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_{tc,tf32}_wide_<dk>` (kernels/deltanet.cu): as
+/// `gdn_chunk_scan_tc_<dk>` with 128 value columns: k [dk][68], q [dk][68] reused for T and P
+/// [2][64][68], S [dk][136], R and Vn [64][136], gamma, beta, decay factors [64]. 209,664 bytes at
+/// dk 128: one block (16 warps) per SM.
+pub const fn delta_tc_wide_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    (dk * (c + 4) + max(dk * (c + 4), 2 * c * (c + 4)) + dk * 136 + 2 * c * 136 + 3 * c) * 4
+}
+
 /// Dynamic shared memory of `gdn_chunk_scan_tc_pipelined_<dk>` (kernels/deltanet.cu): k and q
 /// row-major [2][64][dk+4] each and v/R [2][64][40] (two chunks' inputs: the next one is copied
 /// while the current one computes), T and P [64][72], S [dk][40], Vn [64][40], and the gates
