@@ -227,12 +227,25 @@ fn alone_and_beside(be: &CudaBackend, rep: &mut Report, rng: &mut SplitMix, tag:
 /// Under `GdnScan::ByLength` a sequence of `PIPELINED_MIN_CHUNKS − 1` chunks runs the plain scan
 /// alone and the pipelined one beside a 16,384-token sequence: both runs (from the same state, a
 /// fork of one that has seen 100 tokens) must give its output rows and final state bit for bit.
+/// The same under `GdnScan::WideByLength` (the wide plain scan alone).
 fn batch_invariance_across_scans(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    for scan in [GdnScan::ByLength, GdnScan::WideByLength] {
+        batch_invariance_under(g, scan, rep, rng)?;
+    }
+    Ok(())
+}
+
+fn batch_invariance_under(
+    g: &CudaBackend,
+    scan: GdnScan,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+) -> Result<()> {
     let be = variant(g, |o| {
         o.gdn_ffma = false;
-        o.gdn_scan = GdnScan::ByLength;
+        o.gdn_scan = scan;
     })?;
-    if be.options().gdn_ffma || be.options().gdn_scan != GdnScan::ByLength {
+    if be.options().gdn_ffma || be.options().gdn_scan != scan {
         rep.flag(
             "gdn",
             "batch invariance across the scans",
@@ -267,7 +280,9 @@ fn batch_invariance_across_scans(g: &CudaBackend, rep: &mut Report, rng: &mut Sp
         + bit_diff(&s_alone[0].recurrent()?, &s_beside[1].recurrent()?);
     rep.check(
         "gdn",
-        format!("batch invariance: {short} tokens alone vs beside {long}: output and state values whose bits differ"),
+        format!(
+            "batch invariance ({scan:?}): {short} tokens alone vs beside {long}: output and state values whose bits differ"
+        ),
         diff as f64,
         0.0,
     );

@@ -43,6 +43,10 @@ pub enum GdnScan {
     /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 fall back to
     /// [`GdnScan::ByLength`]. Opt-in while measured.
     Wide,
+    /// [`GdnScan::ByLength`] with the wide plain scan in place of the plain one (launches whose
+    /// longest sequence has fewer than [`PIPELINED_MIN_CHUNKS`] chunks): the candidate default,
+    /// to measure whole requests of every length in one run. Same bits as `ByLength`.
+    WideByLength,
 }
 
 impl GdnScan {
@@ -53,6 +57,9 @@ impl GdnScan {
             GdnScan::Plain => "tensor cores, not pipelined",
             GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
             GdnScan::Wide => "tensor cores, one block per head over all value columns",
+            GdnScan::WideByLength => {
+                "tensor cores, pipelined for long sequences, one block per head otherwise"
+            }
         }
     }
 }
@@ -88,7 +95,13 @@ pub fn scan_kernel(options: &CudaOptions, dk: usize, dv: usize, longest_chunks: 
     }
     // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
     let products = if options.gdn_tf32 { "tf32" } else { "tc" };
-    if options.gdn_scan == GdnScan::Wide && dv <= 128 {
+    let short = longest_chunks < PIPELINED_MIN_CHUNKS;
+    let wide = match options.gdn_scan {
+        GdnScan::Wide => true,
+        GdnScan::WideByLength => short,
+        _ => false,
+    };
+    if wide && dv <= 128 {
         return ScanKernel {
             name: format!("gdn_chunk_scan_{products}_wide_{dk}"),
             smem: layout::delta_tc_wide_smem_bytes(dk),
@@ -99,7 +112,7 @@ pub fn scan_kernel(options: &CudaOptions, dk: usize, dv: usize, longest_chunks: 
     let pipelined = match options.gdn_scan {
         GdnScan::Pipelined => true,
         GdnScan::Plain => false,
-        GdnScan::ByLength | GdnScan::Split | GdnScan::Wide => longest_chunks >= PIPELINED_MIN_CHUNKS,
+        GdnScan::ByLength | GdnScan::Split | GdnScan::Wide | GdnScan::WideByLength => !short,
     };
     if pipelined {
         narrow(format!("gdn_chunk_scan_{products}_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
@@ -658,6 +671,13 @@ mod tests {
             "gdn_chunk_scan_tf32_128",
             "dv > 128 falls back"
         );
+        let wide_by_length = CudaOptions { gdn_scan: GdnScan::WideByLength, ..CudaOptions::default() };
+        let short = PIPELINED_MIN_CHUNKS - 1;
+        assert_eq!(scan_kernel(&wide_by_length, 128, 128, short).name, "gdn_chunk_scan_tf32_wide_128");
+        assert_eq!(
+            scan_kernel(&wide_by_length, 128, 128, PIPELINED_MIN_CHUNKS).name,
+            "gdn_chunk_scan_tf32_pipelined_128"
+        );
         let all = [
             by_length,
             forced(GdnScan::Pipelined),
@@ -666,6 +686,7 @@ mod tests {
             tf32(GdnScan::ByLength),
             wide(true),
             wide(false),
+            wide_by_length,
         ];
         for o in all {
             for dk in [16, 32, 64, 128] {
@@ -680,7 +701,12 @@ mod tests {
                         assert_eq!(f.max_dynamic_smem, smem, "{name}");
                         // The wide scan where chosen and possible; every value column covered.
                         let wide = name.contains("_wide_");
-                        assert_eq!(wide, o.gdn_scan == GdnScan::Wide && !o.gdn_ffma && dv <= 128, "{name}");
+                        let picks_wide = match o.gdn_scan {
+                            GdnScan::Wide => true,
+                            GdnScan::WideByLength => longest < PIPELINED_MIN_CHUNKS,
+                            _ => false,
+                        };
+                        assert_eq!(wide, picks_wide && !o.gdn_ffma && dv <= 128, "{name}");
                         let want = if wide { (512, 1) } else { (256, dv.div_ceil(32) as u32) };
                         assert_eq!((threads, column_blocks), want, "{name} at dv {dv}");
                     }

@@ -78,8 +78,8 @@ pub struct CudaOptions {
     /// Which tensor-core chunk scan runs when `gdn_ffma` is off: the pipelined one for launches
     /// with a long sequence, the plain one otherwise (default), or one of them always (the wide
     /// plain scan too). All give the same bits (the split path does not). Default:
-    /// `IMAJEV_GDN_SCAN=pipelined`, `plain`, `wide` or `split` in the environment (read only when
-    /// this field is left at [`GdnScan::ByLength`]).
+    /// `IMAJEV_GDN_SCAN=pipelined`, `plain`, `wide`, `wide-by-length` or `split` in the environment
+    /// (read only when this field is left at [`GdnScan::ByLength`]).
     pub gdn_scan: GdnScan,
     /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
     /// mantissas, f32 accumulation; the default) rather than 3xTF32 (f32-level, `false`): about a
@@ -189,10 +189,11 @@ impl CudaBackend {
                 Ok("plain") => options.gdn_scan = GdnScan::Plain,
                 Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("wide") => options.gdn_scan = GdnScan::Wide,
+                Ok("wide-by-length") => options.gdn_scan = GdnScan::WideByLength,
                 Ok("") | Ok("by-length") | Err(_) => {}
-                Ok(other) => {
-                    bail!("IMAJEV_GDN_SCAN={other}: expected pipelined, plain, split, wide or by-length")
-                }
+                Ok(other) => bail!(
+                    "IMAJEV_GDN_SCAN={other}: expected pipelined, plain, split, wide, wide-by-length or by-length"
+                ),
             }
         }
         match std::env::var("IMAJEV_GDN_TF32").as_deref() {
