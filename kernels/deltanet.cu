@@ -12,10 +12,22 @@
 
 #define CHUNK 64
 
+// The entry of the conv segment table `segs` whose rows hold row t, or -1. The table passed to
+// gdn_conv lists the sequences that have rows in row order (disjoint ranges), so this is a binary
+// search: a packed round has ~100 sequences and every block of rows looks its sequence up (a
+// linear scan of the table was up to 100 dependent global loads per block).
 __device__ __forceinline__ int find_seg4(const i64* segs, int nseg, i64 t) {
-  for (int s = 0; s < nseg; s++)
-    if (t >= segs[4 * s] && t < segs[4 * s] + segs[4 * s + 1]) return s;
-  return -1;
+  int lo = 0, hi = nseg - 1, s = -1;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (segs[4 * mid] <= t) {
+      s = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return s >= 0 && t < segs[4 * s] + segs[4 * s + 1] ? s : -1;
 }
 
 // Asynchronous global -> shared copies (sm_80+), zero-filled when !valid (gmem must still be a
@@ -68,12 +80,15 @@ __device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
 // a third of the copy rate with one or two); otherwise the row loop keeps the inputs of the register
 // taps from row to row (one new input row per output row while the sequence continues). The dk/4
 // lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with shuffles.
-// Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32.
+// Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32. segs: the conv
+// segment table of the sequences that have rows, in row order (find_seg4).
 // vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
-extern "C" __global__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs,
-                                    int nseg, i64 n, const bf16* b, const bf16* a, const float* alog,
-                                    const float* dtb, float* qo, float* ko, float* vo, float* beta, float* gout,
-                                    int kh, int vh, int dk, int dv) {
+// At most 256 threads (the host's choice); three blocks per SM (80 registers: the binary search
+// alone took the kernel to 96, two blocks).
+extern "C" __global__ void __launch_bounds__(256, 3)
+    gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs, int nseg, i64 n,
+             const bf16* b, const bf16* a, const float* alog, const float* dtb, float* qo, float* ko, float* vo,
+             float* beta, float* gout, int kh, int vh, int dk, int dv) {
   const int C = 2 * kh * dk + vh * dv, kd = kh * dk;
   const int grp = blockIdx.y * blockDim.x + threadIdx.x;
   const int c0 = 4 * grp;

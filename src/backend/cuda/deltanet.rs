@@ -271,7 +271,11 @@ impl ProjectionBlocks {
 /// and of the scan (`[first_chunk, n_chunks, state_in, state_out]`), in launch order (parents,
 /// then the other independent sequences, then the children), and the chunk table.
 struct StatePlan {
+    /// The conv table in launch order (`sequences` entries), then the same entries of the
+    /// sequences that have rows again in row order (`conv_by_row` of them: what `gdn_conv`
+    /// binary-searches for a row's sequence), in one upload.
     conv_meta: CudaSlice<i64>,
+    conv_by_row: usize,
     scan_meta: CudaSlice<i64>,
     /// Chunks of each sequence, in launch order (the scan kernel is chosen per launch by them).
     scan_chunks: Vec<usize>,
@@ -291,6 +295,14 @@ impl StatePlan {
     fn entries(&self, be: &CudaBackend, meta: &CudaSlice<i64>, range: Range<usize>) -> (u64, usize) {
         (be.p(meta) + 32 * range.start as u64, range.len())
     }
+}
+
+/// The conv table entries (`[row_start, len, hist_in, hist_out]`) of the sequences that have rows,
+/// ordered by their first row: the table `gdn_conv` binary-searches (its rows ranges are disjoint).
+fn conv_rows_in_order(entries: impl Iterator<Item = [i64; 4]>) -> Vec<[i64; 4]> {
+    let mut rows: Vec<[i64; 4]> = entries.filter(|e| e[1] > 0).collect();
+    rows.sort_by_key(|e| e[0]);
+    rows
 }
 
 /// Copy-on-write: states sharing their buffers (forks) get fresh ones, all from one allocation;
@@ -362,10 +374,13 @@ fn plan_states(
             [first as i64, count as i64, rec_in as i64, rec_out as i64],
         ));
     }
-    let conv_meta: Vec<i64> = order.iter().flat_map(|&si| entries[si].0).collect();
+    let by_row = conv_rows_in_order(entries.iter().map(|e| e.0));
+    let conv_by_row = by_row.len();
+    let conv_meta: Vec<i64> = order.iter().map(|&si| entries[si].0).chain(by_row).flatten().collect();
     let scan_meta: Vec<i64> = order.iter().flat_map(|&si| entries[si].1).collect();
     Ok(StatePlan {
         conv_meta: be.htod(&conv_meta)?,
+        conv_by_row,
         scan_meta: be.htod(&scan_meta)?,
         scan_chunks: order.iter().map(|&si| table.per_segment[si].1).collect(),
         chunks: be.htod(&table.chunks)?,
@@ -446,8 +461,8 @@ fn conv(
             Arg::I32(vec as i32),
             Arg::Ptr(be.p(convw.s())),
             Arg::I32(kw as i32),
-            Arg::Ptr(be.p(&plan.conv_meta)),
-            Arg::I32(plan.sequences as i32),
+            Arg::Ptr(be.p(&plan.conv_meta) + 32 * plan.sequences as u64),
+            Arg::I32(plan.conv_by_row as i32),
             Arg::I64(n as i64),
             Arg::Ptr(blocks.b),
             Arg::Ptr(blocks.a),
@@ -615,6 +630,17 @@ fn delta_rule_split(
 mod tests {
     use super::*;
     use crate::backend::cuda::launch::KERNELS;
+
+    #[test]
+    fn the_conv_row_table_is_sorted_disjoint_and_has_no_empty_sequences() {
+        // Launch order (a parent, a root, its children) is not row order; an empty sequence.
+        let launch = [[300, 73, 1, 2], [0, 150, 3, 4], [150, 0, 5, 6], [150, 150, 7, 8], [373, 73, 9, 10]];
+        let rows = conv_rows_in_order(launch.into_iter());
+        assert_eq!(rows, vec![[0, 150, 3, 4], [150, 150, 7, 8], [300, 73, 1, 2], [373, 73, 9, 10]]);
+        for w in rows.windows(2) {
+            assert!(w[0][0] + w[0][1] <= w[1][0], "disjoint, ascending: {w:?}");
+        }
+    }
 
     #[test]
     fn scan_kernel_follows_options_and_the_longest_sequence() {
