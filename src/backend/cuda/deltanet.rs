@@ -298,7 +298,7 @@ impl StatePlan {
 }
 
 /// The conv table entries (`[row_start, len, hist_in, hist_out]`) of the sequences that have rows,
-/// ordered by their first row: the table `gdn_conv` binary-searches (its rows ranges are disjoint).
+/// ordered by their first row: the table `gdn_conv` binary-searches (their row ranges are disjoint).
 fn conv_rows_in_order(entries: impl Iterator<Item = [i64; 4]>) -> Vec<[i64; 4]> {
     let mut rows: Vec<[i64; 4]> = entries.filter(|e| e[1] > 0).collect();
     rows.sort_by_key(|e| e[0]);
