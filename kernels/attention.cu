@@ -12,10 +12,21 @@
 // j - shared_len. Causal: query i sees keys 0 ..= shared_len + own_len + i.
 #define SEG 8
 
+// The sequence whose query rows hold batch row t, or -1. The sequences tile the batch rows in order
+// (the host checks it; empty ones allowed), so this is a binary search for the last sequence
+// starting at or before t: a packed round has ~100 sequences and attn_prep runs a block per row.
 __device__ __forceinline__ int find_segment(const i64* segs, int nseg, i64 t) {
-  for (int s = 0; s < nseg; s++)
-    if (t >= segs[SEG * s] && t < segs[SEG * s] + segs[SEG * s + 1]) return s;
-  return -1;
+  int lo = 0, hi = nseg - 1, s = -1;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (segs[SEG * mid] <= t) {
+      s = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return s >= 0 && t < segs[SEG * s] + segs[SEG * s + 1] ? s : -1;
 }
 
 // One block (4 warps) per token. For each q head: optional zero-centred RMSNorm over hd, NeoX
