@@ -848,23 +848,23 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
   store_state<DK>(state, dv, c0, ncols, S, LS);
 }
 
-// The entry points of a chunk scan: gdn_chunk_scan_tc<V>_<DK> (3xTF32 products) and
-// gdn_chunk_scan_tf32<V>_<DK> (one TF32 MMA each) of the scan template FN, launch bounds BOUNDS.
-#define SCAN_TC_ENTRIES(V, FN, BOUNDS, DK)                                                                 \
-  extern "C" __global__ void __launch_bounds__ BOUNDS gdn_chunk_scan_tc##V##_##DK(                         \
+// The entry points of a chunk scan: TC_<DK> (3xTF32 products) and TF32_<DK> (one TF32 MMA each)
+// of the scan template FN, launch bounds BOUNDS.
+#define SCAN_TC_ENTRIES(TC, TF32, FN, BOUNDS, DK)                                                          \
+  extern "C" __global__ void __launch_bounds__ BOUNDS TC##_##DK(                                           \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
     FN<DK, 3>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                                      \
   }                                                                                                        \
-  extern "C" __global__ void __launch_bounds__ BOUNDS gdn_chunk_scan_tf32##V##_##DK(                       \
+  extern "C" __global__ void __launch_bounds__ BOUNDS TF32##_##DK(                                         \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
     FN<DK, 1>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                                      \
   }
-SCAN_TC_ENTRIES(, chunk_scan_tc, (256), 16)
-SCAN_TC_ENTRIES(, chunk_scan_tc, (256), 32)
-SCAN_TC_ENTRIES(, chunk_scan_tc, (256), 64)
-SCAN_TC_ENTRIES(, chunk_scan_tc, (256), 128)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc, gdn_chunk_scan_tf32, chunk_scan_tc, (256), 16)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc, gdn_chunk_scan_tf32, chunk_scan_tc, (256), 32)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc, gdn_chunk_scan_tf32, chunk_scan_tc, (256), 64)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc, gdn_chunk_scan_tf32, chunk_scan_tc, (256), 128)
 
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_scan_{tc,tf32}_wide_<DK>: gdn_chunk_scan_{tc,tf32}_<DK> with one block per (sequence,
@@ -996,10 +996,10 @@ __device__ void chunk_scan_tc_wide(const float* qn, const float* kn, const float
   store_state<DK, NC>(state, dv, 0, ncols, S, LS);
 }
 
-SCAN_TC_ENTRIES(_wide, chunk_scan_tc_wide, (512, 1), 16)
-SCAN_TC_ENTRIES(_wide, chunk_scan_tc_wide, (512, 1), 32)
-SCAN_TC_ENTRIES(_wide, chunk_scan_tc_wide, (512, 1), 64)
-SCAN_TC_ENTRIES(_wide, chunk_scan_tc_wide, (512, 1), 128)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_wide, gdn_chunk_scan_tf32_wide, chunk_scan_tc_wide, (512, 1), 16)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_wide, gdn_chunk_scan_tf32_wide, chunk_scan_tc_wide, (512, 1), 32)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_wide, gdn_chunk_scan_tf32_wide, chunk_scan_tc_wide, (512, 1), 64)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_wide, gdn_chunk_scan_tf32_wide, chunk_scan_tc_wide, (512, 1), 128)
 
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_scan_tc_pipelined_<DK>: gdn_chunk_scan_tc_<DK> with the next chunk's inputs in flight
@@ -1300,7 +1300,7 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
   store_state<DK>(state, dv, c0, ncols, S, LS);
 }
 
-SCAN_TC_ENTRIES(_pipelined, chunk_scan_tc_pipelined, (256, 1), 16)
-SCAN_TC_ENTRIES(_pipelined, chunk_scan_tc_pipelined, (256, 1), 32)
-SCAN_TC_ENTRIES(_pipelined, chunk_scan_tc_pipelined, (256, 1), 64)
-SCAN_TC_ENTRIES(_pipelined, chunk_scan_tc_pipelined, (256, 1), 128)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_pipelined, gdn_chunk_scan_tf32_pipelined, chunk_scan_tc_pipelined, (256, 1), 16)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_pipelined, gdn_chunk_scan_tf32_pipelined, chunk_scan_tc_pipelined, (256, 1), 32)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_pipelined, gdn_chunk_scan_tf32_pipelined, chunk_scan_tc_pipelined, (256, 1), 64)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_pipelined, gdn_chunk_scan_tf32_pipelined, chunk_scan_tc_pipelined, (256, 1), 128)
