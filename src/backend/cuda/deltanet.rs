@@ -2,8 +2,9 @@
 //! gated delta rule (`gdn_chunk_prep_<dk>`, then a chunk scan walking each sequence's chunks from
 //! its state: `gdn_chunk_scan_tc_pipelined_<dk>` for launches with a long sequence,
 //! `gdn_chunk_scan_tc_<dk>` otherwise, their one-TF32-MMA twins `gdn_chunk_scan_tf32[_pipelined]_<dk>`
-//! with `gdn_tf32`, `gdn_chunk_scan_<dk>` with `gdn_ffma`; opt-in, the wide plain scan
-//! `gdn_chunk_scan_{tc,tf32}_wide_<dk>` ([`GdnScan::Wide`]) or the split path of
+//! with `gdn_tf32`, the wide plain scan `gdn_chunk_scan_{tc,tf32}_wide_<dk>` for short launches
+//! whose plain grid would take more than one wave ([`scan_kernel`]), `gdn_chunk_scan_<dk>` with
+//! `gdn_ffma`; opt-in, the split path of
 //! kernels/deltanet_split.cu ([`GdnScan::Split`])), and the gated
 //! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
 //! copy-on-write ([`CudaDeltaState`]).
@@ -18,16 +19,20 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::ops::Range;
 use std::sync::Arc;
 
-/// Which tensor-core chunk scan runs (with `gdn_ffma` off). The two kernels give the same bits
-/// for every sequence (the same products in the same order on the same values; the device suite
-/// checks it), so this is a choice of speed only, and choosing by the batch keeps a sequence's
-/// result independent of the batch.
+/// Which tensor-core chunk scan runs (with `gdn_ffma` off). The plain, wide and pipelined kernels
+/// give the same bits for every sequence (the same products in the same order on the same values;
+/// the device suite checks it), so this is a choice of speed only, and choosing by the batch
+/// keeps a sequence's result independent of the batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GdnScan {
-    /// `gdn_chunk_scan_tc_pipelined_<dk>` when the launch's longest sequence has at least
-    /// [`PIPELINED_MIN_CHUNKS`] chunks, else `gdn_chunk_scan_tc_<dk>`.
+    /// By the launch: `gdn_chunk_scan_{tc,tf32}_pipelined_<dk>` when its longest sequence has at
+    /// least [`PIPELINED_MIN_CHUNKS`] chunks; otherwise the plain scan `gdn_chunk_scan_{tc,tf32}_<dk>`
+    /// when its grid runs in one wave, the wide one `gdn_chunk_scan_{tc,tf32}_wide_<dk>` when it
+    /// would take more (see [`scan_kernel`]).
     #[default]
     ByLength,
+    /// [`GdnScan::ByLength`] without the wide scan (the default before 2026-12-04), to compare.
+    PlainByLength,
     /// Always `gdn_chunk_scan_tc_pipelined_<dk>`.
     Pipelined,
     /// Always `gdn_chunk_scan_tc_<dk>`.
@@ -36,30 +41,26 @@ pub enum GdnScan {
     /// kernels/deltanet_split.cu): W and U for all chunks in parallel, then only the state
     /// recurrence in order, then the outputs of all chunks in parallel. Not the tc scans' bits
     /// (the same mathematics summed in another order), so it is chosen for every launch, never
-    /// per launch. Value dims over 128 fall back to [`GdnScan::ByLength`]. Opt-in while measured.
+    /// per launch. Value dims over 128 fall back to [`GdnScan::PlainByLength`]. Opt-in while measured.
     Split,
     /// Always `gdn_chunk_scan_{tc,tf32}_wide_<dk>`: the plain scan with one block per (sequence,
     /// value head) over all value columns instead of four blocks of 32 (q, k, T and P staged once
-    /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 fall back to
-    /// [`GdnScan::ByLength`]. Opt-in while measured.
+    /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 run the plain
+    /// scan.
     Wide,
-    /// [`GdnScan::ByLength`] with the wide plain scan in place of the plain one (launches whose
-    /// longest sequence has fewer than [`PIPELINED_MIN_CHUNKS`] chunks): the candidate default,
-    /// to measure whole requests of every length in one run. Same bits as `ByLength`.
-    WideByLength,
 }
 
 impl GdnScan {
     pub fn describe(self) -> &'static str {
         match self {
-            GdnScan::ByLength => "tensor cores, pipelined for long sequences",
+            GdnScan::ByLength => {
+                "tensor cores, pipelined for long sequences, one block per head for many short ones"
+            }
+            GdnScan::PlainByLength => "tensor cores, pipelined for long sequences",
             GdnScan::Pipelined => "tensor cores, pipelined",
             GdnScan::Plain => "tensor cores, not pipelined",
             GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
             GdnScan::Wide => "tensor cores, one block per head over all value columns",
-            GdnScan::WideByLength => {
-                "tensor cores, pipelined for long sequences, one block per head otherwise"
-            }
         }
     }
 }
@@ -86,8 +87,23 @@ pub struct ScanKernel {
 }
 
 /// The chunk-scan kernel of one launch, for key dim `dk`, value dim `dv` and the chunk count of
-/// the launch's longest sequence.
-pub fn scan_kernel(options: &CudaOptions, dk: usize, dv: usize, longest_chunks: usize) -> ScanKernel {
+/// the launch's longest sequence. `one_wave(plain)` says whether the plain scan's grid for this
+/// launch (`plain.column_blocks` blocks per sequence and value head) runs in one wave of the GPU.
+///
+/// Why [`GdnScan::ByLength`] asks: a short launch's time is its waves times a wave's time (a
+/// block walks its sequence's few chunks at a fixed latency per chunk). The wide scan does a
+/// head's 128 value columns in one 16-warp block at ~1.6× the plain block's time per chunk
+/// (1×2,048 tokens, 32 heads: 0.83 vs 0.53 ms a layer on the H200), with a quarter of the blocks.
+/// While the plain grid fits one wave (a lone prefix: 128 blocks, two per SM), the plain scan is
+/// faster; past it, the wide scan's fewer waves win (11 passes of 73 tokens: 1.13×; a packed
+/// round of 96 sequences: 29.3 → 21.1 ms, `bench/NOTES.md`).
+pub fn scan_kernel(
+    options: &CudaOptions,
+    dk: usize,
+    dv: usize,
+    longest_chunks: usize,
+    one_wave: impl FnOnce(&ScanKernel) -> bool,
+) -> ScanKernel {
     let narrow =
         |name: String, smem| ScanKernel { name, smem, threads: 256, column_blocks: dv.div_ceil(32) as u32 };
     if options.gdn_ffma {
@@ -96,28 +112,57 @@ pub fn scan_kernel(options: &CudaOptions, dk: usize, dv: usize, longest_chunks: 
     // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
     let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     let short = longest_chunks < PIPELINED_MIN_CHUNKS;
-    let wide = match options.gdn_scan {
-        GdnScan::Wide => true,
-        GdnScan::WideByLength => short,
-        _ => false,
+    let pipelined = match options.gdn_scan {
+        GdnScan::Pipelined => true,
+        GdnScan::Plain | GdnScan::Wide => false,
+        GdnScan::ByLength | GdnScan::PlainByLength | GdnScan::Split => !short,
     };
-    if wide && dv <= 128 {
-        return ScanKernel {
+    if pipelined {
+        return narrow(
+            format!("gdn_chunk_scan_{products}_pipelined_{dk}"),
+            layout::delta_tc_pipelined_smem_bytes(dk),
+        );
+    }
+    let plain = narrow(format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk));
+    let wide = dv <= 128
+        && match options.gdn_scan {
+            GdnScan::Wide => true,
+            GdnScan::ByLength => !one_wave(&plain),
+            _ => false,
+        };
+    if wide {
+        ScanKernel {
             name: format!("gdn_chunk_scan_{products}_wide_{dk}"),
             smem: layout::delta_tc_wide_smem_bytes(dk),
             threads: 512,
             column_blocks: 1,
-        };
-    }
-    let pipelined = match options.gdn_scan {
-        GdnScan::Pipelined => true,
-        GdnScan::Plain => false,
-        GdnScan::ByLength | GdnScan::Split | GdnScan::Wide | GdnScan::WideByLength => !short,
-    };
-    if pipelined {
-        narrow(format!("gdn_chunk_scan_{products}_pipelined_{dk}"), layout::delta_tc_pipelined_smem_bytes(dk))
+        }
     } else {
-        narrow(format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk))
+        plain
+    }
+}
+
+impl CudaBackend {
+    /// [`scan_kernel`] for a launch of `sequences` sequences with `value_heads` heads on this GPU.
+    pub fn chunk_scan_kernel(
+        &self,
+        dims: &DeltaNetDims,
+        longest_chunks: usize,
+        sequences: usize,
+    ) -> Result<ScanKernel> {
+        let mut asked = Ok(());
+        let kernel =
+            scan_kernel(&self.state.options, dims.key_dim, dims.value_dim, longest_chunks, |plain| {
+                let blocks = sequences * dims.value_heads * plain.column_blocks as usize;
+                match self.resident_blocks(&plain.name, plain.threads, plain.smem) {
+                    Ok(resident) => blocks <= resident,
+                    Err(e) => {
+                        asked = Err(e);
+                        true
+                    }
+                }
+            });
+        asked.map(|()| kernel)
     }
 }
 
@@ -525,7 +570,7 @@ fn delta_rule(
         if count == 0 {
             continue;
         }
-        let scan = scan_kernel(&be.state.options, dk, dv, longest);
+        let scan = be.chunk_scan_kernel(dims, longest, count)?;
         be.launch(
             &scan.name,
             launch_config((count as u32, vh as u32, scan.column_blocks), scan.threads, scan.smem),
@@ -643,32 +688,52 @@ mod tests {
     }
 
     #[test]
-    fn scan_kernel_follows_options_and_the_longest_sequence() {
+    fn scan_kernel_follows_options_the_longest_sequence_and_the_waves() {
+        let fits = |_: &ScanKernel| true;
+        let spills = |_: &ScanKernel| false;
         let by_length = CudaOptions::default();
         assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
         assert!(by_length.gdn_tf32, "one TF32 MMA per product is the default");
+        let short = PIPELINED_MIN_CHUNKS - 1;
+        assert_eq!(scan_kernel(&by_length, 128, 128, short, fits).name, "gdn_chunk_scan_tf32_128");
+        assert_eq!(scan_kernel(&by_length, 128, 128, short, spills).name, "gdn_chunk_scan_tf32_wide_128");
         assert_eq!(
-            scan_kernel(&by_length, 128, 128, PIPELINED_MIN_CHUNKS - 1).name,
-            "gdn_chunk_scan_tf32_128"
+            scan_kernel(&by_length, 128, 160, short, spills).name,
+            "gdn_chunk_scan_tf32_128",
+            "value dims over 128 have no wide scan"
         );
+        for waves in [fits, spills] {
+            assert_eq!(
+                scan_kernel(&by_length, 128, 128, PIPELINED_MIN_CHUNKS, waves).name,
+                "gdn_chunk_scan_tf32_pipelined_128"
+            );
+        }
+        // The one-wave question is asked about the plain scan's own grid.
+        let mut asked = None;
+        scan_kernel(&by_length, 64, 96, short, |k| {
+            asked = Some(k.clone());
+            true
+        });
+        let asked = asked.expect("a short ByLength launch asks");
         assert_eq!(
-            scan_kernel(&by_length, 128, 128, PIPELINED_MIN_CHUNKS).name,
-            "gdn_chunk_scan_tf32_pipelined_128"
+            (asked.name.as_str(), asked.threads, asked.column_blocks),
+            ("gdn_chunk_scan_tf32_64", 256, 3)
         );
         let forced = |gdn_scan| CudaOptions { gdn_scan, gdn_tf32: false, ..CudaOptions::default() };
+        let plain_by_length = forced(GdnScan::PlainByLength);
+        assert_eq!(scan_kernel(&plain_by_length, 128, 128, short, spills).name, "gdn_chunk_scan_tc_128");
         assert_eq!(
-            scan_kernel(&forced(GdnScan::Pipelined), 64, 128, 1).name,
+            scan_kernel(&plain_by_length, 128, 128, PIPELINED_MIN_CHUNKS, spills).name,
+            "gdn_chunk_scan_tc_pipelined_128"
+        );
+        assert_eq!(
+            scan_kernel(&forced(GdnScan::Pipelined), 64, 128, 1, spills).name,
             "gdn_chunk_scan_tc_pipelined_64"
         );
-        assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 128, 1000).name, "gdn_chunk_scan_tc_64");
+        assert_eq!(scan_kernel(&forced(GdnScan::Plain), 64, 128, 1000, spills).name, "gdn_chunk_scan_tc_64");
         let ffma = CudaOptions { gdn_ffma: true, gdn_scan: GdnScan::Pipelined, ..CudaOptions::default() };
-        assert_eq!(scan_kernel(&ffma, 32, 128, 1000).name, "gdn_chunk_scan_32");
+        assert_eq!(scan_kernel(&ffma, 32, 128, 1000, spills).name, "gdn_chunk_scan_32");
         let tf32 = |gdn_scan| CudaOptions { gdn_tf32: true, ..forced(gdn_scan) };
-        assert_eq!(scan_kernel(&tf32(GdnScan::ByLength), 128, 128, 1).name, "gdn_chunk_scan_tf32_128");
-        assert_eq!(
-            scan_kernel(&tf32(GdnScan::ByLength), 128, 128, 256).name,
-            "gdn_chunk_scan_tf32_pipelined_128"
-        );
         let split = |gdn_tf32| CudaOptions { gdn_tf32, ..forced(GdnScan::Split) };
         for tf32 in [false, true] {
             for dk in [16, 32, 64, 128] {
@@ -684,57 +749,52 @@ mod tests {
         assert!(split_kernels(&CudaOptions { gdn_ffma: true, ..split(false) }, 128, 128).is_none());
         // The FMA scan wins over the TF32 products.
         assert_eq!(
-            scan_kernel(&CudaOptions { gdn_tf32: true, ..ffma.clone() }, 32, 128, 1).name,
+            scan_kernel(&CudaOptions { gdn_tf32: true, ..ffma.clone() }, 32, 128, 1, spills).name,
             "gdn_chunk_scan_32"
         );
-        // Every choice is a kernel of the table, launched with the shared memory it is allowed.
-        let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
         let wide = |gdn_tf32| CudaOptions { gdn_tf32, ..forced(GdnScan::Wide) };
-        assert_eq!(scan_kernel(&wide(true), 128, 128, 1).name, "gdn_chunk_scan_tf32_wide_128");
-        assert_eq!(scan_kernel(&wide(false), 64, 24, 300).name, "gdn_chunk_scan_tc_wide_64");
+        assert_eq!(scan_kernel(&wide(true), 128, 128, 1, fits).name, "gdn_chunk_scan_tf32_wide_128");
+        assert_eq!(scan_kernel(&wide(false), 64, 24, 300, fits).name, "gdn_chunk_scan_tc_wide_64");
         assert_eq!(
-            scan_kernel(&wide(true), 128, 160, 1).name,
+            scan_kernel(&wide(true), 128, 160, 1, fits).name,
             "gdn_chunk_scan_tf32_128",
             "dv > 128 falls back"
         );
-        let wide_by_length = CudaOptions { gdn_scan: GdnScan::WideByLength, ..CudaOptions::default() };
-        let short = PIPELINED_MIN_CHUNKS - 1;
-        assert_eq!(scan_kernel(&wide_by_length, 128, 128, short).name, "gdn_chunk_scan_tf32_wide_128");
-        assert_eq!(
-            scan_kernel(&wide_by_length, 128, 128, PIPELINED_MIN_CHUNKS).name,
-            "gdn_chunk_scan_tf32_pipelined_128"
-        );
+        // Every choice is a kernel of the table, launched with the shared memory it is allowed.
+        let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
         let all = [
             by_length,
+            plain_by_length,
             forced(GdnScan::Pipelined),
             forced(GdnScan::Plain),
             ffma,
             tf32(GdnScan::ByLength),
             wide(true),
             wide(false),
-            wide_by_length,
         ];
         for o in all {
             for dk in [16, 32, 64, 128] {
                 for longest in [0, 1, PIPELINED_MIN_CHUNKS, 256] {
                     for dv in [24, 128, 160] {
-                        let ScanKernel { name, smem, threads, column_blocks } =
-                            scan_kernel(&o, dk, dv, longest);
-                        let f = table
-                            .iter()
-                            .find(|f| f.name == name)
-                            .unwrap_or_else(|| panic!("{name} is not in KERNELS"));
-                        assert_eq!(f.max_dynamic_smem, smem, "{name}");
-                        // The wide scan where chosen and possible; every value column covered.
-                        let wide = name.contains("_wide_");
-                        let picks_wide = match o.gdn_scan {
-                            GdnScan::Wide => true,
-                            GdnScan::WideByLength => longest < PIPELINED_MIN_CHUNKS,
-                            _ => false,
-                        };
-                        assert_eq!(wide, picks_wide && !o.gdn_ffma && dv <= 128, "{name}");
-                        let want = if wide { (512, 1) } else { (256, dv.div_ceil(32) as u32) };
-                        assert_eq!((threads, column_blocks), want, "{name} at dv {dv}");
+                        for one_wave in [true, false] {
+                            let ScanKernel { name, smem, threads, column_blocks } =
+                                scan_kernel(&o, dk, dv, longest, |_| one_wave);
+                            let f = table
+                                .iter()
+                                .find(|f| f.name == name)
+                                .unwrap_or_else(|| panic!("{name} is not in KERNELS"));
+                            assert_eq!(f.max_dynamic_smem, smem, "{name}");
+                            // The wide scan where chosen and possible; every value column covered.
+                            let wide = name.contains("_wide_");
+                            let picks_wide = match o.gdn_scan {
+                                GdnScan::Wide => true,
+                                GdnScan::ByLength => longest < PIPELINED_MIN_CHUNKS && !one_wave,
+                                _ => false,
+                            };
+                            assert_eq!(wide, picks_wide && !o.gdn_ffma && dv <= 128, "{name}");
+                            let want = if wide { (512, 1) } else { (256, dv.div_ceil(32) as u32) };
+                            assert_eq!((threads, column_blocks), want, "{name} at dv {dv}");
+                        }
                     }
                 }
             }

@@ -218,6 +218,21 @@ impl CudaBackend {
         self.state.funcs.get(name).ok_or_else(|| anyhow!("kernel {name} is not loaded"))
     }
 
+    /// How many blocks of kernel `name` (block size `threads`, dynamic shared memory `smem`) the
+    /// whole GPU runs at once: its occupancy per SM, from the driver, times the SMs. A grid of at
+    /// most this many blocks runs in one wave. Asked of the driver once per shape.
+    pub(super) fn resident_blocks(&self, name: &str, threads: u32, smem: usize) -> Result<usize> {
+        let key = (name.to_string(), threads, smem);
+        let mut memo = self.state.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = memo.get(&key) {
+            return Ok(n);
+        }
+        let per_sm = self.func(name)?.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?;
+        let n = per_sm as usize * self.state.info.multiprocessors;
+        memo.insert(key, n);
+        Ok(n)
+    }
+
     /// Queues kernel `name` on the backend's stream.
     pub(super) fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let f = self.func(name)?;

@@ -75,11 +75,11 @@ pub struct CudaOptions {
     /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores.
     /// Default: `IMAJEV_GDN_FFMA=1` in the environment.
     pub gdn_ffma: bool,
-    /// Which tensor-core chunk scan runs when `gdn_ffma` is off: the pipelined one for launches
-    /// with a long sequence, the plain one otherwise (default), or one of them always (the wide
-    /// plain scan too). All give the same bits (the split path does not). Default:
-    /// `IMAJEV_GDN_SCAN=pipelined`, `plain`, `wide`, `wide-by-length` or `split` in the environment
-    /// (read only when this field is left at [`GdnScan::ByLength`]).
+    /// Which tensor-core chunk scan runs when `gdn_ffma` is off: by launch (default: the pipelined
+    /// one for launches with a long sequence, otherwise the plain one or, when its grid would take
+    /// more than one wave, the wide one), or one of them always. All give the same bits (the split
+    /// path does not). Default: `IMAJEV_GDN_SCAN=plain-by-length`, `pipelined`, `plain`, `wide` or
+    /// `split` in the environment (read only when this field is left at [`GdnScan::ByLength`]).
     pub gdn_scan: GdnScan,
     /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
     /// mantissas, f32 accumulation; the default) rather than 3xTF32 (f32-level, `false`): about a
@@ -131,6 +131,9 @@ pub struct DeviceInfo {
     pub ordinal: usize,
     pub name: String,
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors: how many blocks of a kernel run at once is this times its
+    /// occupancy ([`CudaBackend::resident_blocks`]).
+    pub multiprocessors: usize,
     pub driver_version: i32,
     pub nvrtc_version: (i32, i32),
     pub cublaslt_version: usize,
@@ -163,6 +166,8 @@ struct DeviceState {
     /// quantisation of their output for the projection that reads it (before, it would be unused).
     /// A hint only: results are the same bits with or without it.
     fp8_linears: AtomicBool,
+    /// [`CudaBackend::resident_blocks`] by (kernel, block size, dynamic shared memory).
+    resident: std::sync::Mutex<HashMap<(String, u32, usize), usize>>,
 }
 
 impl CudaBackend {
@@ -189,10 +194,10 @@ impl CudaBackend {
                 Ok("plain") => options.gdn_scan = GdnScan::Plain,
                 Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("wide") => options.gdn_scan = GdnScan::Wide,
-                Ok("wide-by-length") => options.gdn_scan = GdnScan::WideByLength,
+                Ok("plain-by-length") => options.gdn_scan = GdnScan::PlainByLength,
                 Ok("") | Ok("by-length") | Err(_) => {}
                 Ok(other) => bail!(
-                    "IMAJEV_GDN_SCAN={other}: expected pipelined, plain, split, wide, wide-by-length or by-length"
+                    "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide or split"
                 ),
             }
         }
@@ -254,6 +259,9 @@ impl CudaBackend {
         let mut driver = 0i32;
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }.result()?;
         let name = ctx.name()?;
+        let multiprocessors = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as usize;
         let nvrtc = compile::nvrtc_version()?;
         let arch = layout::gpu_arch(cc.0, cc.1);
         let started = std::time::Instant::now();
@@ -266,6 +274,7 @@ impl CudaBackend {
             ordinal,
             name,
             compute_capability: cc,
+            multiprocessors,
             driver_version: driver,
             nvrtc_version: nvrtc,
             cublaslt_version: Blas::version(),
@@ -299,6 +308,7 @@ impl CudaBackend {
                 info,
                 profiler,
                 fp8_linears: AtomicBool::new(false),
+                resident: Default::default(),
             }),
         })
     }
