@@ -741,94 +741,117 @@ __device__ __forceinline__ void store_rows(float* Y, const float (&acc)[NT][4], 
   }
 }
 
-template <int DK, int P>
-__device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
-                              const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
+// The plain chunk scan over NC value columns with THREADS threads (WARPS = THREADS / 32, a
+// multiple of 8): gdn_chunk_scan_{tc,tf32}_<DK> is NC 32 with 8 warps, one block per (sequence,
+// value head, 32 columns); gdn_chunk_scan_{tc,tf32}_wide_<DK> (below) NC 128 with 16 warps, one
+// block per (sequence, value head). Per chunk, with the tiles of 16 rows x 8 columns:
+//   k S (the first WARPS/2 warps) and q S (the others): rows 16(h%4).., NC/(WARPS/8) columns from
+//     (h/4) NC/(WARPS/8), h the warp's index in its half;
+//   Vn = T R: warp w rows 16(w%4).., columns 32(w/4).. (warps past NC/8 idle);
+//   O = e^gamma q S + P Vn: the q S warps, on their tiles;
+//   S <- e^{gamma_last} S + (fac k)^T Vn: warp w state rows 16(w%8).., NC/(WARPS/8) columns from
+//     (w/8) NC/(WARPS/8).
+// Every output and state element is the same MMA sequence over the same k order on the same
+// operand values for any (NC, THREADS), and every elementwise step the same f32 expression: the
+// plain and wide scans give the same bits (the device suite compares them bitwise).
+template <int DK, int P, int NC, int THREADS>
+__device__ void chunk_scan_tc_cols(const float* qn, const float* kn, const float* v, const float* beta,
+                                   const float* g, const float* tp, const int* chunks, const i64* segs, int kh,
+                                   int vh, int dv, float* out) {
+  constexpr int WARPS = THREADS / 32;
+  static_assert((WARPS & (WARPS - 1)) == 0 && WARPS >= 8 && NC % (WARPS / 8) == 0 && NC % 32 == 0,
+                "tile assignment");
+  constexpr int CW = NC / (WARPS / 8);  // columns of a warp's k S / q S / O / state tiles
+  constexpr int NT = CW / 8;
   extern __shared__ __align__(16) float smem_tc[];
   constexpr int LD = LDQK;                     // 68
-  constexpr int LS = 40;                       // S, R, Vn row stride: conflict-free B fragments
+  constexpr int LS = NC + 8;                   // S, R, Vn row stride: conflict-free B fragments
   constexpr int QREG = (DK * LD > 2 * CHUNK * LD) ? DK * LD : 2 * CHUNK * LD;
   float* Kt = smem_tc;                         // [DK][68]
   float* Qt = Kt + DK * LD;                    // [DK][68], then Tt [64][68] and Pt [64][68]
   float* Tt = Qt;
   float* Pt = Qt + CHUNK * LD;
-  float* S = Qt + QREG;                        // [DK][40]
-  float* R = S + DK * LS;                      // [64][40]
-  float* Vn = R + CHUNK * LS;                  // [64][40]
+  float* S = Qt + QREG;                        // [DK][LS]
+  float* R = S + DK * LS;                      // [64][LS]
+  float* Vn = R + CHUNK * LS;                  // [64][LS]
   float* gam = Vn + CHUNK * LS;
   float* bet = gam + CHUNK;
   float* fac = bet + CHUNK;
-  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh), tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * NC, hk = hv / (vh / kh), tid = threadIdx.x;
+  // Masked to WARPS - 1 (a no-op for THREADS threads) so the compiler knows warp < WARPS and folds
+  // the tile offsets that are 0 at 8 warps.
+  const int warp = (tid >> 5) & (WARPS - 1), lane = tid & 31, gr = lane >> 2, tg = lane & 3;
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
   const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
   float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
-  const int ncols = min(32, dv - c0);
-  const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
-  const bool kwarp = warp < 4;
-  load_state_async<DK>(S, LS, state_in, dv, c0, ncols);  // waited for with the first chunk's copies
+  const int ncols = min(NC, dv - c0);
+  const int m0 = 16 * (warp & 3);  // this warp's rows in the row products and in Vn
+  const bool kwarp = warp < WARPS / 2;
+  const int ch = CW * ((warp & (WARPS / 2 - 1)) >> 2);   // k S / q S / O: this warp's columns
+  const int cv = 32 * (warp >> 2);                       // Vn: this warp's 32 columns
+  const int d0 = 16 * (warp & 7), cs = CW * (warp >> 3);  // state update: rows and columns
+  load_state_async<DK, NC>(S, LS, state_in, dv, c0, ncols);  // waited for with the first chunk's copies
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
-    chunk_inputs<DK>(Kt, Qt, R, LS, gam, bet, qn, kn, v, g, beta, row0, len, kh, hk, vh, hv, dv, c0, ncols);
-    // k S (warps 0-3) or q S (warps 4-7): rows m0..m0+15, 4 column tiles of 8.
-    float acc[4][4];
+    chunk_inputs<DK, NC, THREADS>(Kt, Qt, R, LS, gam, bet, qn, kn, v, g, beta, row0, len, kh, hk, vh, hv, dv, c0,
+                                  ncols);
+    float acc[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (m0 < len) mma_rows<LD, LS, P>(acc, kwarp ? Kt : Qt, S, m0, DK, gr, tg);
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    if (m0 < len) mma_rows<LD, LS, P>(acc, kwarp ? Kt : Qt, S + ch, m0, DK, gr, tg);
     __syncthreads();  // q is no longer needed: its staging now takes T and P
     const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
-    for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += blockDim.x) {
+    for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += blockDim.x) {  // rolled: fewer instructions
       const int row = idx / 16, q4 = (idx % 16) * 4;  // row 0..127 over [T; P]
       cp_async16(Tt + row * LD + q4, Tg + 4 * idx, true);
     }
     if (kwarp) {
       // R_i = beta_i (v_i - e^{gamma_i} (k S)_i) on this thread's fragment elements.
 #pragma unroll
-      for (int nt = 0; nt < 4; nt++)
+      for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const int i = m0 + gr + 8 * (e >> 1), c = 8 * nt + 2 * tg + (e & 1);
+          const int i = m0 + gr + 8 * (e >> 1), c = ch + 8 * nt + 2 * tg + (e & 1);
           R[i * LS + c] = bet[i] * (R[i * LS + c] - expf(gam[i]) * acc[nt][e]);
         }
     } else {
 #pragma unroll
-      for (int nt = 0; nt < 4; nt++)
+      for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[nt][e] *= expf(gam[m0 + gr + 8 * (e >> 1)]);
     }
     if (tid < CHUNK) fac[tid] = expf(gam[CHUNK - 1] - gam[tid]);
     cp_async_wait_all();
     __syncthreads();
-    // Vn = T R (warps 0-3). T is lower triangular: columns j < m0 + 16 suffice. Rows past len
+    // Vn = T R, 16 x 32 tiles. T is lower triangular: columns j < m0 + 16 suffice. Rows past len
     // come out 0 (their T row is e_i and R row 0) and are written, since the state update reads them.
-    if (kwarp) {
+    if (cv < NC) {
       float vacc[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
-      if (m0 < len) mma_rows<LD, LS, P>(vacc, Tt, R, m0, m0 + 16, gr, tg);
-      store_rows<LS>(Vn, vacc, m0, gr, tg);
+      if (m0 < len) mma_rows<LD, LS, P>(vacc, Tt, R + cv, m0, m0 + 16, gr, tg);
+      store_rows<LS>(Vn + cv, vacc, m0, gr, tg);
     }
     __syncthreads();
-    // O = e^gamma q S + P Vn (warps 4-7), rows below len written out.
+    // O = e^gamma q S + P Vn (the q S warps), rows below len and real columns written out.
     if (!kwarp && m0 < len) {
-      mma_rows<LD, LS, P>(acc, Pt, Vn, m0, m0 + 16, gr, tg);
+      mma_rows<LD, LS, P>(acc, Pt, Vn + ch, m0, m0 + 16, gr, tg);
 #pragma unroll
-      for (int nt = 0; nt < 4; nt++)
+      for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const int i = m0 + gr + 8 * (e >> 1), c = 8 * nt + 2 * tg + (e & 1);
+          const int i = m0 + gr + 8 * (e >> 1), c = ch + 8 * nt + 2 * tg + (e & 1);
           if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c0 + c] = acc[nt][e];
         }
     }
-    // S <- e^{gamma_last} S + (fac k)^T Vn: warp w updates state rows 16w.. over real rows only.
-    if (16 * warp < DK) {
-      const int d0 = 16 * warp;
+    // S <- e^{gamma_last} S + (fac k)^T Vn over real rows: warp w its rows d0.., columns cs...
+    if (d0 < DK) {
       const float el = expf(gam[CHUNK - 1]);
-      float sacc[4][4];
+      float sacc[NT][4];
 #pragma unroll
-      for (int nt = 0; nt < 4; nt++) {
-        const int c = 8 * nt + 2 * tg;
+      for (int nt = 0; nt < NT; nt++) {
+        const int c = cs + 8 * nt + 2 * tg;
         sacc[nt][0] = el * S[(d0 + gr) * LS + c];
         sacc[nt][1] = el * S[(d0 + gr) * LS + c + 1];
         sacc[nt][2] = el * S[(d0 + gr + 8) * LS + c];
@@ -840,12 +863,17 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
         const TfA a = split_a(f0 * Kt[(d0 + gr) * LD + k0 + tg], f0 * Kt[(d0 + gr + 8) * LD + k0 + tg],
                               f1 * Kt[(d0 + gr) * LD + k0 + tg + 4], f1 * Kt[(d0 + gr + 8) * LD + k0 + tg + 4]);
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++) mma_p<P>(sacc[nt], a, frag_b(Vn, LS, k0, 8 * nt, gr, tg));
+        for (int nt = 0; nt < NT; nt++) mma_p<P>(sacc[nt], a, frag_b(Vn, LS, k0, cs + 8 * nt, gr, tg));
       }
-      store_rows<LS>(S, sacc, d0, gr, tg);
+      store_rows<LS>(S + cs, sacc, d0, gr, tg);
     }
   }
-  store_state<DK>(state, dv, c0, ncols, S, LS);
+  store_state<DK, NC>(state, dv, c0, ncols, S, LS);
+}
+template <int DK, int P>
+__device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
+                              const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {
+  chunk_scan_tc_cols<DK, P, 32, 256>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);
 }
 
 // The entry points of a chunk scan: TC_<DK> (3xTF32 products) and TF32_<DK> (one TF32 MMA each)
@@ -871,17 +899,11 @@ SCAN_TC_ENTRIES(gdn_chunk_scan_tc, gdn_chunk_scan_tf32, chunk_scan_tc, (256), 12
 // value head) over all its value columns (dv <= 128, 16 warps), where the plain scan runs four
 // blocks of 32 columns that each stage the chunk's q and k, load its T and P and compute its gates
 // — four times the global round trips and staging per (sequence, head), and four times the blocks
-// (a packed round of 96 short sequences: 12,288 blocks a layer, 46 waves of ~26 µs for one or
-// two chunks each; the plain scan was 22% of that forward, NOTES). Here each warp's MMAs cover 64
+// (a packed round of 96 short sequences: 12,288 blocks a layer). Each warp's MMAs cover 64
 // columns where they covered 32, so a warp has twice the independent accumulators per k step.
-// Same BITS as gdn_chunk_scan_{tc,tf32}_<DK>: every output and state element is the same MMA
-// sequence over the same k order on the same operand values, and every elementwise step the same
-// f32 expression; only which warp computes which tile differs (the device suite compares them
-// bitwise). 16 warps:
-//   k S (warps 0-7) and q S (warps 8-15): rows 16(w%4).., columns 64((w/4)%2).. (8 tiles of 8);
-//   Vn = T R: warp w rows 16(w%4).., columns 32(w/4)..;
-//   O = e^gamma q S + P Vn: warps 8-15, on their q S tiles;
-//   S <- e^{gamma_last} S + (fac k)^T Vn: warp w state rows 16(w%8).., columns 64(w/8)...
+// Same BITS as the plain scan (chunk_scan_tc_cols). The host picks it for short launches whose
+// plain grid would take more than one wave (deltanet.rs scan_kernel): a packed round of 96
+// sequences 29.3 -> 21.1 ms, a lone 2,048-token sequence 1.6x slower (bench/NOTES.md).
 // Shared memory (layout::delta_tc_wide_smem_bytes): k and q staged transposed [DK][68] (q's
 // staging then holds T and P), S [DK][136], R and Vn [64][136], the gates: 209,664 bytes at dk 128,
 // one block per SM (16 warps, as two plain blocks).
@@ -889,111 +911,7 @@ template <int DK, int P>
 __device__ void chunk_scan_tc_wide(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                                    const float* tp, const int* chunks, const i64* segs, int kh, int vh, int dv,
                                    float* out) {
-  extern __shared__ __align__(16) float smem_tcw[];
-  constexpr int THREADS = 512, NC = 128;
-  constexpr int LD = LDQK;                    // 68
-  constexpr int LS = NC + 8;                  // 136: conflict-free B fragments, as the plain scan's 40
-  constexpr int QREG = (DK * LD > 2 * CHUNK * LD) ? DK * LD : 2 * CHUNK * LD;
-  float* Kt = smem_tcw;                       // [DK][68]
-  float* Qt = Kt + DK * LD;                   // [DK][68], then Tt [64][68] and Pt [64][68]
-  float* Tt = Qt;
-  float* Pt = Qt + CHUNK * LD;
-  float* S = Qt + QREG;                       // [DK][136]
-  float* R = S + DK * LS;                     // [64][136]
-  float* Vn = R + CHUNK * LS;                 // [64][136]
-  float* gam = Vn + CHUNK * LS;
-  float* bet = gam + CHUNK;
-  float* fac = bet + CHUNK;
-  const int s = blockIdx.x, hv = blockIdx.y, hk = hv / (vh / kh), tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
-  const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
-  const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
-  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
-  const int ncols = dv;            // <= NC (the host picks this kernel only then)
-  const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
-  const bool kwarp = warp < 8;
-  const int ch = 64 * ((warp >> 2) & 1);  // k S / q S / O: this warp's 64 columns
-  const int cv = 32 * (warp >> 2);        // Vn: this warp's 32 columns
-  const int d0 = 16 * (warp & 7), cs = 64 * (warp >> 3);  // state update: rows and 64 columns
-  load_state_async<DK, NC>(S, LS, state_in, dv, 0, ncols);  // waited for with the first chunk's copies
-  for (int ck = first; ck < first + nch; ck++) {
-    const i64 row0 = chunks[2 * ck];
-    const int len = chunks[2 * ck + 1];
-    chunk_inputs<DK, NC, THREADS>(Kt, Qt, R, LS, gam, bet, qn, kn, v, g, beta, row0, len, kh, hk, vh, hv, dv, 0,
-                                  ncols);
-    float acc[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (m0 < len) mma_rows<LD, LS, P>(acc, kwarp ? Kt : Qt, S + ch, m0, DK, gr, tg);
-    __syncthreads();  // q is no longer needed: its staging now takes T and P
-    const float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
-    for (int idx = tid; idx < 2 * CHUNK * CHUNK / 4; idx += THREADS) {
-      const int row = idx / 16, q4 = (idx % 16) * 4;  // row 0..127 over [T; P]
-      cp_async16(Tt + row * LD + q4, Tg + 4 * idx, true);
-    }
-    if (kwarp) {
-      // R_i = beta_i (v_i - e^{gamma_i} (k S)_i) on this thread's fragment elements.
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int i = m0 + gr + 8 * (e >> 1), c = ch + 8 * nt + 2 * tg + (e & 1);
-          R[i * LS + c] = bet[i] * (R[i * LS + c] - expf(gam[i]) * acc[nt][e]);
-        }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] *= expf(gam[m0 + gr + 8 * (e >> 1)]);
-    }
-    if (tid < CHUNK) fac[tid] = expf(gam[CHUNK - 1] - gam[tid]);
-    cp_async_wait_all();
-    __syncthreads();
-    // Vn = T R, every warp a 16 x 32 tile; T lower triangular: columns j < m0 + 16 suffice. Rows
-    // past len come out 0 and are written, since the state update reads them.
-    {
-      float vacc[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; nt++) vacc[nt][0] = vacc[nt][1] = vacc[nt][2] = vacc[nt][3] = 0.f;
-      if (m0 < len) mma_rows<LD, LS, P>(vacc, Tt, R + cv, m0, m0 + 16, gr, tg);
-      store_rows<LS>(Vn + cv, vacc, m0, gr, tg);
-    }
-    __syncthreads();
-    // O = e^gamma q S + P Vn (warps 8-15), rows below len and real columns written out.
-    if (!kwarp && m0 < len) {
-      mma_rows<LD, LS, P>(acc, Pt, Vn + ch, m0, m0 + 16, gr, tg);
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int i = m0 + gr + 8 * (e >> 1), c = ch + 8 * nt + 2 * tg + (e & 1);
-          if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c] = acc[nt][e];
-        }
-    }
-    // S <- e^{gamma_last} S + (fac k)^T Vn over real rows: warp w its rows d0.., columns cs...
-    if (d0 < DK) {
-      const float el = expf(gam[CHUNK - 1]);
-      float sacc[8][4];
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
-        const int c = cs + 8 * nt + 2 * tg;
-        sacc[nt][0] = el * S[(d0 + gr) * LS + c];
-        sacc[nt][1] = el * S[(d0 + gr) * LS + c + 1];
-        sacc[nt][2] = el * S[(d0 + gr + 8) * LS + c];
-        sacc[nt][3] = el * S[(d0 + gr + 8) * LS + c + 1];
-      }
-      const int kmax = (len + 7) & ~7;
-      for (int k0 = 0; k0 < kmax; k0 += 8) {
-        const float f0 = fac[k0 + tg], f1 = fac[k0 + tg + 4];
-        const TfA a = split_a(f0 * Kt[(d0 + gr) * LD + k0 + tg], f0 * Kt[(d0 + gr + 8) * LD + k0 + tg],
-                              f1 * Kt[(d0 + gr) * LD + k0 + tg + 4], f1 * Kt[(d0 + gr + 8) * LD + k0 + tg + 4]);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) mma_p<P>(sacc[nt], a, frag_b(Vn, LS, k0, cs + 8 * nt, gr, tg));
-      }
-      store_rows<LS>(S + cs, sacc, d0, gr, tg);
-    }
-  }
-  store_state<DK, NC>(state, dv, 0, ncols, S, LS);
+  chunk_scan_tc_cols<DK, P, 128, 512>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);
 }
 
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_wide, gdn_chunk_scan_tf32_wide, chunk_scan_tc_wide, (512, 1), 16)
