@@ -26,9 +26,9 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GdnScan {
     /// By the launch: `gdn_chunk_scan_{tc,tf32}_pipelined_<dk>` when its longest sequence has at
-    /// least [`PIPELINED_MIN_CHUNKS`] chunks; otherwise the plain scan `gdn_chunk_scan_{tc,tf32}_<dk>`
-    /// when its grid runs in one wave, the wide one `gdn_chunk_scan_{tc,tf32}_wide_<dk>` when it
-    /// would take more (see [`scan_kernel`]).
+    /// least [`PIPELINED_MIN_CHUNKS`] chunks or its grid runs in one wave (a lone sequence);
+    /// otherwise the plain scan `gdn_chunk_scan_{tc,tf32}_<dk>` when its grid runs in one wave, the
+    /// wide one `gdn_chunk_scan_{tc,tf32}_wide_<dk>` when it would take more (see [`scan_kernel`]).
     #[default]
     ByLength,
     /// [`GdnScan::ByLength`] without the wide scan (the default before 2026-12-04), to compare.
@@ -87,22 +87,24 @@ pub struct ScanKernel {
 }
 
 /// The chunk-scan kernel of one launch, for key dim `dk`, value dim `dv` and the chunk count of
-/// the launch's longest sequence. `one_wave(plain)` says whether the plain scan's grid for this
-/// launch (`plain.column_blocks` blocks per sequence and value head) runs in one wave of the GPU.
+/// the launch's longest sequence. `one_wave(kernel)` says whether `kernel`'s grid for this launch
+/// (`kernel.column_blocks` blocks per sequence and value head) runs in one wave of the GPU.
 ///
 /// Why [`GdnScan::ByLength`] asks: a short launch's time is its waves times a wave's time (a
-/// block walks its sequence's few chunks at a fixed latency per chunk). The wide scan does a
-/// head's 128 value columns in one 16-warp block at ~1.6× the plain block's time per chunk
-/// (1×2,048 tokens, 32 heads: 0.83 vs 0.53 ms a layer on the H200), with a quarter of the blocks.
-/// While the plain grid fits one wave (a lone prefix: 128 blocks, two per SM), the plain scan is
-/// faster; past it, the wide scan's fewer waves win (11 passes of 73 tokens: 1.13×; a packed
-/// round of 96 sequences: 29.3 → 21.1 ms, `bench/NOTES.md`).
+/// block walks its sequence's few chunks at a fixed latency per chunk). The pipelined scan is the
+/// fastest block (chunk c+1's loads behind chunk c's arithmetic: 1×447 tokens 0.140 ms a layer
+/// against the plain scan's 0.169 on the H200) but holds one block per SM, the plain scan two,
+/// and the wide scan does a head's 128 value columns in one 16-warp block at ~1.4–1.6× the plain
+/// block's time (1×447: 0.229 ms; 1×2,048: 0.83 vs 0.53) with a quarter of the blocks. So: the
+/// pipelined scan for long sequences or when its grid fits one wave (a lone prefix, 128 blocks),
+/// else the plain scan when its grid fits one wave, else the wide scan, whose fewer waves win
+/// (11 passes of 73 tokens: 1.15×; a packed round of 96 sequences: 29.3 → 21.1 ms, NOTES).
 pub fn scan_kernel(
     options: &CudaOptions,
     dk: usize,
     dv: usize,
     longest_chunks: usize,
-    one_wave: impl FnOnce(&ScanKernel) -> bool,
+    mut one_wave: impl FnMut(&ScanKernel) -> bool,
 ) -> ScanKernel {
     let narrow =
         |name: String, smem| ScanKernel { name, smem, threads: 256, column_blocks: dv.div_ceil(32) as u32 };
@@ -112,16 +114,18 @@ pub fn scan_kernel(
     // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
     let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     let short = longest_chunks < PIPELINED_MIN_CHUNKS;
-    let pipelined = match options.gdn_scan {
+    let pipelined = narrow(
+        format!("gdn_chunk_scan_{products}_pipelined_{dk}"),
+        layout::delta_tc_pipelined_smem_bytes(dk),
+    );
+    let use_pipelined = match options.gdn_scan {
         GdnScan::Pipelined => true,
         GdnScan::Plain | GdnScan::Wide => false,
-        GdnScan::ByLength | GdnScan::PlainByLength | GdnScan::Split => !short,
+        GdnScan::PlainByLength | GdnScan::Split => !short,
+        GdnScan::ByLength => !short || one_wave(&pipelined),
     };
-    if pipelined {
-        return narrow(
-            format!("gdn_chunk_scan_{products}_pipelined_{dk}"),
-            layout::delta_tc_pipelined_smem_bytes(dk),
-        );
+    if use_pipelined {
+        return pipelined;
     }
     let plain = narrow(format!("gdn_chunk_scan_{products}_{dk}"), layout::delta_tc_smem_bytes(dk));
     let wide = dv <= 128
@@ -151,17 +155,16 @@ impl CudaBackend {
         sequences: usize,
     ) -> Result<ScanKernel> {
         let mut asked = Ok(());
-        let kernel =
-            scan_kernel(&self.state.options, dims.key_dim, dims.value_dim, longest_chunks, |plain| {
-                let blocks = sequences * dims.value_heads * plain.column_blocks as usize;
-                match self.resident_blocks(&plain.name, plain.threads, plain.smem) {
-                    Ok(resident) => blocks <= resident,
-                    Err(e) => {
-                        asked = Err(e);
-                        true
-                    }
+        let kernel = scan_kernel(&self.state.options, dims.key_dim, dims.value_dim, longest_chunks, |k| {
+            let blocks = sequences * dims.value_heads * k.column_blocks as usize;
+            match self.resident_blocks(&k.name, k.threads, k.smem) {
+                Ok(resident) => blocks <= resident,
+                Err(e) => {
+                    asked = Err(e);
+                    true
                 }
-            });
+            }
+        });
         asked.map(|()| kernel)
     }
 }
@@ -691,11 +694,14 @@ mod tests {
     fn scan_kernel_follows_options_the_longest_sequence_and_the_waves() {
         let fits = |_: &ScanKernel| true;
         let spills = |_: &ScanKernel| false;
+        // A launch of a few sequences: two plain blocks per SM fit it, one pipelined block does not.
+        let plain_fits = |k: &ScanKernel| !k.name.contains("_pipelined_");
         let by_length = CudaOptions::default();
         assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
         assert!(by_length.gdn_tf32, "one TF32 MMA per product is the default");
         let short = PIPELINED_MIN_CHUNKS - 1;
-        assert_eq!(scan_kernel(&by_length, 128, 128, short, fits).name, "gdn_chunk_scan_tf32_128");
+        assert_eq!(scan_kernel(&by_length, 128, 128, short, fits).name, "gdn_chunk_scan_tf32_pipelined_128");
+        assert_eq!(scan_kernel(&by_length, 128, 128, short, plain_fits).name, "gdn_chunk_scan_tf32_128");
         assert_eq!(scan_kernel(&by_length, 128, 128, short, spills).name, "gdn_chunk_scan_tf32_wide_128");
         assert_eq!(
             scan_kernel(&by_length, 128, 160, short, spills).name,
@@ -708,16 +714,17 @@ mod tests {
                 "gdn_chunk_scan_tf32_pipelined_128"
             );
         }
-        // The one-wave question is asked about the plain scan's own grid.
-        let mut asked = None;
+        // The one-wave question is asked about the pipelined scan's grid, then the plain scan's.
+        let mut asked = Vec::new();
         scan_kernel(&by_length, 64, 96, short, |k| {
-            asked = Some(k.clone());
-            true
+            asked.push((k.name.clone(), k.threads, k.column_blocks));
+            false
         });
-        let asked = asked.expect("a short ByLength launch asks");
+        let names =
+            |v: &[(&str, u32, u32)]| v.iter().map(|&(n, t, c)| (n.to_string(), t, c)).collect::<Vec<_>>();
         assert_eq!(
-            (asked.name.as_str(), asked.threads, asked.column_blocks),
-            ("gdn_chunk_scan_tf32_64", 256, 3)
+            asked,
+            names(&[("gdn_chunk_scan_tf32_pipelined_64", 256, 3), ("gdn_chunk_scan_tf32_64", 256, 3)])
         );
         let forced = |gdn_scan| CudaOptions { gdn_scan, gdn_tf32: false, ..CudaOptions::default() };
         let plain_by_length = forced(GdnScan::PlainByLength);
