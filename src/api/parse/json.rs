@@ -3,7 +3,8 @@
 //!
 //! Why by hand: a `serde_json::Value` costs ~50–100 bytes per JSON value, so a 16 MB body of
 //! `{"pad": [0, 0, …]}` (an ignored field) used to take ~850 MB while parsing. Here the body is
-//! first checked as JSON with `serde::de::IgnoredAny` (which allocates nothing), then a
+//! first checked as JSON with `serde::de::IgnoredAny` (which allocates nothing), plus the two
+//! checks it skips in the strings it ignores (UTF-8, lone surrogate escapes), then a
 //! structural scan ([`top_level_members`]) finds the top-level members and counts the values
 //! inside each; only the members the rules read ([`READ_FIELDS`]) are parsed into `Value`s, after
 //! their value count is checked against [`MAX_JSON_VALUES`] and their memory is reserved from
@@ -53,6 +54,44 @@ fn string_end(body: &[u8], start: usize) -> usize {
         }
     }
     body.len()
+}
+
+/// The four hex digits at `body[at..at + 4]`, if they are four hex digits.
+fn hex4(body: &[u8], at: usize) -> Option<u16> {
+    body.get(at..at + 4)?.iter().try_fold(0u16, |n, &c| Some(n << 4 | (c as char).to_digit(16)? as u16))
+}
+
+/// The first `\u` escape of `body` that is a lone UTF-16 surrogate, as its byte offset: a high
+/// surrogate (`\uD800`–`\uDBFF`) not followed at once by a low one (`\uDC00`–`\uDFFF`), or a
+/// low one not preceded by a high one. serde_json refuses these in every string it parses into
+/// a `String` (keys, and every string of a read member) but skips them unchecked in what it
+/// ignores, so the whole body is checked here the way a full parse checks it. `body` must be
+/// valid JSON (checked before): every backslash in it then starts an escape inside a string.
+/// Linear time, no allocation.
+fn lone_surrogate(body: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while let Some(k) = body.get(i..).and_then(|rest| rest.iter().position(|&b| b == b'\\')) {
+        let at = i + k;
+        let unicode = body.get(at + 1) == Some(&b'u');
+        let Some(n) = hex4(body, at + 2).filter(|_| unicode) else {
+            // A one-character escape (`\\`, `\"`, `\n`, …): skipped whole.
+            i = at + 2;
+            continue;
+        };
+        i = at + 6;
+        match n {
+            0xD800..=0xDBFF => {
+                if body.get(i..i + 2) == Some(b"\\u") && matches!(hex4(body, i + 2), Some(0xDC00..=0xDFFF)) {
+                    i += 6;
+                } else {
+                    return Some(at);
+                }
+            }
+            0xDC00..=0xDFFF => return Some(at),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The members of the top-level object of `body`, which must be valid JSON (checked before);
@@ -166,6 +205,22 @@ pub fn parse_json_within(body: &[u8], loc: Loc, held: &mut Reservation) -> Resul
         ));
     }
     serde_json::from_slice::<serde::de::IgnoredAny>(body).map_err(bad)?;
+    // Likewise lone surrogate escapes, which serde_json's IgnoredAny skips unchecked.
+    if let Some(at) = lone_surrogate(body) {
+        let escape = String::from_utf8_lossy(&body[at..at + 6]);
+        let high = matches!(hex4(body, at + 2), Some(0xD800..=0xDBFF));
+        let rule = if high {
+            "a \\uD800-\\uDBFF escape must be followed at once by a \\uDC00-\\uDFFF escape"
+        } else {
+            "a \\uDC00-\\uDFFF escape must come right after a \\uD800-\\uDBFF escape"
+        };
+        return Err(ApiError::bad_json(
+            loc,
+            format!(
+                "the body is not valid JSON: lone UTF-16 surrogate escape {escape} at byte {at} in a string ({rule}: the pair stands for one character above U+FFFF)"
+            ),
+        ));
+    }
     let Some(members) = top_level_members(body) else {
         return Ok(Value::Null);
     };
@@ -241,6 +296,77 @@ mod tests {
         assert_eq!((e.status, e.code), (422, "bad_json"));
         let e = parse_json(br#"{"state": 1} x"#, Loc::body()).unwrap_err();
         assert_eq!(e.code, "bad_json");
+    }
+
+    /// A lone UTF-16 surrogate escape is not JSON to serde_json's full parse (every string it
+    /// parses into a `String`), but its IgnoredAny skips it: refused the same way wherever it
+    /// lies, the escape and its place named (found by tests/fuzz.rs, IMAJEV_FUZZ_SEED=
+    /// 1796414150940201886: a lone `\ud800` in a key inside a top-level array was "not an
+    /// object" instead of bad_json).
+    #[test]
+    fn lone_surrogate_escapes_are_bad_json_wherever_they_lie() {
+        // `{s}` ends a string; the first two are skipped unread, the rest are read.
+        let places = [
+            r#"[1, 2, {"a{s}": 1}]"#,
+            r#"{"pad": [0, {"x": "a{s}"}], "state": "x"}"#,
+            r#"{"pad{s}": 1, "state": "x"}"#,
+            r#"{"state": {"k{s}": 1}}"#,
+            r#"{"state": ["a{s}"]}"#,
+        ];
+        // (the string's end, the lone escape the error names)
+        let lone = [
+            (r"\ud800", r"\ud800"),             // high, at the end of the string
+            (r"\ud800b", r"\ud800"),            // high, then a character
+            (r"\uDBFF\u0041", r"\uDBFF"),       // high, then a non-surrogate escape
+            (r"\ud800\n", r"\ud800"),           // high, then a one-character escape
+            (r"\ud800\\udc00", r"\ud800"),      // high, then `\\` and the text `udc00`
+            (r"\ud800\ud800\udc00", r"\ud800"), // high, then a pair
+            (r"\udc00", r"\udc00"),             // low
+            (r"\uDFFFb", r"\uDFFF"),            // low, then a character
+            (r"\udc00\ud800", r"\udc00"),       // a pair the wrong way round
+            (r"\u0041\udc00", r"\udc00"),       // low, after a non-surrogate escape
+        ];
+        for place in places {
+            for (end, named) in lone {
+                let body = place.replace("{s}", end);
+                assert!(serde_json::from_slice::<Value>(body.as_bytes()).is_err(), "{body}");
+                let e = parse_json(body.as_bytes(), Loc::body()).unwrap_err();
+                assert_eq!((e.status, e.code), (422, "bad_json"), "{body}");
+                let want = format!(
+                    "lone UTF-16 surrogate escape {named} at byte {} in a string",
+                    body.find(named).unwrap()
+                );
+                assert!(e.summary().contains(&want), "{body}: {}", e.summary());
+            }
+        }
+        // Pairs, boundaries and escaped backslashes are characters: kept as a full parse keeps them.
+        let fine = [
+            r"\ud800\udc00",
+            r"\uDBFF\uDFFFb",
+            r"\ud83d\ude00\n",
+            r"\u00e9\ud7ff\ue000",
+            r"\\ud800",
+            r"\\\ud83d\ude00",
+        ];
+        for place in places {
+            for end in fine {
+                let body = place.replace("{s}", end);
+                let full: Value = serde_json::from_slice(body.as_bytes()).unwrap();
+                let kept = parse_json(body.as_bytes(), Loc::body())
+                    .unwrap_or_else(|e| panic!("{body}: {}", e.summary()));
+                let want = match full {
+                    Value::Object(m) => Value::Object(
+                        m.into_iter().filter(|(k, _)| READ_FIELDS.contains(&k.as_str())).collect(),
+                    ),
+                    _ => Value::Null,
+                };
+                assert_eq!(kept, want, "{body}");
+            }
+        }
+        assert_eq!(
+            parse_json(br#"{"state": "\ud83d\ude00"}"#, Loc::body()).unwrap(),
+            json!({"state": "\u{1F600}"})
+        );
     }
 
     /// Issue 16, item 4: 16 MB of an ignored field's zeros used to build a ~850 MB `Value`
