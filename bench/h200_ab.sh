@@ -4,7 +4,8 @@
 #   1. the kernel checks of tests/gpu/ named by GPU_TEST_FILTER (skipped when empty);
 #   2. the GPU service test (SERVICE=0 skips it);
 #   3. our side of bench/gpu_bench.py for the base binary (.gpu/imajev-serve-base) and the new one
-#      (.gpu/imajev-serve) on the same requests (SIZES, IMAGES, LONG, REPEATS as in h200_quick.sh);
+#      (.gpu/imajev-serve) on the same requests (SIZES, IMAGES, LONG, REPEATS as in h200_quick.sh;
+#      LONG unset runs the long bucket's 1 and 2 images, LONG= (empty) skips it);
 #      with BASE_ENV="NAME=value ..." the base side is the new binary run with those variables
 #      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_ATTENTION=wgmma), and
 #      NEW_ENV likewise for the new side (an option that switches something on); FIDELITY=0 skips
@@ -35,7 +36,7 @@ for side in base new; do
   fi
   env "${env[@]}" PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-150}" python3 bench/gpu_bench.py --bin $bin --work $W \
     --out "$OUT/$side" --phase ours --sizes "${SIZES:-256}" --images "${IMAGES:-0}" --repeats "${REPEATS:-3}" \
-    --fidelity "${FIDELITY:-2}" --long "${LONG:-1,2}" >>"$OUT/bench.log" 2>&1
+    --fidelity "${FIDELITY:-2}" --long "${LONG-1,2}" >>"$OUT/bench.log" 2>&1
   echo "gpu_bench $side exit $?"
 done
 if [ "${STAGES:-0}" = 1 ]; then

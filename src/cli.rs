@@ -69,11 +69,12 @@ pub struct ModelArgs {
     pub contract: ContractMode,
     /// Most tokens per packed forward: a request's prefix and passes, and the trees of the
     /// queued requests packed with it. A larger request runs alone (prefix first).
-    #[arg(long, default_value_t = 8192, value_parser = at_least_one, env = "IMAJEV_BATCH_TOKENS")]
+    #[arg(long, default_value_t = BatchLimits::default().max_tokens, value_parser = at_least_one, env = "IMAJEV_BATCH_TOKENS")]
     pub batch_tokens: usize,
     /// Most sequences (a request's prefix, shared question tokens and passes, over all packed
-    /// requests) per packed forward.
-    #[arg(long, default_value_t = 64, value_parser = at_least_one, env = "IMAJEV_BATCH_SEQUENCES")]
+    /// requests) per packed forward. Each holds its DeltaNet state on the GPU while it runs
+    /// (~48 MB for Qwen3.5-4B): lower it on a small GPU.
+    #[arg(long, default_value_t = BatchLimits::default().max_sequences, value_parser = at_least_one, env = "IMAJEV_BATCH_SEQUENCES")]
     pub batch_sequences: usize,
     /// Inside a forward, each question's tokens shared by its rotations: repeated in every pass
     /// (one-level) or run once with the passes continuing them (two-level).
