@@ -97,11 +97,6 @@ __device__ __forceinline__ unsigned pack_bf(bf16 lo, bf16 hi) {
   return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-
 // Tile of `rows` rows x HDP columns into shared memory (leading dimension LD), zero-filled past
 // `valid` rows and hd columns. Row r is row j0 + r of a sequence stored as `alen` rows at `a`
 // followed by rows at `b` (row stride `stride` elements in both); `b` must be a valid address
@@ -117,7 +112,7 @@ __device__ __forceinline__ void load_tile(bf16* dst, const bf16* a, int alen, co
       const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + c : b + (i64)(j - alen) * stride + c;
       cp_async16(dst + r * LD + c, src, ok);  // all of a thread's copies in flight at once
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    cp_async_wait_all();
   } else {
     for (int i = threadIdx.x; i < rows * HDP; i += blockDim.x) {
       int r = i / HDP, c = i % HDP, j = j0 + r;
@@ -295,8 +290,6 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const bf16* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all_groups() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Issues (does not wait for) the copies of `rows` rows x HDP columns into dst (leading dimension
 // LD), zero-filling rows past `valid` and columns past hd; row r is row j0 + r of a sequence stored
@@ -416,7 +409,7 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   const int vb_row = (lane & 7) + (((lane >> 3) & 1) << 3), vb_col = (lane >> 4) * 8;
 
   for (int kt = kt0; kt < ntiles; kt++) {
-    cp_async_wait_all_groups();
+    cp_async_wait_group<0>();
     __syncthreads();  // tile kt (and Q) landed for all threads; everyone is done with tile kt - 1
     const int buf = kt & 1;
     if (kt + 1 < ntiles) {
@@ -525,7 +518,7 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
       }
     }
   }
-  cp_async_wait_all_groups();  // nothing may be in flight into shared memory when the block exits
+  cp_async_wait_group<0>();  // nothing may be in flight into shared memory when the block exits
 
   if (kv_split) {
     // The range's unnormalised output and its (max, sum) per row, f32, for attn_split_combine:
@@ -1021,7 +1014,7 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
                                                 int qi0, int qi1, int tg, float scale_log2, int hd, float (&o)[NO],
                                                 float& m0, float& m1, float& l0, float& l1) {
   for (int kt = kt0; kt < ntiles; kt++) {
-    cp_async_wait_all_groups();
+    cp_async_wait_group<0>();
     fence_proxy_async();
     __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
     const int buf = (kt - kt0) & 1;
@@ -1087,7 +1080,7 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
 
   wgmma_key_tiles<HDP, BQ, BK>(kv, desc, 0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg, scale_log2, hd, o,
                                m0, m1, l0, l1);
-  cp_async_wait_all_groups();
+  cp_async_wait_group<0>();
   wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }
 // ---------------------------------------------------------------------------------------------
@@ -1132,7 +1125,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity
       "r"(parity)
       : "memory");
 }
-__device__ __forceinline__ void cp_async_wait_one_group() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -1282,7 +1274,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     }
     // A thread may not exit with copies in flight into shared memory that others read (wait_all
     // also covers copies not committed to a group).
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    cp_async_wait_all();
     return;
   }
 

@@ -53,7 +53,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   for (int kk = 0; kk < BK / 16; kk++) pprev[kk][0] = pprev[kk][1] = pprev[kk][2] = pprev[kk][3] = 0u;
 
   for (int kt = 0; kt < ntiles; kt++) {
-    cp_async_wait_all_groups();
+    cp_async_wait_group<0>();
     fence_proxy_async();
     __syncthreads();  // K_kt and V_{kt-1} landed and visible; every MMA of iteration kt - 1 is done
     const int buf = kt & 1;
@@ -95,7 +95,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
       for (int e = 0; e < 4; e++) pprev[kk][e] = pcur[kk][e];
   }
   // The last tile's P·V (its V was copied at the top of the last iteration).
-  cp_async_wait_all_groups();
+  cp_async_wait_group<0>();
   fence_proxy_async();
   __syncthreads();
   if (ntiles > 0) {

@@ -81,7 +81,7 @@ __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, 
 
   wgmma_key_tiles<HDP, BQ, BK>(kv, desc, kt0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg, scale_log2, hd, o,
                                m0, m1, l0, l1);
-  cp_async_wait_all_groups();  // nothing may be in flight into shared memory when the block exits
+  cp_async_wait_group<0>();  // nothing may be in flight into shared memory when the block exits
 
   // The range's partial result per row, in attn_fwd_q128's split layout (max in log2 units).
 #pragma unroll

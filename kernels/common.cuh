@@ -52,6 +52,25 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
   return warp_sum(t);
 }
 
+// Asynchronous global -> shared copies (sm_80+), zero-filled when !valid (gmem must still be a
+// mapped address). cp_async_wait_all() waits for all of this thread's copies; with groups,
+// cp_async_commit() closes the thread's current group and cp_async_wait_group<N>() waits until at
+// most N of its groups (the N most recently committed) are still in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Per-token 1×128 FP8 (E4M3) activation quantisation, shared by quant_act_1x128 and every kernel
 // that writes it fused with the op producing the activations (swiglu_quant_1x128, the *_quant row
 // norms): the scale of a 128-block whose largest |value| is amax, and the code of a value v of a

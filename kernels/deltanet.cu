@@ -30,25 +30,6 @@ __device__ __forceinline__ int find_seg4(const i64* segs, int nseg, i64 t) {
   return s >= 0 && t < segs[4 * s] + segs[4 * s + 1] ? s : -1;
 }
 
-// Asynchronous global -> shared copies (sm_80+), zero-filled when !valid (gmem must still be a
-// mapped address). cp_async_wait_all() waits for all of this thread's copies; with groups,
-// cp_async_commit() closes the thread's current group and cp_async_wait_group<N>() waits until at
-// most N of its groups (the N most recently committed) are still in flight.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // gdn_conv: rows of the packed batch per block (each thread runs them in order), and conv taps
 // kept in registers (taps past it are read from global memory).
 #define CONV_ROWS 8

@@ -54,11 +54,6 @@ __device__ __forceinline__ void narrow_ldmatrix_x4(unsigned* r, const bf16* p) {
                : "r"(s));
 }
 
-__device__ __forceinline__ void narrow_cp16(void* dst, const void* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
-}
-
 // The copies of one stage: X rows row0.. (64 x 32) and W rows 0..NP (NP x 32), columns c0...
 // Zero-filled copies still name a valid address (the operand's base).
 template <int NP>
@@ -68,12 +63,12 @@ __device__ __forceinline__ void narrow_stage(bf16* xs, bf16* ws, const bf16* x, 
   for (int i = threadIdx.x; i < NARROW_BM * CH; i += blockDim.x) {
     const int r = i / CH, c = (i % CH) * 8;
     const bool ok = row0 + r < m;
-    narrow_cp16(xs + r * NARROW_LD + c, ok ? x + (row0 + r) * ldx + c0 + c : x, ok);
+    cp_async16(xs + r * NARROW_LD + c, ok ? x + (row0 + r) * ldx + c0 + c : x, ok);
   }
   for (int i = threadIdx.x; i < NP * CH; i += blockDim.x) {
     const int r = i / CH, c = (i % CH) * 8;
     const bool ok = r < n;
-    narrow_cp16(ws + r * NARROW_LD + c, ok ? w + (i64)r * ldw + c0 + c : w, ok);
+    cp_async16(ws + r * NARROW_LD + c, ok ? w + (i64)r * ldw + c0 + c : w, ok);
   }
 }
 
@@ -90,17 +85,17 @@ __device__ __forceinline__ void narrow_columns(float (*acc)[4], bf16 (*xs)[NARRO
 #pragma unroll
   for (int c = 0; c < NARROW_STAGES - 1; c++) {
     if (c < chunks) narrow_stage<NP>(xs[c], ws[c], x, ldx, w, ldw, row0, m, n, k0 + c * NARROW_KC);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
   }
   for (int c = 0; c < chunks; c++) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(NARROW_STAGES - 2) : "memory");
+    cp_async_wait_group<NARROW_STAGES - 2>();
     __syncthreads();  // stage c landed for every thread, and stage c - 1's buffer is free
     const int next = c + NARROW_STAGES - 1;
     if (next < chunks) {
       const int nb = next % NARROW_STAGES;
       narrow_stage<NP>(xs[nb], ws[nb], x, ldx, w, ldw, row0, m, n, k0 + next * NARROW_KC);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
     const int buf = c % NARROW_STAGES;
 #pragma unroll
     for (int kk = 0; kk < NARROW_KC / 16; kk++) {
@@ -118,7 +113,7 @@ __device__ __forceinline__ void narrow_columns(float (*acc)[4], bf16 (*xs)[NARRO
       }
     }
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  cp_async_wait_group<0>();
   __syncthreads();  // every warp is done with the stages before the next split refills them
 }
 
@@ -254,7 +249,7 @@ __device__ __forceinline__ void narrow_k_rows(bf16* dst, const bf16* src, i64 ld
   for (int i = threadIdx.x; i < ROWS * CH; i += blockDim.x) {
     const int r = i / CH, c = (i % CH) * 8;
     const bool ok = first + r < limit;
-    narrow_cp16(dst + r * NARROW_LD + c, ok ? src + (first + r) * ld + c0 + c : src, ok);
+    cp_async16(dst + r * NARROW_LD + c, ok ? src + (first + r) * ld + c0 + c : src, ok);
   }
 }
 
@@ -280,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_narrow_k_acc(const bf1
 
   narrow_k_rows<NK_BM>(xs[0], x, ldx, row0, m, 0);
   narrow_k_rows<NK_BN>(ws[0], w, ldw, col0, n, 0);
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cp_async_commit();
   for (int c = 0; c < chunks; c++) {
     if (c + 1 < chunks) {
       narrow_k_rows<NK_BM>(xs[(c + 1) & 1], x, ldx, row0, m, (c + 1) * NARROW_KC);
@@ -291,11 +286,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_narrow_k_acc(const bf1
       for (int i = threadIdx.x; i < NK_BM * YCH; i += blockDim.x) {
         const int r = i / YCH, cc = (i % YCH) * 8;
         const bool ok = row0 + r < m && col0 + cc < n;
-        narrow_cp16(ys + r * NK_LDY + cc, ok ? y + (row0 + r) * ldy + col0 + cc : y, ok);
+        cp_async16(ys + r * NK_LDY + cc, ok ? y + (row0 + r) * ldy + col0 + cc : y, ok);
       }
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    cp_async_commit();
+    cp_async_wait_group<1>();
     __syncthreads();  // stage c landed for every thread
     const bf16* xb = xs[c & 1];
     const bf16* wb = ws[c & 1];
@@ -319,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_narrow_k_acc(const bf1
     }
     __syncthreads();  // every warp is done with buffer c & 1 before stage c + 2 refills it
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  cp_async_wait_group<0>();
   __syncthreads();  // the Y tile landed for every thread
 
   // Each thread's pairs: old + alpha·acc, rounded once, in place (each pair has one owner).
