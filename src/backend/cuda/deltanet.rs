@@ -54,7 +54,7 @@ impl GdnScan {
     pub fn describe(self) -> &'static str {
         match self {
             GdnScan::ByLength => {
-                "tensor cores, pipelined for long sequences, one block per head for many short ones"
+                "tensor cores, pipelined for long or lone sequences, one block per head for many short ones"
             }
             GdnScan::PlainByLength => "tensor cores, pipelined for long sequences",
             GdnScan::Pipelined => "tensor cores, pipelined",
@@ -66,13 +66,13 @@ impl GdnScan {
 }
 
 /// Chunks (of 64 rows) of a launch's longest sequence from which [`GdnScan::ByLength`] picks the
-/// pipelined scan. That kernel holds one block per SM (224 KB of shared memory at dk 128) where
+/// pipelined scan whatever the grid (below it, only when its grid fits one wave). That kernel holds one block per SM (224 KB of shared memory at dk 128) where
 /// the plain one holds two, and what it gains is chunk c+1's loads hidden behind chunk c's
 /// arithmetic, which a sequence's first chunk cannot have. A launch takes about as long as its
 /// longest sequence's chain of chunks once its blocks fit the GPU, so the pipelined scan pays
 /// when that chain is long: from 8 chunks (512 tokens) the latency hidden in 7 or more chunks
-/// outweighs the halved occupancy, while a request's passes (a few chunks each, ~1,400 blocks
-/// for 11 passes at dk 128) keep the plain scan's two blocks per SM. `bench_gpu_ops --long` times
+/// outweighs the halved occupancy, while a request's passes (a few chunks each, ~1,400 plain
+/// blocks for 11 passes at dk 128) run more blocks at once on the plain or wide scan. `bench_gpu_ops --long` times
 /// both scans at 2K, 4K and 16K tokens and on 11 forks × 73 tokens to check this threshold.
 pub const PIPELINED_MIN_CHUNKS: usize = 8;
 
