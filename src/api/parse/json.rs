@@ -193,7 +193,10 @@ pub fn parse_json(body: &[u8], loc: Loc) -> Result<Value, ApiError> {
 /// is returned as `null`, which the rules refuse as not an object), the values they hold counted
 /// and their memory reserved in `held` first.
 pub fn parse_json_within(body: &[u8], loc: Loc, held: &mut Reservation) -> Result<Value, ApiError> {
+    let sent = body.len();
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    // Byte offsets in errors count from the start of the body as sent, BOM included.
+    let bom = sent - body.len();
     let bad =
         |e: serde_json::Error| ApiError::bad_json(loc.clone(), format!("the body is not valid JSON: {e}"));
     // serde_json skips ignored strings without checking their UTF-8, so the whole body is checked
@@ -201,7 +204,7 @@ pub fn parse_json_within(body: &[u8], loc: Loc, held: &mut Reservation) -> Resul
     if let Err(e) = std::str::from_utf8(body) {
         return Err(ApiError::bad_json(
             loc,
-            format!("the body is not valid JSON: invalid UTF-8 at byte {}", e.valid_up_to()),
+            format!("the body is not valid JSON: invalid UTF-8 at byte {}", bom + e.valid_up_to()),
         ));
     }
     serde_json::from_slice::<serde::de::IgnoredAny>(body).map_err(bad)?;
@@ -217,7 +220,8 @@ pub fn parse_json_within(body: &[u8], loc: Loc, held: &mut Reservation) -> Resul
         return Err(ApiError::bad_json(
             loc,
             format!(
-                "the body is not valid JSON: lone UTF-16 surrogate escape {escape} at byte {at} in a string ({rule}: the pair stands for one character above U+FFFF)"
+                "the body is not valid JSON: lone UTF-16 surrogate escape {escape} at byte {} in a string ({rule}: the pair stands for one character above U+FFFF)",
+                bom + at
             ),
         ));
     }
@@ -367,6 +371,24 @@ mod tests {
             parse_json(br#"{"state": "\ud83d\ude00"}"#, Loc::body()).unwrap(),
             json!({"state": "\u{1F600}"})
         );
+    }
+
+    /// The byte an error names is the byte of the body as the client sent it: a leading UTF-8 BOM
+    /// (skipped, as Python's `json.loads(bytes)` skips it) still counts.
+    #[test]
+    fn error_offsets_count_a_leading_bom() {
+        for bom in [&b""[..], b"\xEF\xBB\xBF"] {
+            let mut body = bom.to_vec();
+            body.extend_from_slice(br#"{"state": "a\ud800"}"#);
+            let at = body.windows(6).position(|w| w == br"\ud800").unwrap();
+            let e = parse_json(&body, Loc::body()).unwrap_err();
+            assert!(e.summary().contains(&format!("at byte {at} ")), "{}", e.summary());
+            let mut body = bom.to_vec();
+            body.extend_from_slice(b"{\"state\": \"a\xFF\"}");
+            let at = body.iter().position(|&b| b == 0xFF).unwrap();
+            let e = parse_json(&body, Loc::body()).unwrap_err();
+            assert!(e.summary().ends_with(&format!("invalid UTF-8 at byte {at}")), "{}", e.summary());
+        }
     }
 
     /// Issue 16, item 4: 16 MB of an ignored field's zeros used to build a ~850 MB `Value`
