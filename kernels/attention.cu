@@ -12,23 +12,6 @@
 // j - shared_len. Causal: query i sees keys 0 ..= shared_len + own_len + i.
 #define SEG 8
 
-// The sequence whose query rows hold batch row t, or -1. The sequences tile the batch rows in order
-// (the host checks it; empty ones allowed), so this is a binary search for the last sequence
-// starting at or before t: a packed round has ~100 sequences and attn_prep runs a block per row.
-__device__ __forceinline__ int find_segment(const i64* segs, int nseg, i64 t) {
-  int lo = 0, hi = nseg - 1, s = -1;
-  while (lo <= hi) {
-    const int mid = (lo + hi) >> 1;
-    if (segs[SEG * mid] <= t) {
-      s = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return s >= 0 && t < segs[SEG * s] + segs[SEG * s + 1] ? s : -1;
-}
-
 // One block (4 warps) per token. For each q head: optional zero-centred RMSNorm over hd, NeoX
 // rotary on the first `rot` dims with the f32 cos/sin row of this token, -> qout [n, heads, hd].
 // For each kv head: the same for k, and both k and v are written to cache row base_len + i.
@@ -40,7 +23,7 @@ extern "C" __global__ void attn_prep(
   __shared__ float sb[4][256];
   const i64 t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int s = find_segment(segs, nseg, t);
+  const int s = find_row_segment<SEG>(segs, nseg, t);  // the sequences tile the rows in order: host-checked
   if (s < 0) return;
   const i64 krow = segs[SEG * s + 7] + (t - segs[SEG * s]);
   bf16* kc = (bf16*)segs[SEG * s + 5];

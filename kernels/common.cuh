@@ -52,6 +52,26 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
   return warp_sum(t);
 }
 
+// The entry of a segment table whose rows hold row t, or -1: `segs` holds `nseg` entries of
+// STRIDE i64s, each starting [first row, row count, ...], ascending and disjoint (empty entries
+// allowed). A binary search for the last entry starting at or before t: a packed round has ~100
+// sequences and the kernels that look a row's sequence up do it per block (a linear scan was up to
+// 100 dependent global loads each).
+template <int STRIDE>
+__device__ __forceinline__ int find_row_segment(const i64* segs, int nseg, i64 t) {
+  int lo = 0, hi = nseg - 1, s = -1;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (segs[STRIDE * mid] <= t) {
+      s = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return s >= 0 && t < segs[STRIDE * s] + segs[STRIDE * s + 1] ? s : -1;
+}
+
 // Asynchronous global -> shared copies (sm_80+), zero-filled when !valid (gmem must still be a
 // mapped address). cp_async_wait_all() waits for all of this thread's copies; with groups,
 // cp_async_commit() closes the thread's current group and cp_async_wait_group<N>() waits until at

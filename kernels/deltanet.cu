@@ -12,24 +12,6 @@
 
 #define CHUNK 64
 
-// The entry of the conv segment table `segs` whose rows hold row t, or -1. The table passed to
-// gdn_conv lists the sequences that have rows in row order (disjoint ranges), so this is a binary
-// search: a packed round has ~100 sequences and every block of rows looks its sequence up (a
-// linear scan of the table was up to 100 dependent global loads per block).
-__device__ __forceinline__ int find_seg4(const i64* segs, int nseg, i64 t) {
-  int lo = 0, hi = nseg - 1, s = -1;
-  while (lo <= hi) {
-    const int mid = (lo + hi) >> 1;
-    if (segs[4 * mid] <= t) {
-      s = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return s >= 0 && t < segs[4 * s] + segs[4 * s + 1] ? s : -1;
-}
-
 // gdn_conv: rows of the packed batch per block (each thread runs them in order), and conv taps
 // kept in registers (taps past it are read from global memory).
 #define CONV_ROWS 8
@@ -62,7 +44,7 @@ __device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
 // taps from row to row (one new input row per output row while the sequence continues). The dk/4
 // lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with shuffles.
 // Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32. segs: the conv
-// segment table of the sequences that have rows, in row order (find_seg4).
+// segment table of the sequences that have rows, in row order (find_row_segment).
 // vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
 // At most 256 threads (the host's choice); three blocks per SM (80 registers: the binary search
 // alone took the kernel to 96, two blocks).
@@ -110,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   // row) and each output row is the same sum, in the same order, as in the row loop: same bits.
   bool fast = false;
   if (kw <= CONV_REG_TAPS && t0 + CONV_ROWS <= n) {
-    const int s = find_seg4(segs, nseg, t0);
+    const int s = find_row_segment<4>(segs, nseg, t0);
     if (s >= 0) {
       const i64 r0 = segs[4 * s], r1 = r0 + segs[4 * s + 1];
       fast = t0 - r0 >= kw - 1 && t0 + CONV_ROWS <= r1;
@@ -156,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
       const i64 t = t0 + r;
       if (t >= n) break;
       if (t < row0 || t >= row1) {
-        const int s = find_seg4(segs, nseg, t);
+        const int s = find_row_segment<4>(segs, nseg, t);
         if (s < 0) continue;
         row0 = segs[4 * s];
         row1 = row0 + segs[4 * s + 1];
