@@ -44,6 +44,19 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
     pipelined_cases(g, c, rep, rng)
 }
 
+/// A backend on the tensor-core scans (the FMA scan off) with `scan` forced and, given, the
+/// products' precision (`Some(true)`: one TF32 MMA each, `Some(false)`: 3xTF32). The environment
+/// can still override them: the callers check `options()`.
+fn tc_scan(g: &CudaBackend, scan: GdnScan, tf32: Option<bool>) -> Result<CudaBackend> {
+    variant(g, |o| {
+        o.gdn_ffma = false;
+        if let Some(tf32) = tf32 {
+            o.gdn_tf32 = tf32;
+        }
+        o.gdn_scan = scan;
+    })
+}
+
 /// The pipelined tensor-core scan (`GdnScan::Pipelined`, forced) where its pipeline changes shape
 /// (1, 63, 64, 65 and 127 rows; 4,097 and 16,384 rows = 65 and 256 chunks) and in a tree (a
 /// 2-token parent and a 4,097-token parent with children, one of them 600 tokens long), each
@@ -52,13 +65,7 @@ pub fn cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitM
 /// 3xTF32 products (the default TF32 products have the same checks in `tf32_cases`). Then batch
 /// invariance under the default choice by length.
 pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
-    let tc = |scan| {
-        variant(g, |o| {
-            o.gdn_ffma = false;
-            o.gdn_tf32 = false;
-            o.gdn_scan = scan;
-        })
-    };
+    let tc = |scan| tc_scan(g, scan, Some(false));
     let (piped, plain) = (tc(GdnScan::Pipelined)?, tc(GdnScan::Plain)?);
     let forced = |be: &CudaBackend, scan| !be.options().gdn_ffma && be.options().gdn_scan == scan;
     if !(forced(&piped, GdnScan::Pipelined) && forced(&plain, GdnScan::Plain)) {
@@ -95,13 +102,7 @@ pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
 /// states within 4e-3 instead of 3xTF32's 1e-3: operands rounded to 10-bit mantissas) at the
 /// lengths where the pipeline changes shape and in a tree, and bitwise against each other.
 pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
-    let tf32 = |scan| {
-        variant(g, |o| {
-            o.gdn_ffma = false;
-            o.gdn_tf32 = true;
-            o.gdn_scan = scan;
-        })
-    };
+    let tf32 = |scan| tc_scan(g, scan, Some(true));
     let (piped, plain) = (tf32(GdnScan::Pipelined)?, tf32(GdnScan::Plain)?);
     if piped.options().gdn_ffma {
         rep.flag("gdn", "TF32 scans", false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
@@ -135,13 +136,7 @@ pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
 /// value dim of 24 (one block, 104 of its 128 columns padding).
 pub fn wide_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     for tf32 in [true, false] {
-        let scan = |gdn_scan| {
-            variant(g, |o| {
-                o.gdn_ffma = false;
-                o.gdn_tf32 = tf32;
-                o.gdn_scan = gdn_scan;
-            })
-        };
+        let scan = |gdn_scan| tc_scan(g, gdn_scan, Some(tf32));
         let (wide, plain) = (scan(GdnScan::Wide)?, scan(GdnScan::Plain)?);
         if wide.options().gdn_ffma || wide.options().gdn_scan != GdnScan::Wide {
             rep.flag(
@@ -173,11 +168,7 @@ pub fn wide_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
 /// alone and beside a 16,384-token one.
 pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     for tf32 in [false, true] {
-        let be = variant(g, |o| {
-            o.gdn_ffma = false;
-            o.gdn_tf32 = tf32;
-            o.gdn_scan = GdnScan::Split;
-        })?;
+        let be = tc_scan(g, GdnScan::Split, Some(tf32))?;
         let dims = DELTANET_4B;
         if split_kernels(be.options(), dims.key_dim, dims.value_dim).is_none() {
             rep.flag("gdn", "split delta rule", false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
@@ -249,10 +240,7 @@ fn batch_invariance_under(
     rep: &mut Report,
     rng: &mut SplitMix,
 ) -> Result<()> {
-    let be = variant(g, |o| {
-        o.gdn_ffma = false;
-        o.gdn_scan = scan;
-    })?;
+    let be = tc_scan(g, scan, None)?;
     if be.options().gdn_ffma || be.options().gdn_scan != scan {
         rep.flag(
             "gdn",

@@ -66,14 +66,15 @@ impl GdnScan {
 }
 
 /// Chunks (of 64 rows) of a launch's longest sequence from which [`GdnScan::ByLength`] picks the
-/// pipelined scan whatever the grid (below it, only when its grid fits one wave). That kernel holds one block per SM (224 KB of shared memory at dk 128) where
-/// the plain one holds two, and what it gains is chunk c+1's loads hidden behind chunk c's
-/// arithmetic, which a sequence's first chunk cannot have. A launch takes about as long as its
-/// longest sequence's chain of chunks once its blocks fit the GPU, so the pipelined scan pays
-/// when that chain is long: from 8 chunks (512 tokens) the latency hidden in 7 or more chunks
-/// outweighs the halved occupancy, while a request's passes (a few chunks each, ~1,400 plain
-/// blocks for 11 passes at dk 128) run more blocks at once on the plain or wide scan. `bench_gpu_ops --long` times
-/// both scans at 2K, 4K and 16K tokens and on 11 forks × 73 tokens to check this threshold.
+/// pipelined scan whatever the grid (below it, only when its grid fits one wave). That kernel
+/// holds one block per SM (224 KB of shared memory at dk 128) where the plain one holds two, and
+/// what it gains is chunk c+1's loads hidden behind chunk c's arithmetic, which a sequence's first
+/// chunk cannot have. A launch takes about as long as its longest sequence's chain of chunks once
+/// its blocks fit the GPU, so the pipelined scan pays when that chain is long: from 8 chunks (512
+/// tokens) the latency hidden in 7 or more chunks outweighs the halved occupancy, while a
+/// request's passes (a few chunks each, ~1,400 plain blocks for 11 passes at dk 128) run more
+/// blocks at once on the plain or wide scan. `bench_gpu_ops --long` times both scans at 2K, 4K and
+/// 16K tokens and on 11 forks × 73 tokens to check this threshold.
 pub const PIPELINED_MIN_CHUNKS: usize = 8;
 
 /// One chunk-scan launch: the kernel, its dynamic shared memory, its block size and how many
@@ -147,7 +148,8 @@ pub fn scan_kernel(
 }
 
 impl CudaBackend {
-    /// [`scan_kernel`] for a launch of `sequences` sequences with `value_heads` heads on this GPU.
+    /// [`scan_kernel`] for a launch of `sequences` sequences of `dims` on this GPU: a kernel's grid
+    /// fits one wave when its `sequences × value_heads × column_blocks` blocks are resident at once.
     pub fn chunk_scan_kernel(
         &self,
         dims: &DeltaNetDims,
