@@ -11,10 +11,11 @@
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
 //!   prefix, TFLOP/s counted over the causal half; the 128-row kernel beside the 64-row one;
-//! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens, once with each
-//!   tensor-core chunk scan (plain, pipelined and the wide plain one: the same bits, the rest of
-//!   the mixer the same kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also
-//!   each scan kernel's own device time;
+//! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens (their final states
+//!   kept, and not kept as the server runs passes), once with each tensor-core chunk scan
+//!   (plain, pipelined and the wide plain one: the same bits, the rest of the mixer the same
+//!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
+//!   own device time;
 //! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
 //!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
 //!   977 rows (the 256-token request's forward), 4K, 16K and 47,692 rows (the 2-image request)
@@ -275,7 +276,7 @@ impl Bench<'_> {
             };
             let ms = time_ms(g, 5, &mut || {
                 let mut s = g.new_delta_state(&dims)?;
-                g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s]).map(|_| ())
+                g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s], &[]).map(|_| ())
             })?;
             self.push(format!("gated_delta_net 4B, 1×{m} tokens, {label}"), ms, None);
             single.push(ms);
@@ -285,12 +286,22 @@ impl Bench<'_> {
                 let base = g.new_delta_state(&dims)?;
                 let x = g.gather_rows(&proj, &(0..n).collect::<Vec<_>>())?;
                 let inputs = DeltaNetInputs { proj: &x, ..inputs };
-                let ms = time_ms(g, 5, &mut || {
-                    let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
-                    let mut refs: Vec<_> = forks.iter_mut().collect();
-                    g.gated_delta_net(&inputs, &dims, &tiling(&lens), &[], &mut refs).map(|_| ())
-                })?;
+                let run = |keep: &[bool]| {
+                    time_ms(g, 5, &mut || {
+                        let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
+                        let mut refs: Vec<_> = forks.iter_mut().collect();
+                        g.gated_delta_net(&inputs, &dims, &tiling(&lens), &[], &mut refs, keep).map(|_| ())
+                    })
+                };
+                let ms = run(&[])?;
+                // As the server runs passes: only read out, their final states never computed.
+                let unkept = run(&[false; 11])?;
                 self.push(format!("gated_delta_net 4B, 11 forks × 73 tokens, {label}"), ms, None);
+                self.push(
+                    format!("gated_delta_net 4B, 11 forks × 73 tokens, states not kept, {label}"),
+                    unkept,
+                    None,
+                );
                 forked.push(ms);
             }
             if let Some(report) = g.kernel_report()? {

@@ -7,7 +7,10 @@
 // sequence's conv history [kernel-1, C] f32 (oldest first), read from hist_in and the updated one
 // written to hist_out (the same buffer, or a fresh one when a fork shares its parent's). Scan
 // segment table, 4 x i64 per sequence: [first_chunk, n_chunks, state_in, state_out]; a state is
-// [vh, dk, dv] f32, likewise read from state_in and written to state_out. Chunk table, 2 x int per
+// [vh, dk, dv] f32, likewise read from state_in and written to state_out. hist_out or state_out 0:
+// nothing reads that sequence's final history or state (a pass that is only read out), so it is not
+// written, and the scans skip the state update after its last chunk (its outputs are the same
+// bits: a chunk's outputs are computed from the state before its update). Chunk table, 2 x int per
 // chunk of 64 rows: [row_start, len] (chunks never straddle sequences).
 
 #define CHUNK 64
@@ -218,6 +221,7 @@ extern "C" __global__ void gdn_conv_hist(const bf16* x, i64 ld, const i64* segs,
   const int len = (int)segs[4 * s + 1];
   const float* hin = (const float*)segs[4 * s + 2];
   float* hout = (float*)segs[4 * s + 3];
+  if (hout == nullptr) return;  // not kept
   const int h = kw - 1;
   for (int r = 0; r < h; r++) {
     int src = len - h + r;
@@ -319,12 +323,22 @@ __device__ __forceinline__ void chunk_inputs(float* Kt, float* Qt, float* R, int
   __syncthreads();
 }
 
+// Where a scan block writes value head hv's final state: state_out of scan table entry s offset to
+// the head, or nullptr when the entry's state_out is 0 (not kept).
+template <int DK>
+__device__ __forceinline__ float* scan_state_out(const i64* segs, int s, int hv, int dv) {
+  const i64 out = segs[4 * s + 3];
+  return out == 0 ? nullptr : (float*)out + (i64)hv * DK * dv;
+}
+
 // The twin of load_state_async: waits for outstanding copies (a sequence with no rows still copies
-// its state), then writes the real columns of S [DK][ld] back to a [DK][dv] state.
+// its state), then writes the real columns of S [DK][ld] back to a [DK][dv] state (nothing when
+// state is nullptr: not kept).
 template <int DK, int NC = 32>
 __device__ __forceinline__ void store_state(float* state, int dv, int c0, int ncols, const float* S, int ld) {
   cp_async_wait_all();
   __syncthreads();
+  if (state == nullptr) return;
   for (int idx = threadIdx.x; idx < DK * NC; idx += blockDim.x) {
     const int d = idx / NC, c = idx % NC;
     if (c < ncols) state[(i64)d * dv + c0 + c] = S[d * ld + c];
@@ -485,9 +499,12 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
   const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 32, hk = hv / (vh / kh), tid = threadIdx.x;
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
   const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
-  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  float* state = scan_state_out<DK>(segs, s, hv, dv);
   const int ncols = min(32, dv - c0);
   const int rg = tid >> 4, cg = tid & 15, i0 = 4 * rg, cc = 2 * cg;
+  // S is updated after chunk ck when ck + 1 < last_update: after every chunk, except the last
+  // one of a state that is not kept.
+  const int last_update = first + nch + (state != nullptr);
   load_state_async<DK>(S, 32, state_in, dv, c0, ncols);  // waited for with the first chunk's copies
   for (int ck = first; ck < first + nch; ck++) {
     const i64 row0 = chunks[2 * ck];
@@ -573,7 +590,8 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
     // S <- e^{gamma_last} S + sum_{i < len} fac_i k_i^T Vn_i: per thread state rows d0 + 4a (a < 4),
     // columns c4..c4+3; a warp's four d0 are consecutive, so with k's stride of 68 they hit 4 banks.
     const float el = expf(gam[CHUNK - 1]);
-    for (int t = tid; t < DK / 4 * 8; t += blockDim.x) {
+    const int tasks = (ck + 1 < last_update) ? DK / 4 * 8 : 0;
+    for (int t = tid; t < tasks; t += blockDim.x) {
       const int d0 = 16 * (t >> 5) + ((t >> 3) & 3), c4 = 4 * (t & 7);
       float sa[4][4];
 #pragma unroll
@@ -746,7 +764,7 @@ __device__ void chunk_scan_tc_cols(const float* qn, const float* kn, const float
   const int warp = (tid >> 5) & (WARPS - 1), lane = tid & 31, gr = lane >> 2, tg = lane & 3;
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1];
   const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
-  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  float* state = scan_state_out<DK>(segs, s, hv, dv);
   const int ncols = min(NC, dv - c0);
   const int m0 = 16 * (warp & 3);  // this warp's rows in the row products and in Vn
   const bool kwarp = warp < WARPS / 2;
@@ -809,7 +827,8 @@ __device__ void chunk_scan_tc_cols(const float* qn, const float* kn, const float
         }
     }
     // S <- e^{gamma_last} S + (fac k)^T Vn over real rows: warp w its rows d0.., columns cs...
-    if (d0 < DK) {
+    // (not after the last chunk of a state that is not kept).
+    if (d0 < DK && (state != nullptr || ck + 1 < first + nch)) {
       const float el = expf(gam[CHUNK - 1]);
       float sacc[NT][4];
 #pragma unroll
@@ -1023,7 +1042,7 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
   const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
   const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
-  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  float* state = scan_state_out<DK>(segs, s, hv, dv);
   const int ncols = min(32, dv - c0);
   const int m0 = 16 * (warp & 3);  // this warp's rows in the row products
   const bool kwarp = warp < 4;
@@ -1131,9 +1150,10 @@ __device__ void chunk_scan_tc_pipelined(const float* qn, const float* kn, const 
             if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c0 + c] = acc[nt][e];
           }
       }
-    } else {
+    } else if (state != nullptr || has_next) {
       // S <- e^{gamma_last} S + (fac k)^T Vn over the chunk's real rows: warp w (0-3) updates the
-      // state row tiles 16w.. and, at dk 128, 16(w+4).. (each element as in the tc scan).
+      // state row tiles 16w.. and, at dk 128, 16(w+4).. (each element as in the tc scan); not
+      // after the last chunk of a state that is not kept.
       constexpr int NT = DK > 64 ? 2 : 1;
       const float el = G[CHUNK - 1];
       const int kmax = (len + 7) & ~7;

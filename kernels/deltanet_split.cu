@@ -124,7 +124,7 @@ __device__ void split_state(const float* kn, const float* g, const float* w, con
   const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
   const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
-  float* state = (float*)segs[4 * s + 3] + (i64)hv * DK * dv;
+  float* state = scan_state_out<DK>(segs, s, hv, dv);
   const int ncols = min(32, dv - c0);
   auto load = [&](int ck, int b) {
     const i64 row0 = chunks[2 * ck];
@@ -188,6 +188,7 @@ __device__ void split_state(const float* kn, const float* g, const float* w, con
     }
     if (warp == 0 && ck + 1 < end) gates_of(ck + 1, gates + (b ^ 1) * GB);
     __syncthreads();  // Vn visible; every read of S done
+    if (state == nullptr && ck + 1 == end) break;  // not kept: nothing reads the last update
     constexpr int NT = (DK / 16 + 3) / 4;
     const float el = G[CHUNK - 1];
     const int kmax = (len + 7) & ~7;

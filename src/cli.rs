@@ -72,8 +72,9 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = BatchLimits::default().max_tokens, value_parser = at_least_one, env = "IMAJEV_BATCH_TOKENS")]
     pub batch_tokens: usize,
     /// Most sequences (a request's prefix, shared question tokens and passes, over all packed
-    /// requests) per packed forward. Each holds its DeltaNet state on the GPU while it runs
-    /// (~48 MB for Qwen3.5-4B): lower it on a small GPU.
+    /// requests) per packed forward. Each prefix and shared part holds its DeltaNet state on the
+    /// GPU while it runs (~48 MB for Qwen3.5-4B; a pass, which is only read out, holds none):
+    /// lower it on a small GPU.
     #[arg(long, default_value_t = BatchLimits::default().max_sequences, value_parser = at_least_one, env = "IMAJEV_BATCH_SEQUENCES")]
     pub batch_sequences: usize,
     /// Inside a forward, each question's tokens shared by its rotations: repeated in every pass

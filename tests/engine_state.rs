@@ -213,3 +213,83 @@ fn a_tree_forward_rejects_bad_parents() {
     ]);
     assert!(e.contains("does not start where its parent"), "{e}");
 }
+
+/// A read-out-only forward (`forward_readout`, `extend_readout`) returns the same rows bit for bit
+/// as `forward`/`extend`, finishes the states that the forward continues itself (a prefix, a
+/// question's shared tokens) exactly as `forward` does, and marks the others spent: continuing
+/// one is an error, not a silently wrong answer.
+#[test]
+fn readout_forwards_skip_only_the_states_nothing_continues() {
+    use imajev_serve::engine::Segment;
+    let m = tiny(SynthDtype::Bf16, 25);
+    let tok = QwenTokenizer::from_model_dir(&m.model).unwrap();
+    let model = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let prefix = prompt_ids(&tok, 0, &TEXT.repeat(2));
+    assert!(prefix.len() > 64, "the prefix spans more than one chunk");
+    let enc = |s: &str| tok.encode(s).unwrap();
+    let (common, pass_a, pass_b, pass_c, other) =
+        (enc(" Which team?"), enc(" A: infra"), enc(&TEXT.repeat(2)), enc("x"), enc(" unrelated"));
+    // Root 0; its shared question tokens 1 continued by passes 2 and 3; pass 4 straight off the
+    // root; an independent sequence 5.
+    let l0 = model.layout(&prefix, &[], 0).unwrap();
+    let l1 = model.layout(&common, &[], l0.next_pos).unwrap();
+    let l2 = model.layout(&pass_a, &[], l1.next_pos).unwrap();
+    let l3 = model.layout(&pass_b, &[], l1.next_pos).unwrap();
+    let l4 = model.layout(&pass_c, &[], l0.next_pos).unwrap();
+    let l5 = model.layout(&other, &[], 0).unwrap();
+    let segs = [
+        Segment { layout: &l0, images: &[], parent: None },
+        Segment { layout: &l1, images: &[], parent: Some(0) },
+        Segment { layout: &l4, images: &[], parent: Some(0) },
+        Segment { layout: &l5, images: &[], parent: None },
+        Segment { layout: &l2, images: &[], parent: Some(1) },
+        Segment { layout: &l3, images: &[], parent: Some(1) },
+    ];
+    let run = |readout: bool| {
+        let mut states: Vec<_> = segs.iter().map(|_| model.new_state().unwrap()).collect();
+        let mut refs: Vec<_> = states.iter_mut().collect();
+        let h =
+            if readout { model.forward_readout(&segs, &mut refs) } else { model.forward(&segs, &mut refs) };
+        (model.backend.download(&h.unwrap()).unwrap(), states)
+    };
+    let (h_all, mut s_all) = run(false);
+    let (h_read, mut s_read) = run(true);
+    let same =
+        |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(same(&h_all, &h_read), "read-out rows differ from the full forward's");
+    let spent: Vec<bool> = s_read.iter().map(|s| s.is_spent()).collect();
+    assert_eq!(
+        spent,
+        [false, false, true, true, true, true],
+        "only the root and the shared tokens stay usable"
+    );
+    assert!(s_all.iter().all(|s| !s.is_spent()));
+    // The kept states continue exactly like the full forward's.
+    let more = enc(" B: facilities");
+    for j in [0, 1] {
+        let a = model
+            .backend
+            .download(&model.extend(std::slice::from_mut(&mut s_all[j]), &[&more]).unwrap())
+            .unwrap();
+        let b = model
+            .backend
+            .download(&model.extend(std::slice::from_mut(&mut s_read[j]), &[&more]).unwrap())
+            .unwrap();
+        assert!(same(&a, &b), "state {j} continues differently after the read-out forward");
+    }
+    // A spent state cannot be continued (as a root: a child's state is replaced by its parent's).
+    for s in &mut s_read[2..] {
+        let e = model.extend(std::slice::from_mut(s), &[&more]).unwrap_err().to_string();
+        assert!(e.contains("left unfinished"), "{e}");
+    }
+    // extend_readout: the same rows as extend, every state spent.
+    let (mut p, _, _) = model.prefill(&prefix, &[]).unwrap();
+    p.share(&model.backend).unwrap();
+    let suffixes: [&[u32]; 3] = [&pass_a, &pass_b, &pass_c];
+    let mut full: Vec<_> = suffixes.iter().map(|_| p.fork()).collect();
+    let mut read: Vec<_> = suffixes.iter().map(|_| p.fork()).collect();
+    let a = model.backend.download(&model.extend(&mut full, &suffixes).unwrap()).unwrap();
+    let b = model.backend.download(&model.extend_readout(&mut read, &suffixes).unwrap()).unwrap();
+    assert!(same(&a, &b), "extend_readout rows differ from extend's");
+    assert!(read.iter().all(|s| s.is_spent()) && full.iter().all(|s| !s.is_spent()) && !p.is_spent());
+}

@@ -199,6 +199,17 @@ pub fn check_parents(parents: &[Option<usize>], segments: usize) -> Result<Tree>
     Ok(tree)
 }
 
+/// Which segments' final mixer states a call must leave usable: `keep` as the caller gave it
+/// (empty: all), and every parent of the call whatever it says (its children read it).
+pub fn kept_states(keep: &[bool], tree: &Tree) -> Result<Vec<bool>> {
+    let n = tree.parent.len();
+    if keep.is_empty() {
+        return Ok(vec![true; n]);
+    }
+    anyhow::ensure!(keep.len() == n, "{} keep flags for {n} segments", keep.len());
+    Ok(keep.iter().zip(&tree.is_parent).map(|(&k, &p)| k || p).collect())
+}
+
 /// Checks that `segments` tile the `n` rows of a packed batch in order.
 pub fn check_tiling(segments: &[Range<usize>], n: usize) -> Result<()> {
     let mut at = 0;
@@ -408,6 +419,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Returns `[n, value_heads·value_dim]` and leaves the final states in `states`. `parents` as
     /// in [`Backend::gated_attention`]: a segment with a parent continues from the parent's state
     /// after the parent's rows of this call.
+    ///
+    /// `keep` is empty (every final state is kept) or has one entry per segment: a segment whose
+    /// entry is false and that no segment of the call continues has no use for its final state
+    /// (a question pass that is only read out), so the backend need not compute or store it —
+    /// no state update after its last chunk, no history or state written, no fresh buffers for
+    /// it — and its state is left unusable (what it holds is unspecified; the engine marks it
+    /// spent). Its output rows are the same bits either way.
     fn gated_delta_net(
         &self,
         x: &DeltaNetInputs<Self::Tensor>,
@@ -415,6 +433,7 @@ pub trait Backend: Send + Sync + 'static {
         segments: &[Range<usize>],
         parents: &[Option<usize>],
         states: &mut [&mut Self::DeltaState],
+        keep: &[bool],
     ) -> Result<Self::Tensor>;
 
     /// Bidirectional attention within each segment for the vision tower: `qkv` is

@@ -47,6 +47,8 @@ pub struct TreeCalls {
     pub rows: usize,
     /// Per segment: 0 for a root, 1 for its children, 2 for theirs.
     pub depth: Vec<usize>,
+    /// Per segment: whether another segment continues it (its final mixer states are read).
+    pub continued: Vec<bool>,
     pub calls: Vec<TreeCall>,
     /// Batch segment order of the segments as the calls list them (the order in which per-segment
     /// results come out of the calls), when that is not already `0..segments`.
@@ -65,10 +67,12 @@ impl TreeCalls {
         super::check_tiling(segments, rows)?;
         let parent = |j: usize| parents.get(j).copied().flatten();
         let mut depth = vec![0usize; n];
+        let mut continued = vec![false; n];
         for j in 0..n {
             if let Some(p) = parent(j) {
                 ensure!(p < j, "segment {j}'s parent {p} does not come before it");
                 depth[j] = depth[p] + 1;
+                continued[p] = true;
                 ensure!(
                     depth[j] <= MAX_DEPTH,
                     "segment {j} is {} levels below its root; at most {MAX_DEPTH} are supported",
@@ -86,7 +90,14 @@ impl TreeCalls {
                 forks: Vec::new(),
             };
             check_parents(&call.parents, n)?;
-            return Ok(TreeCalls { rows, depth, calls: vec![call], segment_order: None, row_order: None });
+            return Ok(TreeCalls {
+                rows,
+                depth,
+                continued,
+                calls: vec![call],
+                segment_order: None,
+                row_order: None,
+            });
         }
         let mut calls = Vec::new();
         for level in [0..=1, 2..=2] {
@@ -129,6 +140,7 @@ impl TreeCalls {
         Ok(TreeCalls {
             rows,
             depth,
+            continued,
             segment_order: (!identity(&seg_order)).then(|| inverse(&seg_order)),
             row_order: (!identity(&row_order)).then(|| inverse(&row_order)),
             calls,
@@ -218,15 +230,24 @@ pub fn gated_attention<B: Backend>(
     assemble(b, tree, outs, last_rows)
 }
 
-/// [`Backend::gated_delta_net`] over a tree of up to [`MAX_DEPTH`] levels.
+/// [`Backend::gated_delta_net`] over a tree of up to [`MAX_DEPTH`] levels. `keep` as there, per
+/// batch segment (empty: every final state is kept); a segment that another continues, in this
+/// call or the next, is always kept.
 pub fn gated_delta_net<B: Backend>(
     b: &B,
     tree: &TreeCalls,
     x: &DeltaNetInputs<B::Tensor>,
     dims: &DeltaNetDims,
     states: &mut [&mut B::DeltaState],
+    keep: &[bool],
 ) -> Result<B::Tensor> {
     ensure!(states.len() == tree.depth.len(), "one state per segment");
+    ensure!(
+        keep.is_empty() || keep.len() == states.len(),
+        "{} keep flags for {} segments",
+        keep.len(),
+        states.len()
+    );
     let mut outs = Vec::with_capacity(tree.calls.len());
     for call in &tree.calls {
         for &(j, p) in &call.forks {
@@ -234,8 +255,13 @@ pub fn gated_delta_net<B: Backend>(
         }
         let gathered = call_rows(b, tree, call, x.proj)?;
         let xc = DeltaNetInputs { proj: gathered.as_ref().unwrap_or(x.proj), ..*x };
+        let kept: Vec<bool> = if keep.is_empty() {
+            Vec::new()
+        } else {
+            call.segments.iter().map(|&j| keep[j] || tree.continued[j]).collect()
+        };
         let mut mine = members(states, call);
-        outs.push(b.gated_delta_net(&xc, dims, &call.ranges, &call.parents, &mut mine)?);
+        outs.push(b.gated_delta_net(&xc, dims, &call.ranges, &call.parents, &mut mine, &kept)?);
     }
     assemble(b, tree, outs, false)
 }
@@ -262,6 +288,7 @@ mod tests {
         assert_eq!(t.calls[0].ranges, segs);
         assert_eq!(t.calls[0].parents, vec![None, Some(0), Some(0), None]);
         assert_eq!(t.depth, vec![0, 1, 1, 0]);
+        assert_eq!(t.continued, vec![true, false, false, false]);
         let t = TreeCalls::new(&[], &segs).unwrap();
         assert!(t.is_single() && t.calls[0].parents.is_empty());
     }
@@ -276,6 +303,7 @@ mod tests {
         let t = TreeCalls::new(&parents, &segs).unwrap();
         assert_eq!(t.calls.len(), 2);
         assert_eq!(t.depth, vec![0, 1, 1, 2, 2, 0, 1, 2]);
+        assert_eq!(t.continued, vec![true, true, false, false, false, true, true, false]);
         let (a, b) = (&t.calls[0], &t.calls[1]);
         assert_eq!(a.segments, vec![0, 1, 2, 5, 6]);
         assert_eq!(a.parents, vec![None, Some(0), Some(0), None, Some(3)]);

@@ -39,15 +39,36 @@ pub struct State<B: Backend> {
     pub layers: Vec<LayerState<B>>,
     pub tokens: usize,
     pub next_pos: i64,
+    /// Left unfinished by a forward that only read it out ([`FinalStates::Continued`]): it
+    /// cannot be continued.
+    spent: bool,
 }
 
 impl<B: Backend> Clone for State<B> {
     fn clone(&self) -> Self {
-        State { layers: self.layers.clone(), tokens: self.tokens, next_pos: self.next_pos }
+        State { layers: self.layers.clone(), tokens: self.tokens, next_pos: self.next_pos, spent: self.spent }
     }
 }
 
+/// Which sequences of a forward have usable states after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalStates {
+    /// Every sequence's: the caller continues them (prefill, extend).
+    All,
+    /// Only those another sequence of the same forward continues. The others are read out and
+    /// dropped (question passes), so their final DeltaNet states are never computed or stored
+    /// (the state update after their last chunk, the recurrent state and the conv history:
+    /// ~2 MB a sequence and layer at Qwen3.5-4B's shapes, and no fresh buffers for them); their
+    /// `State`s are marked spent. Their hidden rows are the same bits either way.
+    Continued,
+}
+
 impl<B: Backend> State<B> {
+    /// Whether a [`FinalStates::Continued`] forward left this state unfinished.
+    pub fn is_spent(&self) -> bool {
+        self.spent
+    }
+
     /// An independent copy that can be extended without touching `self`.
     pub fn fork(&self) -> Self {
         self.clone()
@@ -484,7 +505,7 @@ impl<B: Backend> Qwen35<B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(State { layers, tokens: 0, next_pos: 0 })
+        Ok(State { layers, tokens: 0, next_pos: 0, spent: false })
     }
 
     /// Lays out `ids` (one `<|image_pad|>` per image) after a state that has seen `start` positions.
@@ -643,6 +664,14 @@ impl<B: Backend> Qwen35<B> {
         self.forward_dumped(segs, states, None)
     }
 
+    /// [`Qwen35::forward`] for sequences that are only read out: the states of the sequences that
+    /// no other sequence of the forward continues are left unfinished ([`FinalStates::Continued`]).
+    pub fn forward_readout(&self, segs: &[Segment<B>], states: &mut [&mut State<B>]) -> Result<B::Tensor> {
+        Ok(self
+            .forward_inner(segs, states, None, None, FinalStates::Continued)?
+            .expect("a forward without a stop check runs to its end"))
+    }
+
     /// [`Qwen35::forward`], and with `dump` also every row's hidden state at each layer boundary
     /// (see [`LayerDump`]). A dump runs the last layer on every row (the serving forward runs
     /// its MLP only on the rows it reads out), so it costs a little more; the returned rows are
@@ -654,7 +683,7 @@ impl<B: Backend> Qwen35<B> {
         dump: Option<&mut LayerDump>,
     ) -> Result<B::Tensor> {
         Ok(self
-            .forward_inner(segs, states, dump, None)?
+            .forward_inner(segs, states, dump, None, FinalStates::All)?
             .expect("a forward without a stop check runs to its end"))
     }
 
@@ -669,7 +698,7 @@ impl<B: Backend> Qwen35<B> {
         states: &mut [&mut State<B>],
         stop: &dyn Fn() -> bool,
     ) -> Result<Option<B::Tensor>> {
-        self.forward_inner(segs, states, None, Some(stop))
+        self.forward_inner(segs, states, None, Some(stop), FinalStates::All)
     }
 
     fn forward_inner(
@@ -678,8 +707,16 @@ impl<B: Backend> Qwen35<B> {
         states: &mut [&mut State<B>],
         mut dump: Option<&mut LayerDump>,
         stop: Option<&dyn Fn() -> bool>,
+        finals: FinalStates,
     ) -> Result<Option<B::Tensor>> {
         ensure!(segs.len() == states.len() && !segs.is_empty(), "forward needs one state per sequence");
+        for (j, (s, st)) in segs.iter().zip(states.iter()).enumerate() {
+            // A child's state is replaced by a fork of its parent's; a root continues its own.
+            ensure!(
+                s.parent.is_some() || !st.spent,
+                "sequence {j}'s state was left unfinished by a read-out-only forward and cannot be continued"
+            );
+        }
         let b = &self.backend;
         let mut ids = Vec::new();
         let mut pos: [Vec<i64>; 3] = [vec![], vec![], vec![]];
@@ -698,6 +735,11 @@ impl<B: Backend> Qwen35<B> {
         let parents: &[Option<usize>] = if parents.iter().all(Option::is_none) { &[] } else { &parents };
         // The mixers run the tree as one call, or two when it is two levels deep (tree::TreeCalls).
         let tree = TreeCalls::new(parents, &ranges)?;
+        // Per sequence, whether its final DeltaNet states are computed (empty: all).
+        let keep: Vec<bool> = match finals {
+            FinalStates::All => Vec::new(),
+            FinalStates::Continued => vec![false; segs.len()],
+        };
         for (j, s) in segs.iter().enumerate() {
             if let Some(p) = s.parent {
                 ensure!(
@@ -811,7 +853,7 @@ impl<B: Backend> Qwen35<B> {
                     let inputs =
                         DeltaNetInputs { proj: &p, conv_weight: conv, a_log, dt_bias, norm_weight: norm };
                     prof.mark(b, "gdn.proj_in");
-                    let core = tree::gated_delta_net(b, &tree, &inputs, d, &mut sts)?;
+                    let core = tree::gated_delta_net(b, &tree, &inputs, d, &mut sts, &keep)?;
                     prof.mark(b, "gdn.core");
                     let y = b.matmul(&core, out)?;
                     prof.mark(b, "gdn.proj_out");
@@ -856,6 +898,7 @@ impl<B: Backend> Qwen35<B> {
             let before = s.parent.map_or(states[j].tokens, |p| states[p].tokens);
             states[j].tokens = before + s.layout.ids.len();
             states[j].next_pos = s.layout.next_pos;
+            states[j].spent = finals == FinalStates::Continued && !tree.continued[j];
         }
         Ok(Some(out))
     }
@@ -895,6 +938,21 @@ impl<B: Backend> Qwen35<B> {
     /// hidden state at each suffix's last token (`[states, hidden]`). Extending a fork of a prefix
     /// state equals one forward of prefix + suffix.
     pub fn extend(&self, states: &mut [State<B>], suffixes: &[&[u32]]) -> Result<B::Tensor> {
+        self.extend_with(states, suffixes, FinalStates::All)
+    }
+
+    /// [`Qwen35::extend`] for suffixes that are only read out: every state is left unfinished
+    /// (spent), its final DeltaNet states never computed ([`FinalStates::Continued`]).
+    pub fn extend_readout(&self, states: &mut [State<B>], suffixes: &[&[u32]]) -> Result<B::Tensor> {
+        self.extend_with(states, suffixes, FinalStates::Continued)
+    }
+
+    fn extend_with(
+        &self,
+        states: &mut [State<B>],
+        suffixes: &[&[u32]],
+        finals: FinalStates,
+    ) -> Result<B::Tensor> {
         ensure!(states.len() == suffixes.len(), "extend needs one suffix per state");
         let layouts = states
             .iter()
@@ -904,7 +962,9 @@ impl<B: Backend> Qwen35<B> {
         let segs: Vec<Segment<B>> =
             layouts.iter().map(|l| Segment { layout: l, images: &[], parent: None }).collect();
         let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
-        self.forward(&segs, &mut refs)
+        Ok(self
+            .forward_inner(&segs, &mut refs, None, None, finals)?
+            .expect("a forward without a stop check runs to its end"))
     }
 
     /// `prefill` of a laid-out prefix (images already encoded) and `extend` of one fork of it per

@@ -372,7 +372,9 @@ impl<B: Backend> Qwen35<B> {
                 states.push(if s.parent.is_none() { self.new_state()? } else { empty.fork() });
             }
             let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
-            let hidden = self.forward(&segs, &mut refs)?;
+            // Nothing continues these states after the forward: only the states the forward
+            // itself continues (prefixes, shared question tokens) are finished.
+            let hidden = self.forward_readout(&segs, &mut refs)?;
             // Only the passes' rows are read out (not the prefixes' or the shared tokens').
             let rows: Vec<usize> =
                 (0..tree.len()).filter(|&i| matches!(tree[i].part, Part::Pass(_))).collect();
@@ -516,7 +518,7 @@ impl<B: Backend> Qwen35<B> {
                 .collect();
             prof.mark(&self.backend, "fork");
             let suffixes: Vec<&[u32]> = chunk.iter().map(|&i| suffix[i].as_ref()).collect();
-            let hidden = self.extend(&mut states, &suffixes)?;
+            let hidden = self.extend_readout(&mut states, &suffixes)?;
             out.forwards.push(ForwardShape { sequences: chunk.len(), passes: chunk.len() });
             prof.mark(&self.backend, "extend");
             let logits = self.readout(&hidden)?;

@@ -187,6 +187,69 @@ pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     Ok(())
 }
 
+/// Final states that are not kept (`keep` false, as for read-out-only passes), under each scan:
+/// a tree call — a 4,097-token parent continued by 73, 1 and 600 tokens, a 2-token parent
+/// continued by 65, and an independent 130-token sequence whose state (it has seen 100 tokens)
+/// is updated in place — once keeping every state and once keeping none. The outputs must be the
+/// same bits, the parents' final states too (a parent is always kept), and the independent
+/// sequence's state and conv history must be untouched (nothing written for it).
+pub fn unkept_state_cases(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let dims = DELTANET_4B;
+    let wts = DeltaWeights::random(rng, dims);
+    let pw = dims.proj_width();
+    let lens = [4097, 73, 1, 600, 2, 65, 130];
+    let tree = [None, Some(0), Some(0), Some(0), None, Some(4), None];
+    let n: usize = lens.iter().sum();
+    let proj = rng.bf16_normals(n * pw, 1.0);
+    let warm = rng.bf16_normals(100 * pw, 1.0);
+    let variants = [
+        ("plain", tc_scan(g, GdnScan::Plain, None)?),
+        ("wide", tc_scan(g, GdnScan::Wide, None)?),
+        ("pipelined", tc_scan(g, GdnScan::Pipelined, None)?),
+        ("by length", tc_scan(g, GdnScan::ByLength, None)?),
+        ("split", tc_scan(g, GdnScan::Split, None)?),
+        ("FMA", variant(g, |o| o.gdn_ffma = true)?),
+    ];
+    for (name, be) in &variants {
+        let states = || -> Result<Vec<_>> {
+            let mut v = (0..lens.len() - 1).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+            let mut own = vec![be.new_delta_state(&dims)?];
+            wts.run(be, &warm, dims, &tiling(&[100]), &[], &mut own)?;
+            v.extend(own);
+            Ok(v)
+        };
+        let segs = tiling(&lens);
+        let mut s_all = states()?;
+        let o_all = be.download(&wts.run_keeping(be, &proj, dims, &segs, &tree, &mut s_all, &[])?)?;
+        let mut s_none = states()?;
+        let (hist0, rec0) = (s_none[6].conv_history()?, s_none[6].recurrent()?);
+        let o_none =
+            be.download(&wts.run_keeping(be, &proj, dims, &segs, &tree, &mut s_none, &[false; 7])?)?;
+        let mut diff = bit_diff(&o_all, &o_none);
+        for p in [0, 4] {
+            diff += bit_diff(&s_all[p].recurrent()?, &s_none[p].recurrent()?)
+                + bit_diff(&s_all[p].conv_history()?, &s_none[p].conv_history()?);
+        }
+        rep.check(
+            "gdn",
+            format!("{name} scan: keeping no state vs every state: output and parent-state values whose bits differ"),
+            diff as f64,
+            0.0,
+        );
+        let touched = bit_diff(&rec0, &s_none[6].recurrent()?) + bit_diff(&hist0, &s_none[6].conv_history()?);
+        let moved = bit_diff(&rec0, &s_all[6].recurrent()?);
+        rep.check(
+            "gdn",
+            format!(
+                "{name} scan: an in-place state not kept: values written ({moved} of its state values change when it is kept)"
+            ),
+            touched as f64 + if moved == 0 { 1.0 } else { 0.0 },
+            0.0,
+        );
+    }
+    Ok(())
+}
+
 /// A 447-token sequence continued from a state alone, and beside a 16,384-token one: its output
 /// rows and final state must agree bit for bit.
 fn alone_and_beside(be: &CudaBackend, rep: &mut Report, rng: &mut SplitMix, tag: &str) -> Result<()> {
@@ -334,7 +397,7 @@ impl DeltaWeights {
         DeltaWeights { conv, alog, dtb, nw }
     }
 
-    /// `gated_delta_net` on the fused projection `proj` (`[n, proj_width]`).
+    /// `gated_delta_net` on the fused projection `proj` (`[n, proj_width]`), every state kept.
     pub fn run<B: Backend>(
         &self,
         be: &B,
@@ -343,6 +406,21 @@ impl DeltaWeights {
         segs: &[Range<usize>],
         parents: &[Option<usize>],
         states: &mut [B::DeltaState],
+    ) -> Result<B::Tensor> {
+        self.run_keeping(be, proj, dims, segs, parents, states, &[])
+    }
+
+    /// [`DeltaWeights::run`] with `keep` (see `Backend::gated_delta_net`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_keeping<B: Backend>(
+        &self,
+        be: &B,
+        proj: &[f32],
+        dims: DeltaNetDims,
+        segs: &[Range<usize>],
+        parents: &[Option<usize>],
+        states: &mut [B::DeltaState],
+        keep: &[bool],
     ) -> Result<B::Tensor> {
         let pw = dims.proj_width();
         let t = (
@@ -355,7 +433,7 @@ impl DeltaWeights {
         let inputs =
             DeltaNetInputs { proj: &t.0, conv_weight: &t.1, a_log: &t.2, dt_bias: &t.3, norm_weight: &t.4 };
         let mut refs: Vec<_> = states.iter_mut().collect();
-        be.gated_delta_net(&inputs, &dims, segs, parents, &mut refs)
+        be.gated_delta_net(&inputs, &dims, segs, parents, &mut refs, keep)
     }
 }
 

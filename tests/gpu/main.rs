@@ -134,6 +134,7 @@ fn deltanet_matches_cpu_with_both_scans() {
     let Some(d) = gpu("deltanet") else { return };
     let (mut rep, mut rng) = (Report::default(), SplitMix::new(11));
     rep.guard("gdn", "deltanet", |rep| deltanet::cases(&d.g, &d.c, rep, &mut rng));
+    rep.guard("gdn", "deltanet (states not kept)", |rep| deltanet::unkept_state_cases(&d.g, rep, &mut rng));
     rep.finish("deltanet");
 }
 

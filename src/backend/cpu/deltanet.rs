@@ -5,7 +5,7 @@
 use super::elementwise::{sigmoid, silu, softplus};
 use super::norm::rms_norm_gated;
 use super::{CpuBackend, CpuTensor, DeltaRuleMode};
-use crate::backend::{check_parents, Backend, DeltaNetDims, DeltaNetInputs};
+use crate::backend::{check_parents, kept_states, Backend, DeltaNetDims, DeltaNetInputs};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -282,12 +282,14 @@ pub(super) fn gated_delta_net(
     segments: &[Range<usize>],
     parents: &[Option<usize>],
     states: &mut [&mut CpuDeltaState],
+    keep: &[bool],
 ) -> Result<CpuTensor> {
     let DeltaNetDims { key_heads: kh, value_heads: vh, key_dim: dk, value_dim: dv, conv_kernel, norm_eps } =
         *dims;
     let c = dims.conv_channels();
     ensure!(segments.len() == states.len(), "one state per segment");
     let tree = check_parents(parents, segments.len())?;
+    let keep = kept_states(keep, &tree)?;
     let (n, w) = x.proj.rows_cols();
     ensure!(w == dims.proj_width(), "DeltaNet input width {w} != {}", dims.proj_width());
     let parts = be.split_cols(x.proj, &[c, vh * dv, vh, vh])?;
@@ -298,11 +300,20 @@ pub(super) fn gated_delta_net(
     let dt_bias = &x.dt_bias.data;
     let mut core = vec![0f32; n * vh * dv];
     for (si, seg) in segments.iter().enumerate() {
-        if let Some(p) = tree.parent[si] {
-            // The parent's rows are in (it comes first): continue from its state.
-            *states[si] = states[p].clone();
-        }
-        let st = &mut *states[si];
+        // A state not kept runs on a scratch copy and is left as it was (unusable by contract).
+        let mut scratch;
+        let st: &mut CpuDeltaState = match (tree.parent[si], keep[si]) {
+            (Some(p), true) => {
+                // The parent's rows are in (it comes first): continue from its state.
+                *states[si] = states[p].clone();
+                &mut *states[si]
+            }
+            (None, true) => &mut *states[si],
+            (from, false) => {
+                scratch = states[from.unwrap_or(si)].clone();
+                &mut scratch
+            }
+        };
         let len = seg.len();
         if len == 0 {
             continue;

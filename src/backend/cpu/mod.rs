@@ -212,8 +212,9 @@ impl Backend for CpuBackend {
         segments: &[Range<usize>],
         parents: &[Option<usize>],
         states: &mut [&mut CpuDeltaState],
+        keep: &[bool],
     ) -> Result<CpuTensor> {
-        deltanet::gated_delta_net(self, x, dims, segments, parents, states)
+        deltanet::gated_delta_net(self, x, dims, segments, parents, states, keep)
     }
 
     fn vision_attention(

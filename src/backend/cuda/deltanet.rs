@@ -13,7 +13,7 @@ use super::launch::{grid1, launch_config, Arg};
 use super::layout;
 use super::tensor::CudaTensor;
 use super::{CudaBackend, CudaOptions};
-use crate::backend::{check_parents, check_tiling, DeltaNetDims, DeltaNetInputs, Tree};
+use crate::backend::{check_parents, check_tiling, kept_states, DeltaNetDims, DeltaNetInputs, Tree};
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::ops::Range;
@@ -253,9 +253,11 @@ pub(super) fn gated_delta_net(
     segments: &[Range<usize>],
     parents: &[Option<usize>],
     states: &mut [&mut CudaDeltaState],
+    keep: &[bool],
 ) -> Result<CudaTensor> {
     check_inputs(x, dims, segments, states.len())?;
     let tree = check_parents(parents, segments.len())?;
+    let keep = kept_states(keep, &tree)?;
     let n = x.proj.rows_cols().0;
     let (vh, dv) = (dims.value_heads, dims.value_dim);
     if n == 0 {
@@ -263,7 +265,7 @@ pub(super) fn gated_delta_net(
     }
     let proj = be.bf16_of(x.proj)?;
     let blocks = ProjectionBlocks::new(be.p(proj.s()), dims);
-    let plan = plan_states(be, dims, segments, &tree, states)?;
+    let plan = plan_states(be, dims, segments, &tree, &keep, states)?;
     let mixed = conv(be, x, dims, &blocks, &plan, n)?;
     let core = delta_rule(be, dims, &mixed, &plan, n)?;
     let normw = be.f32_of(x.norm_weight)?;
@@ -359,11 +361,16 @@ fn conv_rows_in_order(entries: impl Iterator<Item = [i64; 4]>) -> Vec<[i64; 4]> 
 /// the kernels read the old arrays and write the new. Parents and the children that fork them
 /// always get fresh ones (a parent's arrays before and after its rows are both read during the
 /// call). A child starts from its parent's state as it stands after the parent's rows.
+///
+/// A state not kept (`keep`, see [`kept_states`]) gets no fresh buffers and its table entries
+/// write nowhere (`hist_out` and `state_out` 0: the kernels skip the history, the state update
+/// after the last chunk and the state's store); it is left pointing at what it read.
 fn plan_states(
     be: &CudaBackend,
     dims: &DeltaNetDims,
     segments: &[Range<usize>],
     tree: &Tree,
+    keep: &[bool],
     states: &mut [&mut CudaDeltaState],
 ) -> Result<StatePlan> {
     let Tree { parent, is_parent } = tree;
@@ -371,7 +378,9 @@ fn plan_states(
     let conv_len = dims.conv_kernel.saturating_sub(1) * dims.conv_channels();
     let rec_len = dims.value_heads * dims.key_dim * dims.value_dim;
     let needs_fresh: Vec<bool> = (0..segments.len())
-        .map(|si| is_parent[si] || parent[si].is_some() || Arc::get_mut(&mut states[si].cur).is_none())
+        .map(|si| {
+            keep[si] && (is_parent[si] || parent[si].is_some() || Arc::get_mut(&mut states[si].cur).is_none())
+        })
         .collect();
     let shared = needs_fresh.iter().filter(|&&f| f).count();
     let fresh = if shared == 0 { None } else { Some(Arc::new(be.alloc_f32(shared * (conv_len + rec_len))?)) };
@@ -417,7 +426,7 @@ fn plan_states(
             });
             replaced.push(std::mem::replace(&mut st.cur, new));
         }
-        let (conv_out, rec_out) = st.cur.ptrs(stream);
+        let (conv_out, rec_out) = if keep[si] { st.cur.ptrs(stream) } else { (0, 0) };
         let (seg, (first, count)) = (&segments[si], table.per_segment[si]);
         entries.push((
             [seg.start as i64, seg.len() as i64, conv_in as i64, conv_out as i64],

@@ -568,8 +568,9 @@ impl Backend for CudaBackend {
         segments: &[Range<usize>],
         parents: &[Option<usize>],
         states: &mut [&mut CudaDeltaState],
+        keep: &[bool],
     ) -> Result<CudaTensor> {
-        deltanet::gated_delta_net(self, x, dims, segments, parents, states)
+        deltanet::gated_delta_net(self, x, dims, segments, parents, states, keep)
     }
 
     fn vision_attention(
