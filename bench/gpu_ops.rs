@@ -3,10 +3,19 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,norm,attention,vision,deltanet,narrow] [--lengths 16384]` (`--only`: those groups;
-//! `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g. under a profiler)
+//! [--only gemm,gemm-algos,norm,attention,vision,deltanet,narrow] [--lengths 16384]` (`--only`:
+//! those groups; `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g.
+//! under a profiler)
 //!
 //! * FP8 and BF16 GEMMs of the three large projection shapes at M = 2048;
+//! * only when named in `--only` (`gemm-algos`): every cuBLASLt algorithm a fixed plan could use
+//!   for the five FP8 projection shapes of a forward (`Blas::candidates`: the heuristic's answers
+//!   at the reference M under the plan's no-split-K preference), each timed at 977, 7,816 and
+//!   16,384 rows or at `--lengths` (FP8-padded), cold L2, median device time of 20 runs; per
+//!   shape the candidate of least total time among those every M accepts, its ratio to today's
+//!   pick (the heuristic's first), and whether each such candidate's rows are bitwise equal
+//!   across the row counts (a pin must keep batch invariance); last, the `IMAJEV_GEMM_PINS` value
+//!   that would pin the winners (see src/backend/cuda/gemm.rs);
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -23,6 +32,8 @@
 //! * the cuBLASLt algorithm fixed for each large GEMM shape.
 
 use anyhow::{Context, Result};
+use cudarc::driver::{sys::CUevent_flags, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use imajev_serve::backend::cuda::gemm::{Blas, Gemm, GemmKind};
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, CudaTensor, GdnScan};
 use imajev_serve::backend::{
@@ -32,8 +43,10 @@ use imajev_serve::engine::positions;
 use imajev_serve::synth;
 use imajev_serve::synth::memory::MemoryTensor;
 use imajev_serve::synth::rng::SplitMix;
+use imajev_serve::weights::fp8::{fp8_rows, quantize_act_1x128, quantize_fp8_blocks};
 use serde_json::json;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One measured op.
@@ -80,6 +93,62 @@ fn bf16_input(g: &CudaBackend, rng: &mut SplitMix, shape: &[usize]) -> Result<Cu
     bf16_tensor(g, &rng.bf16_normals(n, 1.0), shape)
 }
 
+/// The FP8 projection GEMMs of a forward of Qwen3.5-4B: (what, N, K, the output's row stride:
+/// in_proj's FP8 columns sit beside its 64 BF16 b/a columns, as `CudaLinear` lays them out).
+const FP8_SHAPES: [(&str, usize, usize, usize); 5] = [
+    ("mlp gate/up", 18432, 2560, 18432),
+    ("DeltaNet in_proj qkvz", 12288, 2560, 12352),
+    ("attention qkv", 10240, 2560, 10240),
+    ("mlp down", 2560, 9216, 2560),
+    ("out_proj / o_proj", 2560, 4096, 2560),
+];
+/// Bytes written before each timed GEMM of `gemm-algos` (twice the H200's 50 MB L2): in a forward
+/// a projection's weights come after other layers' weights, never warm from its own last call.
+const L2_FLUSH: usize = 128 << 20;
+
+/// FP8 activations of `rows` rows (a multiple of 16) and width `k` as the backend quantises them
+/// (`quantize_act_1x128`: E4M3 `[rows][k]`, 1×128 scales `[k/128][rows]`): 1024 random rows,
+/// repeated (the values do not change a GEMM's speed, and each row index still has one input
+/// whatever the row count, which is all the bitwise check across row counts needs).
+fn fp8_activations(rng: &mut SplitMix, rows: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let base = rows.min(1024);
+    let (q, s) = quantize_act_1x128(&rng.bf16_normals(base * k, 1.0), base, k);
+    let bpad = fp8_rows(base);
+    let q = (0..rows).flat_map(|r| &q[(r % base) * k..(r % base + 1) * k]).copied().collect();
+    let s =
+        (0..k / 128).flat_map(|kb| (0..rows).map(move |r| (kb, r))).map(|(kb, r)| s[kb * bpad + r % base]);
+    (q, s.collect())
+}
+
+/// The device address of `s` (no event guard kept: everything here runs on one stream).
+fn dptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    s.device_ptr(stream).0
+}
+
+/// Median device time of `f` over 20 runs (after 3 unmeasured), each after writing `flush` so
+/// that it starts with a cold L2. CUDA events around each run, so no host time is counted.
+fn time_cold(
+    stream: &Arc<CudaStream>,
+    flush: &mut CudaSlice<u8>,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut marks = Vec::new();
+    for _ in 0..20 {
+        stream.memset_zeros(flush)?;
+        let start = stream.record_event(timing)?;
+        f()?;
+        marks.push((start, stream.record_event(timing)?));
+    }
+    stream.synchronize()?;
+    let mut ms = marks.iter().map(|(a, b)| a.elapsed_ms(b).map(f64::from)).collect::<Result<Vec<_>, _>>()?;
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
 struct Bench<'a> {
     g: &'a CudaBackend,
     rng: SplitMix,
@@ -114,6 +183,188 @@ impl Bench<'_> {
                     Some(2.0 * (m * n * k) as f64),
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// `--only gemm-algos` (module doc). Runs on its own stream and `Blas` in the backend's
+    /// (primary) context, so it times cuBLASLt's candidates as such, whatever pins are set.
+    fn gemm_algos(&mut self, rows: &[usize]) -> Result<()> {
+        let ctx = CudaContext::new(self.g.info().ordinal)?;
+        let stream = ctx.new_stream()?;
+        let blas = Blas::new(stream.clone())?;
+        for p in blas.pins() {
+            println!("pin in effect for the model (not for the candidates below): {p}");
+        }
+        let mut ms: Vec<usize> = rows.iter().map(|&m| fp8_rows(m)).collect();
+        ms.sort_unstable();
+        ms.dedup();
+        let (mmin, mmax) = (ms[0], ms[ms.len() - 1]);
+        let mut flush = stream.alloc_zeros::<u8>(L2_FLUSH)?;
+        let mut winners = Vec::new();
+        for (what, n, k, ldy) in FP8_SHAPES {
+            let (wq, ws) = quantize_fp8_blocks(&self.rng.bf16_normals(n * k, 0.02), n, k);
+            let (xq, xs) = fp8_activations(&mut self.rng, mmax, k);
+            let (wq, ws, xq) = (stream.clone_htod(&wq)?, stream.clone_htod(&ws)?, stream.clone_htod(&xq)?);
+            // Each row count's scales: the first `m` rows of the `[k/128][mmax]` ones.
+            let xs = ms
+                .iter()
+                .map(|&m| {
+                    let s: Vec<f32> =
+                        (0..k / 128).flat_map(|kb| &xs[kb * mmax..kb * mmax + m]).copied().collect();
+                    stream.clone_htod(&s)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut y = stream.alloc_zeros::<u16>(mmax * ldy)?;
+            let (w, x, yp, w_scale) =
+                (dptr(&wq, &stream), dptr(&xq, &stream), dptr(&y, &stream), dptr(&ws, &stream));
+            let gemm = |i: usize| Gemm {
+                kind: GemmKind::Fp8Block,
+                n,
+                m: ms[i],
+                k,
+                w,
+                ldw: k,
+                x,
+                ldx: k,
+                y: yp,
+                ldy,
+                alpha: 1.0,
+                beta: 0.0,
+                w_scale,
+                x_scale: dptr(&xs[i], &stream),
+            };
+            let cands = blas.candidates(&gemm(ms.len() - 1))?;
+            let flop = |m: usize| 2.0 * (m * n * k) as f64;
+            let name = format!("fp8 GEMM {what} N={n} K={k}");
+            println!(
+                "\n{name} (ldy {ldy}): {} candidates at M={} in cuBLASLt's order (* today's pick), \
+                 median of 20 runs, L2 flushed before each; ms and TFLOP/s:",
+                cands.len(),
+                imajev_serve::backend::cuda::gemm::reference_m(GemmKind::Fp8Block, n)
+            );
+            let head: String = ms.iter().map(|m| format!("{:>16}", format!("M={m}"))).collect();
+            println!("    # rank{head}  total ms    rows  candidate");
+            // Per candidate: the time at each row count (None: rejected), the total over them
+            // when every count took it, and whether its first `mmin` rows were bitwise the same
+            // at every count.
+            let mut rows_out = Vec::new();
+            for (ci, c) in cands.iter().enumerate() {
+                let mut times = Vec::new();
+                let mut rejected = Vec::new();
+                for (i, m) in ms.iter().enumerate() {
+                    match time_cold(&stream, &mut flush, &mut || blas.run_candidate(&gemm(i), c)) {
+                        Ok(t) => times.push(Some(t)),
+                        Err(e) => {
+                            times.push(None);
+                            rejected.push(format!("M={m}: {e:#}"));
+                        }
+                    }
+                }
+                let total: Option<f64> = times.iter().copied().sum();
+                // Bitwise rows across row counts (only for candidates every count takes).
+                let invariant = match total {
+                    Some(_) => {
+                        let mut first_rows = Vec::new();
+                        for i in (0..ms.len()).rev() {
+                            stream.memset_zeros(&mut y)?;
+                            blas.run_candidate(&gemm(i), c)?;
+                            first_rows.push(stream.clone_dtoh(&y.slice(0..mmin * ldy))?);
+                        }
+                        Some(first_rows.iter().all(|r| *r == first_rows[0]))
+                    }
+                    None => None,
+                };
+                let cells: String = times
+                    .iter()
+                    .zip(&ms)
+                    .map(|(t, &m)| match t {
+                        Some(t) => format!("{t:9.3} {:6.0}", flop(m) / t / 1e9),
+                        None => format!("{:>16}", "rejected"),
+                    })
+                    .collect();
+                let mark = if c.heuristic_first { "*" } else { " " };
+                let total_s = total.map_or("-".into(), |t| format!("{t:.3}"));
+                let inv = match invariant {
+                    Some(true) => "OK",
+                    Some(false) => "FAILED",
+                    None => "-",
+                };
+                println!("{mark}{ci:>4} {:>4}{cells}  {total_s:>8}  {inv:>6}  {c}", c.rank);
+                for r in &rejected {
+                    println!("           rejected at {r}");
+                }
+                for (t, &m) in times.iter().zip(&ms) {
+                    if let Some(t) = *t {
+                        let today = if c.heuristic_first { " (today's pick)" } else { "" };
+                        self.out.push(Timing {
+                            name: format!("gemm-algos {name} M={m} [{c}]{today}"),
+                            ms: t,
+                            tflops: Some(flop(m) / t / 1e9),
+                        });
+                    }
+                }
+                rows_out.push((total, invariant));
+            }
+            let today =
+                cands.iter().position(|c| c.heuristic_first).context("today's pick is a candidate")?;
+            let best_of = |need_invariant: bool| {
+                (0..cands.len())
+                    .filter(|&i| !need_invariant || rows_out[i].1 == Some(true))
+                    .filter_map(|i| rows_out[i].0.map(|t| (i, t)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
+            };
+            // Today's total, None when some row count rejects it (the plan falls back per M there).
+            let today_total = rows_out[today].0;
+            let vs_today = |t: f64| match today_total {
+                Some(d) => format!("{:.3}x today's pick ({d:.3} ms)", t / d),
+                None => "today's pick is rejected at some row count".to_string(),
+            };
+            let Some((best, best_total)) = best_of(false) else {
+                println!("  no candidate is accepted at every row count");
+                continue;
+            };
+            println!(
+                "  best fixed candidate #{best}: {best_total:.3} ms over the row counts, {}: {}",
+                vs_today(best_total),
+                cands[best]
+            );
+            let inv = if rows_out[best].1 == Some(true) { "OK" } else { "FAILED" };
+            let counts = ms.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(", ");
+            let one = if ms.len() < 2 { " (one row count: nothing compared)" } else { "" };
+            println!("  row invariance (rows 0..{mmin} at M={counts}): {inv}{one}");
+            self.out.push(Timing {
+                name: format!(
+                    "gemm-algos {name} best over M={counts}: [{}], {}, row invariance {inv}",
+                    cands[best],
+                    vs_today(best_total)
+                ),
+                ms: best_total,
+                tflops: None,
+            });
+            // A pin is proposed for the fastest candidate with bitwise rows when it beats today's
+            // pick by at least 1% (less is within the noise of 20 runs), or when today's pick
+            // needs a per-M fallback somewhere.
+            match best_of(true) {
+                Some((b, _)) if b == today => {
+                    println!("  no pin: today's pick is the fastest fixed candidate with bitwise rows")
+                }
+                Some((b, t)) if today_total.is_none_or(|d| t < 0.99 * d) => {
+                    if b != best {
+                        println!("  fastest with bitwise rows: #{b}, {}: {}", vs_today(t), cands[b]);
+                    }
+                    println!("  pin: {}", cands[b].pin());
+                    winners.push(cands[b].pin().to_string());
+                }
+                Some((b, _)) => {
+                    println!("  no pin: the fastest with bitwise rows (#{b}) is within 1% of today's pick")
+                }
+                None => println!("  no pin: no candidate kept its rows bitwise across the row counts"),
+            }
+        }
+        match winners.is_empty() {
+            true => println!("\nno FP8 shape has a faster fixed candidate than today's pick"),
+            false => println!("\nIMAJEV_GEMM_PINS='{}'", winners.join(";")),
         }
         Ok(())
     }
@@ -327,7 +578,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 6] = ["gemm", "norm", "attention", "vision", "deltanet", "narrow"];
+    const GROUPS: [&str; 7] = ["gemm", "gemm-algos", "norm", "attention", "vision", "deltanet", "narrow"];
     let only: Option<Vec<String>> = args.iter().position(|a| a == "--only").map(|i| match args.get(i + 1) {
         Some(v) => v.split(',').map(str::to_string).collect(),
         None => Vec::new(),
@@ -338,6 +589,8 @@ fn main() -> Result<()> {
         }
     }
     let run = |group: &str| only.as_ref().is_none_or(|o| o.iter().any(|x| x == group));
+    // `gemm-algos` only when asked for by name (it times ~100 GEMMs per shape).
+    let named = |group: &str| only.as_ref().is_some_and(|o| o.iter().any(|x| x == group));
     let g = CudaBackend::new(0, CudaOptions::default()).context("this benchmark needs a CUDA GPU")?;
     println!("{}", g.describe());
     let t = synth::preset("qwen3.5-4b")?.text_config;
@@ -359,6 +612,9 @@ fn main() -> Result<()> {
         ),
         None => None,
     };
+    if named("gemm-algos") {
+        b.gemm_algos(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
+    }
     let lengths: &[usize] = match &lengths_arg {
         Some(l) => l,
         None if long => &[2048, 4096, 16384],
@@ -447,10 +703,9 @@ fn main() -> Result<()> {
         imajev_serve::backend::cuda::gemm::M_REF
     );
     for p in g.gemm_plans().iter().filter(|p| p.n * p.k >= 1 << 20) {
-        println!(
-            "  {:?} N={} K={}: algo {} tile {} splitK {} stages {}",
-            p.kind, p.n, p.k, p.algo_id, p.tile_id, p.splitk, p.stages
-        );
+        let config = p.config.map_or("(no config)".into(), |c| c.to_string());
+        let pinned = if p.pinned { ", pinned" } else { "" };
+        println!("  {:?} N={} K={}: {config}{pinned}", p.kind, p.n, p.k);
     }
     println!("GEMM calls that left their fixed algorithm: {}", g.gemm_fallbacks());
     if let Some(path) = json_out {
