@@ -6,6 +6,8 @@
 //! `cur` by `max(h', w')`. A sequence may start at any `cur` (a continuation of a prefix state).
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
+use std::collections::HashMap;
 use std::ops::Range;
 
 /// A sequence ready for the decoder: expanded ids, positions, where image features go.
@@ -93,6 +95,12 @@ pub fn inv_freq(theta: f64, dim: usize) -> Vec<f32> {
 /// Text cos/sin tables `[n, rotary_dim]` with interleaved mRoPE: frequency `j` takes its
 /// position from H when `j % 3 == 1 && j < 3·sec[1]`, from W when `j % 3 == 2 && j < 3·sec[2]`,
 /// else from T; the half-table is repeated (`cat(freqs, freqs)`).
+///
+/// Built on the host before a forward's first layer, so it is on the critical path of every
+/// engine round: one table row per distinct position triple (a packed round repeats each pass's
+/// positions in every pass of every request — ~250 distinct among ~7,800 rows — where a 16K
+/// prefix has none to share), the rows in parallel. The same `sin_cos` of the same angle per
+/// entry as row by row, so the same bits.
 pub fn text_rope_tables(
     positions: &[Vec<i64>; 3],
     theta: f64,
@@ -102,26 +110,72 @@ pub fn text_rope_tables(
     let inv = inv_freq(theta, rotary_dim);
     let half = rotary_dim / 2;
     let n = positions[0].len();
-    let mut cos = vec![0f32; n * rotary_dim];
-    let mut sin = vec![0f32; n * rotary_dim];
-    for t in 0..n {
-        for (j, f) in inv.iter().enumerate() {
-            let row = if j % 3 == 1 && j < 3 * section[1] {
+    // The position row (T, H, W) each frequency reads.
+    let source: Vec<usize> = (0..half)
+        .map(|j| {
+            if j % 3 == 1 && j < 3 * section[1] {
                 1
             } else if j % 3 == 2 && j < 3 * section[2] {
                 2
             } else {
                 0
-            };
-            let angle = positions[row][t] as f32 * f;
-            let (s, c) = angle.sin_cos();
-            cos[t * rotary_dim + j] = c;
-            cos[t * rotary_dim + j + half] = c;
-            sin[t * rotary_dim + j] = s;
-            sin[t * rotary_dim + j + half] = s;
+            }
+        })
+        .collect();
+    let fill = |key: [i64; 3], cos: &mut [f32], sin: &mut [f32]| {
+        for (j, (f, &row)) in inv.iter().zip(&source).enumerate() {
+            let (s, c) = (key[row] as f32 * f).sin_cos();
+            cos[j] = c;
+            cos[j + half] = c;
+            sin[j] = s;
+            sin[j + half] = s;
         }
+    };
+    let key = |t: usize| [positions[0][t], positions[1][t], positions[2][t]];
+    // The distinct triples and each row's: text (T = H = W on every row, the common case) over
+    // the range of its positions when that is not much wider than the rows; else hashed.
+    let text = (0..n).all(|t| positions[0][t] == positions[1][t] && positions[1][t] == positions[2][t]);
+    let (lo, hi) = positions[0].iter().fold((i64::MAX, i64::MIN), |(l, h), &p| (l.min(p), h.max(p)));
+    let (distinct, slots): (Vec<[i64; 3]>, Vec<usize>) = if text && n > 0 && ((hi - lo) as u64) < 2 * n as u64
+    {
+        ((lo..=hi).map(|p| [p; 3]).collect(), positions[0].iter().map(|&p| (p - lo) as usize).collect())
+    } else {
+        let mut distinct = Vec::new();
+        let mut slot_of: HashMap<[i64; 3], usize> = HashMap::new();
+        let slots = (0..n)
+            .map(|t| {
+                *slot_of.entry(key(t)).or_insert_with(|| {
+                    distinct.push(key(t));
+                    distinct.len() - 1
+                })
+            })
+            .collect();
+        (distinct, slots)
+    };
+    let table = |keys: &[[i64; 3]]| {
+        let mut cos = vec![0f32; keys.len() * rotary_dim];
+        let mut sin = vec![0f32; keys.len() * rotary_dim];
+        if rotary_dim > 0 {
+            cos.par_chunks_mut(rotary_dim)
+                .zip(sin.par_chunks_mut(rotary_dim))
+                .zip(keys.par_iter())
+                .for_each(|((c, s), &k)| fill(k, c, s));
+        }
+        (cos, sin)
+    };
+    let (ucos, usin) = table(&distinct);
+    if rotary_dim == 0 || (distinct.len() == n && slots.iter().enumerate().all(|(t, &i)| t == i)) {
+        // Every row its own position, in order (a prefix).
+        return (ucos, usin);
     }
-    (cos, sin)
+    let spread = |u: &[f32]| {
+        let mut out = vec![0f32; n * rotary_dim];
+        out.par_chunks_mut(rotary_dim)
+            .zip(slots.par_iter())
+            .for_each(|(row, &i)| row.copy_from_slice(&u[i * rotary_dim..(i + 1) * rotary_dim]));
+        out
+    };
+    (spread(&ucos), spread(&usin))
 }
 
 /// `(row, col)` of every patch of a `(t, h, w)` grid in merge-block order
@@ -270,6 +324,29 @@ mod tests {
         let l = layout(&[5, 6, 7], 248056, &[], 2, 10).unwrap();
         assert_eq!(l.positions[2], vec![10, 11, 12]);
         assert_eq!(l.next_pos, 13);
+    }
+
+    #[test]
+    fn rope_tables_of_repeated_positions_equal_row_by_row_ones() {
+        // Prefix 0..5, two passes from 5, an image-like row, in a packed order; and all distinct.
+        let t: Vec<i64> = [(0..5).collect::<Vec<_>>(), (5..9).collect(), vec![3], (5..9).collect()].concat();
+        let mut h = t.clone();
+        h[9] = 7;
+        for pos in
+            [[t.clone(), h.clone(), t.clone()], [(0..13).collect(), (0..13).collect(), (0..13).collect()]]
+        {
+            let (cos, sin) = text_rope_tables(&pos, 1e7, 64, [11, 11, 10]);
+            for r in 0..pos[0].len() {
+                let one = [vec![pos[0][r]], vec![pos[1][r]], vec![pos[2][r]]];
+                let (c1, s1) = text_rope_tables(&one, 1e7, 64, [11, 11, 10]);
+                assert_eq!(&cos[r * 64..(r + 1) * 64], &c1[..], "cos row {r}");
+                assert_eq!(&sin[r * 64..(r + 1) * 64], &s1[..], "sin row {r}");
+            }
+        }
+        let inv = inv_freq(1e7, 64);
+        let (cos, _) = text_rope_tables(&[t.clone(), h.clone(), t.clone()], 1e7, 64, [11, 11, 10]);
+        assert_eq!(cos[9 * 64 + 1], (7.0 * inv[1]).cos(), "row 9 reads its own H position");
+        assert_eq!(cos[10 * 64 + 1], (5.0 * inv[1]).cos());
     }
 
     #[test]
