@@ -3,7 +3,7 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,gemm-algos,norm,attention,vision,deltanet,narrow] [--lengths 16384]` (`--only`:
+//! [--only gemm,gemm-algos,mlp,norm,attention,vision,deltanet,narrow] [--lengths 16384]` (`--only`:
 //! those groups; `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g.
 //! under a profiler)
 //!
@@ -16,6 +16,9 @@
 //!   pick (the heuristic's first), and whether each such candidate's rows are bitwise equal
 //!   across the row counts (a pin must keep batch invariance); last, the `IMAJEV_GEMM_PINS` value
 //!   that would pin the winners (see src/backend/cuda/gemm.rs);
+//! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
+//!   16,384 rows, the gate/up LoRA B side as its own GEMM and fused into the SwiGLU
+//!   (`mlp_lora_fused`), and their ratio;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -37,7 +40,7 @@ use imajev_serve::backend::cuda::gemm::{Blas, Gemm, GemmKind};
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, CudaTensor, GdnScan};
 use imajev_serve::backend::{
-    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart,
+    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart, LoraPair,
 };
 use imajev_serve::engine::positions;
 use imajev_serve::synth;
@@ -79,6 +82,16 @@ fn tiling(lens: &[usize]) -> Vec<Range<usize>> {
 
 fn part(w: &MemoryTensor) -> LinearPart<'_> {
     LinearPart { weight: w.r(), bias: None, lora: None }
+}
+
+/// A block with a LoRA adapter `scale · (x·Aᵀ)·Bᵀ`.
+fn lora_part<'a>(
+    w: &'a MemoryTensor,
+    a: &'a MemoryTensor,
+    b: &'a MemoryTensor,
+    scale: f32,
+) -> LinearPart<'a> {
+    LinearPart { lora: Some(LoraPair { a: a.r(), b: b.r(), scale }), ..part(w) }
 }
 
 /// `values` as a BF16 device tensor of `shape` (an upload is F32; a row gather makes it BF16, as
@@ -183,6 +196,47 @@ impl Bench<'_> {
                     Some(2.0 * (m * n * k) as f64),
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// Qwen3.5-4B's MLP with LoRA (rank 64 on gate, up and down) at `rows` rows, the gate/up
+    /// LoRA B side as its own GEMM and fused into the SwiGLU (`mlp_lora_fused`), side by side.
+    fn mlp(&mut self, rows: &[usize]) -> Result<()> {
+        let g = self.g;
+        let unfused = CudaBackend::new(0, CudaOptions { mlp_lora_fused: false, ..g.options().clone() })?;
+        let fused = CudaBackend::new(0, CudaOptions { mlp_lora_fused: true, ..g.options().clone() })?;
+        let (h, k, r) = (2560usize, 9216usize, 64usize);
+        let mut t = |name: &str, shape: &[usize], std: f32, fp8: bool| {
+            let v = self.rng.bf16_normals(shape.iter().product(), std);
+            if fp8 {
+                MemoryTensor::fp8(name, shape, &v)
+            } else {
+                MemoryTensor::bf16(name, shape, &v)
+            }
+        };
+        let (wg, wu, wd) =
+            (t("gate", &[k, h], 0.02, true), t("up", &[k, h], 0.02, true), t("down", &[h, k], 0.02, true));
+        let (ga, gb) = (t("gate.A", &[r, h], 0.02, false), t("gate.B", &[k, r], 0.02, false));
+        let (ua, ub) = (t("up.A", &[r, h], 0.02, false), t("up.B", &[k, r], 0.02, false));
+        let (da, db) = (t("down.A", &[r, k], 0.02, false), t("down.B", &[h, r], 0.02, false));
+        let gate_up = [lora_part(&wg, &ga, &gb, 2.0), lora_part(&wu, &ua, &ub, 2.0)];
+        let down = [lora_part(&wd, &da, &db, 2.0)];
+        for &m in rows {
+            let x_h = self.rng.bf16_normals(m * h, 1.0);
+            let mut times = Vec::new();
+            for (label, be) in [("LoRA B GEMM", &unfused), ("LoRA B fused", &fused)] {
+                let (gu, d) = (be.linear(&gate_up)?, be.linear(&down)?);
+                let x = bf16_tensor(be, &x_h, &[m, h])?;
+                let ms = time_ms(be, 10, &mut || be.swiglu_mlp(&x, &gu, &d).map(|_| ()))?;
+                let flop = 2.0 * (m * 3 * h * k) as f64;
+                self.push(format!("MLP 4B + LoRA r{r}, M={m}, {label}"), ms, Some(flop));
+                times.push(ms);
+                if let Some(report) = be.kernel_report()? {
+                    println!("  kernels of the {label} runs (warm-up included):\n{report}");
+                }
+            }
+            println!("  MLP M={m}: fused / unfused = {:.3}", times[1] / times[0]);
         }
         Ok(())
     }
@@ -578,7 +632,8 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 7] = ["gemm", "gemm-algos", "norm", "attention", "vision", "deltanet", "narrow"];
+    const GROUPS: [&str; 8] =
+        ["gemm", "gemm-algos", "mlp", "norm", "attention", "vision", "deltanet", "narrow"];
     let only: Option<Vec<String>> = args.iter().position(|a| a == "--only").map(|i| match args.get(i + 1) {
         Some(v) => v.split(',').map(str::to_string).collect(),
         None => Vec::new(),
@@ -601,6 +656,9 @@ fn main() -> Result<()> {
     }
     if run("norm") {
         b.norms()?;
+    }
+    if named("mlp") {
+        b.mlp(&[977, 7816, 16384])?;
     }
     let lengths_arg: Option<Vec<usize>> = match args.iter().position(|a| a == "--lengths") {
         Some(i) => Some(

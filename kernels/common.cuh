@@ -91,6 +91,16 @@ __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// D[16 x 8] += A[16 x 16] B[16 x 8], bf16 operands, f32 accumulation (mma.sync m16n8k16, row.col):
+// lane l = 4 gr + tg holds A rows gr, gr+8 at k 2tg.., 2tg+8.. (a0..a3), B column gr at k 2tg..,
+// 2tg+8.. (b0, b1), D rows gr, gr+8 at columns 2tg, 2tg+1 (d0, d1 / d2, d3).
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // Per-token 1×128 FP8 (E4M3) activation quantisation, shared by quant_act_1x128 and every kernel
 // that writes it fused with the op producing the activations (swiglu_quant_1x128, the *_quant row
 // norms): the scale of a 128-block whose largest |value| is amax, and the code of a value v of a

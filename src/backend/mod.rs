@@ -364,6 +364,16 @@ pub trait Backend: Send + Sync + 'static {
     fn swiglu_matmul(&self, gate_up: &Self::Tensor, w: &Self::Linear) -> Result<Self::Tensor> {
         self.matmul(&self.swiglu(gate_up)?, w)
     }
+    /// The MLP: `swiglu_matmul(matmul(x, gate_up), down)`. Backends may fuse the gate/up
+    /// projection's LoRA B side into the SwiGLU (its output is then read once).
+    fn swiglu_mlp(
+        &self,
+        x: &Self::Tensor,
+        gate_up: &Self::Linear,
+        down: &Self::Linear,
+    ) -> Result<Self::Tensor> {
+        self.swiglu_matmul(&self.matmul(x, gate_up)?, down)
+    }
     fn gelu(&self, x: &mut Self::Tensor, kind: Gelu) -> Result<()>;
     /// `gelu(x)` in place, then `matmul(x, w)` (the vision MLPs' second projection). Backends may
     /// fuse the GELU with the activation quantisation of an FP8 projection.

@@ -874,8 +874,7 @@ impl<B: Backend> Qwen35<B> {
             } else {
                 b.add_rms_norm(&mut x, &o, &layer.post_norm, self.eps, 1.0)?
             };
-            let gu = b.matmul(&hm, &layer.gate_up)?;
-            let o = b.swiglu_matmul(&gu, &layer.down)?;
+            let o = b.swiglu_mlp(&hm, &layer.gate_up, &layer.down)?;
             // The residual add, fused with the next layer's input norm (the final norm after the last).
             let next_norm = self.layers.get(li + 1).map_or(&self.norm, |l| &l.input_norm);
             h = b.add_rms_norm(&mut x, &o, next_norm, self.eps, 1.0)?;

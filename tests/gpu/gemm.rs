@@ -405,6 +405,73 @@ pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mu
     Ok(())
 }
 
+/// The MLP with its gate/up LoRA B side fused into the SwiGLU (`swiglu_lora_quant_1x128_64`,
+/// `mlp_lora_fused`) at Qwen3.5-4B's shapes (2560 → 2 × 9216 → 2560, LoRA rank 64 on gate, up and
+/// down, scale 2): against the unfused GPU MLP (the LoRA B GEMM; the same values up to the order of
+/// its 64-term sums, so within the FP8 rounding of a few flipped codes), against the CPU (f32),
+/// and batch-invariant (the rows of a 37-row call bit for bit the first rows of a 977-row call).
+pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = "gemm";
+    let (h, k, r) = (2560usize, 9216usize, 64usize);
+    let fused = variant(g, |o| o.mlp_lora_fused = true)?;
+    let plain = variant(g, |o| o.mlp_lora_fused = false)?;
+    if !fused.options().mlp_lora_fused || plain.options().mlp_lora_fused {
+        rep.flag(p, "swiglu_mlp fused vs unfused", false, "IMAJEV_MLP_LORA_FUSED forces one: unset it");
+        return Ok(());
+    }
+    let w = |name: &str, o: usize, i: usize, std: f32, rng: &mut SplitMix| {
+        MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, std))
+    };
+    let lora = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
+        (
+            MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
+            MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
+        )
+    };
+    let (wg, wu, wd) = (w("gate", k, h, 0.02, rng), w("up", k, h, 0.02, rng), w("down", h, k, 0.02, rng));
+    let ((ga, gb), (ua, ub), (da, db)) =
+        (lora("gate", k, h, rng), lora("up", k, h, rng), lora("down", h, k, rng));
+    let gate_up = [lora_part(&wg, &ga, &gb, 2.0), lora_part(&wu, &ua, &ub, 2.0)];
+    let down = [lora_part(&wd, &da, &db, 2.0)];
+    let (fgu, fd) = (fused.linear(&gate_up)?, fused.linear(&down)?);
+    let (pgu, pd) = (plain.linear(&gate_up)?, plain.linear(&down)?);
+    let (cgu, cd) = (c.linear(&gate_up)?, c.linear(&down)?);
+    rep.flag(
+        p,
+        format!("swiglu_mlp: [{}] takes the fused kernel (rank per part {r})", fgu.summary()),
+        fgu.swiglu_lora_rank() == Some(r),
+        "CudaLinear::swiglu_lora refused the gate/up projection",
+    );
+    let x_all = rng.bf16_normals(977 * h, 1.0);
+    let mut first_rows = Vec::new();
+    for m in [1usize, 37, 130, 977] {
+        let x = &x_all[..m * h];
+        let of = fused.download(&fused.swiglu_mlp(&fused.upload(x, &[m, h])?, &fgu, &fd)?)?;
+        let op = plain.download(&plain.swiglu_mlp(&plain.upload(x, &[m, h])?, &pgu, &pd)?)?;
+        rep.check(p, format!("swiglu_mlp fused vs unfused GPU, M={m}"), rel(&of, &op), 1e-2);
+        if m == 37 || m == 130 {
+            let want = c.swiglu_mlp(&c.upload(x, &[m, h])?, &cgu, &cd)?.data;
+            rep.check(
+                p,
+                format!("swiglu_mlp fused vs CPU f32 (quantisation error), M={m}"),
+                rel(&of, &want),
+                8e-2,
+            );
+        }
+        if m == 37 {
+            first_rows = of;
+        } else if m == 977 {
+            rep.check(
+                p,
+                "swiglu_mlp fused: rows of a 37-row call vs the same rows of a 977-row call (bitwise)",
+                rel(&first_rows, &of[..37 * h]),
+                0.0,
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The f32 readout head.
 pub fn readout(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let (p, d) = ("gemm", 2560);

@@ -56,6 +56,7 @@ fn projections_match_cpu_and_are_batch_invariant() {
     rep.guard("gemm", "narrow", |rep| gemm::narrow(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "LoRA B", |rep| gemm::lora_b(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "swiglu_matmul", |rep| gemm::swiglu_matmul(&d.g, &d.c, rep, &mut rng));
+    rep.guard("gemm", "swiglu_mlp (fused LoRA)", |rep| gemm::swiglu_mlp(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "readout", |rep| gemm::readout(&d.g, &d.c, rep, &mut rng));
     rep.guard("gemm", "64K-row batches", |rep| gemm::large_batches(&d.g, rep, &mut rng));
     rep.finish("gemm");

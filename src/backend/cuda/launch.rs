@@ -88,7 +88,14 @@ pub const KERNELS: &[KernelFile] = &[
     KernelFile {
         name: "quant",
         source: include_str!("../../../kernels/quant.cu"),
-        functions: &[k("quant_act_1x128"), k("swiglu_quant_1x128"), k("gelu_quant_1x128")],
+        functions: &[
+            k("quant_act_1x128"),
+            k("swiglu_quant_1x128"),
+            k("gelu_quant_1x128"),
+            k_smem("swiglu_lora_quant_1x128_16", layout::swiglu_lora_smem_bytes(16)),
+            k_smem("swiglu_lora_quant_1x128_32", layout::swiglu_lora_smem_bytes(32)),
+            k_smem("swiglu_lora_quant_1x128_64", layout::swiglu_lora_smem_bytes(64)),
+        ],
     },
     KernelFile {
         name: "attention",

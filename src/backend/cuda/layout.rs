@@ -279,6 +279,40 @@ pub const fn delta_scan_smem_bytes(dk: usize) -> usize {
     (dk * (c + 4) + max(dk * (c + 4), 2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4
 }
 
+/// The LoRA ranks per part `swiglu_lora_quant_1x128_<r>` (kernels/quant.cu) is built for.
+pub const SWIGLU_LORA_RANKS: [usize; 3] = [16, 32, 64];
+
+/// The rank per part when a projection's one fused LoRA pair (`parts`: each part's output
+/// columns and rank, over `cols` of `out_dim` columns) has the form `swiglu_lora_quant_1x128_<r>`
+/// takes: two parts, gate = the first half of the columns and up = the second, of one rank in
+/// [`SWIGLU_LORA_RANKS`].
+pub fn swiglu_lora_rank(
+    parts: &[(Range<usize>, usize)],
+    cols: &Range<usize>,
+    out_dim: usize,
+) -> Option<usize> {
+    let half = out_dim / 2;
+    match parts {
+        [(g, r), (u, ru)]
+            if r == ru
+                && out_dim % 2 == 0
+                && *g == (0..half)
+                && *u == (half..out_dim)
+                && *cols == (0..out_dim)
+                && SWIGLU_LORA_RANKS.contains(r) =>
+        {
+            Some(*r)
+        }
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of `swiglu_lora_quant_1x128_<r>` (kernels/quant.cu), bf16 tiles with
+/// rows padded by 8: t [64][2r + 8], B_gate and B_up [128][r + 8], gate and up [64][136].
+pub const fn swiglu_lora_smem_bytes(r: usize) -> usize {
+    (64 * (2 * r + 8) + 2 * 128 * (r + 8) + 2 * 64 * 136) * 2
+}
+
 /// Largest power of two (≤ 256) dividing a device address: the alignment cuBLASLt is told about.
 pub fn ptr_alignment(addr: u64) -> u32 {
     if addr == 0 {
@@ -290,6 +324,27 @@ pub fn ptr_alignment(addr: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fused_swiglu_lora_takes_only_a_gate_and_up_pair_of_one_supported_rank() {
+        let all = 0..18432;
+        assert_eq!(swiglu_lora_rank(&[(0..9216, 64), (9216..18432, 64)], &all, 18432), Some(64));
+        assert_eq!(swiglu_lora_rank(&[(0..9216, 16), (9216..18432, 16)], &all, 18432), Some(16));
+        assert_eq!(swiglu_lora_rank(&[(0..9216, 64), (9216..18432, 32)], &all, 18432), None, "unequal ranks");
+        assert_eq!(
+            swiglu_lora_rank(&[(0..9216, 48), (9216..18432, 48)], &all, 18432),
+            None,
+            "no kernel for 48"
+        );
+        assert_eq!(swiglu_lora_rank(&[(0..9216, 128), (9216..18432, 128)], &all, 18432), None, "above 64");
+        assert_eq!(swiglu_lora_rank(&[(0..9216, 64)], &(0..9216), 18432), None, "gate only");
+        assert_eq!(swiglu_lora_rank(&[(0..9000, 64), (9000..18432, 64)], &all, 18432), None, "not halves");
+        assert_eq!(swiglu_lora_rank(&[(0..9216, 64), (9216..18432, 64), (0..1, 64)], &all, 18432), None);
+        // Every supported rank's tiles fit an SM twice (the kernel's launch bounds ask for two).
+        for r in SWIGLU_LORA_RANKS {
+            assert!(2 * swiglu_lora_smem_bytes(r) <= 227 * 1024, "rank {r}");
+        }
+    }
 
     #[test]
     fn formats_follow_dtype_alignment_and_option() {

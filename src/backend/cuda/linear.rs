@@ -34,10 +34,12 @@ struct LinearGroup {
 /// (`[Σr, in]`), `b` is block-diagonal over the output columns `cols` (`[cols, Σr]`, part i's B
 /// in its own rows and rank columns, exact zeros elsewhere), so two GEMMs serve all parts. Zeros
 /// add nothing to the f32 sums, so each column's result is the unfused one.
-struct CudaLora {
+pub(super) struct CudaLora {
     cols: Range<usize>,
     rank: usize,
-    parts: usize,
+    /// Each adapted part's output columns and rank, in order (its rank columns of `b` follow the
+    /// previous parts').
+    parts: Vec<(Range<usize>, usize)>,
     a: CudaSlice<bf16>,
     b: CudaSlice<bf16>,
     scale: f32,
@@ -68,7 +70,7 @@ impl CudaLinear {
             })
             .collect();
         if !self.loras.is_empty() {
-            s.push(format!("lora×{}", self.loras.iter().map(|l| l.parts).sum::<usize>()));
+            s.push(format!("lora×{}", self.loras.iter().map(|l| l.parts.len()).sum::<usize>()));
         }
         s.join(" ")
     }
@@ -90,6 +92,27 @@ impl CudaLinear {
     }
     pub fn has_fp8(&self) -> bool {
         self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
+    }
+
+    /// The rank per part of [`CudaLinear::swiglu_lora`] when this projection has that form (for
+    /// tests and logs).
+    pub fn swiglu_lora_rank(&self) -> Option<usize> {
+        self.swiglu_lora().map(|(_, r)| r)
+    }
+
+    /// The LoRA pair of an MLP's fused gate/up projection in the form `swiglu_lora_quant_1x128_<r>`
+    /// takes: one pair over all columns, of two parts (gate = the first half of the columns, up =
+    /// the second) of equal rank `r` ([`layout::SWIGLU_LORA_RANKS`]). Returns it and `r`.
+    pub(super) fn swiglu_lora(&self) -> Option<(&CudaLora, usize)> {
+        let [l] = &self.loras[..] else { return None };
+        layout::swiglu_lora_rank(&l.parts, &l.cols, self.out_dim).map(|r| (l, r))
+    }
+}
+
+impl CudaLora {
+    /// The LoRA scale the B side is multiplied by, and its fused B `[cols, rank]` (row-major).
+    pub(super) fn b_side(&self) -> (f32, &CudaSlice<bf16>) {
+        (self.scale, &self.b)
     }
 }
 
@@ -146,6 +169,27 @@ impl CudaBackend {
         k: usize,
         w: &CudaLinear,
     ) -> Result<CudaTensor> {
+        let y = self.project(xs, fp8, m, k, w)?;
+        for l in &w.loras {
+            if m == 0 {
+                break;
+            }
+            let t = self.lora_a(xs, m, k, l)?;
+            self.lora_b(&y, w.out_dim, m, l, &t)?;
+        }
+        Ok(self.bf16_tensor(y, &[m, w.out_dim]))
+    }
+
+    /// The FP8 and BF16 GEMMs and the bias of a projection, without its LoRA: `[rows, out_dim]`
+    /// (rows: the FP8 padded row count when there are FP8 groups, else `m`).
+    fn project(
+        &self,
+        xs: &CudaSlice<bf16>,
+        fp8: Option<&ActFp8>,
+        m: usize,
+        k: usize,
+        w: &CudaLinear,
+    ) -> Result<CudaSlice<bf16>> {
         let n = w.out_dim;
         let rows_alloc = fp8.map(|f| f.mpad).unwrap_or(m);
         let y = self.alloc_bf16(rows_alloc * n)?;
@@ -202,48 +246,65 @@ impl CudaBackend {
                 self.launch("add_bias", launch_config((grid1(m * n, 256), 1, 1), 256, 0), &args)?;
             }
         }
-        for l in &w.loras {
-            if m == 0 {
-                break;
-            }
-            // y[:, cols] += scale · (x·Aᵀ)·Bᵀ, two BF16 GEMMs; the second accumulates (β = 1).
-            let t = self.alloc_bf16(m * l.rank)?;
-            let g1 = Gemm {
-                kind: GemmKind::Bf16,
-                n: l.rank,
-                m,
-                k,
-                w: self.p(&l.a),
-                ldw: k,
-                x: self.p(xs),
-                ldx: k,
-                y: self.p(&t),
-                ldy: l.rank,
-                alpha: 1.0,
-                beta: 0.0,
-                w_scale: 0,
-                x_scale: 0,
-            };
-            self.gemm_named(&g1, "gemm.lora_a").context("LoRA A GEMM")?;
-            let g2 = Gemm {
-                kind: GemmKind::Bf16,
-                n: l.cols.len(),
-                m,
-                k: l.rank,
-                w: self.p(&l.b),
-                ldw: l.rank,
-                x: self.p(&t),
-                ldx: l.rank,
-                y: yp + 2 * l.cols.start as u64,
-                ldy: n,
-                alpha: l.scale,
-                beta: 1.0,
-                w_scale: 0,
-                x_scale: 0,
-            };
-            self.gemm_named(&g2, "gemm.lora_b").context("LoRA B GEMM")?;
-        }
-        Ok(self.bf16_tensor(y, &[m, n]))
+        Ok(y)
+    }
+
+    /// A LoRA pair's A side: `x·Aᵀ` `[m, rank]` in BF16 (`gemm.lora_a`).
+    pub(super) fn lora_a(
+        &self,
+        xs: &CudaSlice<bf16>,
+        m: usize,
+        k: usize,
+        l: &CudaLora,
+    ) -> Result<CudaSlice<bf16>> {
+        let t = self.alloc_bf16(m * l.rank)?;
+        let g = Gemm {
+            kind: GemmKind::Bf16,
+            n: l.rank,
+            m,
+            k,
+            w: self.p(&l.a),
+            ldw: k,
+            x: self.p(xs),
+            ldx: k,
+            y: self.p(&t),
+            ldy: l.rank,
+            alpha: 1.0,
+            beta: 0.0,
+            w_scale: 0,
+            x_scale: 0,
+        };
+        self.gemm_named(&g, "gemm.lora_a").context("LoRA A GEMM")?;
+        Ok(t)
+    }
+
+    /// A LoRA pair's B side: `y[:, cols] += scale · t·Bᵀ` on `y` `[m, n]` (`gemm.lora_b`: a BF16
+    /// GEMM accumulating, β = 1).
+    fn lora_b(
+        &self,
+        y: &CudaSlice<bf16>,
+        n: usize,
+        m: usize,
+        l: &CudaLora,
+        t: &CudaSlice<bf16>,
+    ) -> Result<()> {
+        let g = Gemm {
+            kind: GemmKind::Bf16,
+            n: l.cols.len(),
+            m,
+            k: l.rank,
+            w: self.p(&l.b),
+            ldw: l.rank,
+            x: self.p(t),
+            ldx: l.rank,
+            y: self.p(y) + 2 * l.cols.start as u64,
+            ldy: n,
+            alpha: l.scale,
+            beta: 1.0,
+            w_scale: 0,
+            x_scale: 0,
+        };
+        self.gemm_named(&g, "gemm.lora_b").context("LoRA B GEMM")
     }
 }
 
@@ -345,7 +406,7 @@ pub(super) fn linear(be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinea
         loras.push(CudaLora {
             cols: span,
             rank,
-            parts: found.len(),
+            parts: found.iter().map(|f| (f.0.clone(), f.3)).collect(),
             a: be.htod(&a)?,
             b: be.htod(&b)?,
             scale: if same { common } else { 1.0 },
@@ -363,22 +424,52 @@ pub(super) fn matmul(be: &CudaBackend, x: &CudaTensor, w: &CudaLinear) -> Result
     let (m, k) = x.rows_cols();
     ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
     let xs = be.bf16_of(x)?;
-    if !w.has_fp8() || m == 0 {
-        return be.matmul_quantised(xs.s(), None, m, k, w);
+    with_input_fp8(be, x, xs.s(), w, |fp8| be.matmul_quantised(xs.s(), fp8, m, k, w))
+}
+
+/// [`matmul`] with the LoRA B side of `lora` (one of `w`'s pairs) left to the caller: the
+/// projection's GEMMs and bias, and `lora`'s A side `x·Aᵀ` `[m, rank]`. The consumer adds
+/// `scale · t·Bᵀ` where it reads the output (quant.rs `swiglu_mlp`); `w`'s other pairs, if any,
+/// are applied here.
+pub(super) fn matmul_deferring_lora(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    w: &CudaLinear,
+    lora: &CudaLora,
+) -> Result<(CudaTensor, CudaSlice<bf16>)> {
+    let (m, k) = x.rows_cols();
+    ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
+    let xs = be.bf16_of(x)?;
+    let y = with_input_fp8(be, x, xs.s(), w, |fp8| be.project(xs.s(), fp8, m, k, w))?;
+    for l in w.loras.iter().filter(|l| !std::ptr::eq(*l, lora)) {
+        let t = be.lora_a(xs.s(), m, k, l)?;
+        be.lora_b(&y, w.out_dim, m, l, &t)?;
     }
-    // The quantisation a fused norm attached to x, else quant_act_1x128 (the same bits).
-    let own;
-    let fp8 = match &x.fp8 {
+    let t = be.lora_a(xs.s(), m, k, lora)?;
+    Ok((be.bf16_tensor(y, &[m, w.out_dim]), t))
+}
+
+/// Runs `f` with the FP8 quantisation of `x` a projection with FP8 groups reads: the one a fused
+/// norm attached to `x`, else `quant_act_1x128` of it (the same bits); None for BF16-only
+/// projections and empty inputs.
+fn with_input_fp8<R>(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    xs: &CudaSlice<bf16>,
+    w: &CudaLinear,
+    f: impl FnOnce(Option<&ActFp8>) -> Result<R>,
+) -> Result<R> {
+    let (m, k) = x.rows_cols();
+    if !w.has_fp8() || m == 0 {
+        return f(None);
+    }
+    match &x.fp8 {
         Some(a) => {
             ensure!(a.mpad == fp8_rows(m), "attached FP8 activations of another row count");
-            a
+            f(Some(a))
         }
-        None => {
-            own = be.quantize(xs.s(), m, k)?;
-            &own
-        }
-    };
-    be.matmul_quantised(xs.s(), Some(fp8), m, k, w)
+        None => f(Some(&be.quantize(xs, m, k)?)),
+    }
 }
 
 /// `Backend::readout` (the trait documents the contract).

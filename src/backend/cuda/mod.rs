@@ -92,6 +92,11 @@ pub struct CudaOptions {
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
     /// `IMAJEV_UNFUSED_ACT_QUANT=1` in the environment.
     pub unfused_act_quant: bool,
+    /// The MLP's gate/up LoRA B side inside the SwiGLU + FP8 quantisation kernel
+    /// (`swiglu_lora_quant_1x128_<r>`: the gate/up output read once instead of three times)
+    /// rather than a separate accumulating LoRA B GEMM. Off by default until measured on a
+    /// device; `IMAJEV_MLP_LORA_FUSED=1` (or `0`) in the environment sets it.
+    pub mlp_lora_fused: bool,
     /// Which attention kernel runs (see [`AttentionKernel`]): the reference kernels are kept for
     /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ov|ws|wgmma|q128|q64` overrides it when this
     /// field is left at `Auto`.
@@ -117,6 +122,7 @@ impl Default for CudaOptions {
             gdn_scan: GdnScan::default(),
             gdn_tf32: true,
             unfused_act_quant: false,
+            mlp_lora_fused: false,
             attention: AttentionKernel::default(),
             narrow_gemm: narrow::NarrowGemm::default(),
             narrow_whole_rows: None,
@@ -216,6 +222,14 @@ impl CudaBackend {
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
+        }
+        match std::env::var("IMAJEV_MLP_LORA_FUSED").as_deref() {
+            Ok("1") => options.mlp_lora_fused = true,
+            Ok("0") => options.mlp_lora_fused = false,
+            Ok("") | Err(_) => {}
+            Ok(other) => {
+                bail!("IMAJEV_MLP_LORA_FUSED={other}: expected 1 (fused) or 0 (a separate LoRA B GEMM)")
+            }
         }
         // cudarc panics on first use of a library it cannot dlopen; look before touching it.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -509,6 +523,10 @@ impl Backend for CudaBackend {
 
     fn swiglu_matmul(&self, gate_up: &CudaTensor, w: &CudaLinear) -> Result<CudaTensor> {
         quant::swiglu_matmul(self, gate_up, w)
+    }
+
+    fn swiglu_mlp(&self, x: &CudaTensor, gate_up: &CudaLinear, down: &CudaLinear) -> Result<CudaTensor> {
+        quant::swiglu_mlp(self, x, gate_up, down)
     }
 
     fn gelu(&self, x: &mut CudaTensor, kind: Gelu) -> Result<()> {

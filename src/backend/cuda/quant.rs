@@ -1,14 +1,14 @@
 //! Per-token 1×128 FP8 activations for the FP8 projections: `quant_act_1x128` (kernels/quant.cu)
 //! when no fused kernel attached them, SwiGLU and GELU fused with that quantisation for the MLPs'
-//! second projections (`swiglu_quant_1x128`, `gelu_quant_1x128`), and whether the row norms
-//! attach it. CPU twin:
+//! second projections (`swiglu_quant_1x128`, `gelu_quant_1x128`; `swiglu_lora_quant_1x128_<r>`
+//! also takes the gate/up projection's LoRA B side), and whether the row norms attach it. CPU twin:
 //! [`crate::weights::fp8::quantize_act_1x128`] (the fused kernels: their plain op's twin, then
 //! that quantiser).
 
 use super::launch::{grid1, launch_config, Arg};
 use super::linear::CudaLinear;
 use super::tensor::{ActFp8, CudaTensor};
-use super::{elementwise, linear, CudaBackend};
+use super::{elementwise, layout, linear, CudaBackend};
 use crate::backend::Gelu;
 use crate::weights::fp8::FP8_BLOCK;
 use anyhow::Result;
@@ -125,4 +125,51 @@ pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLine
     let a =
         be.fused_quant("swiglu_quant_1x128", &[Arg::Ptr(be.p(gs.s())), Arg::Ptr(be.p(&xs))], m, k, &[])?;
     be.matmul_quantised(&xs, Some(&a), m, k, w)
+}
+
+/// `Backend::swiglu_mlp` (the trait documents the contract). With `mlp_lora_fused` and a gate/up
+/// projection whose one LoRA pair is gate's and up's of equal rank (every Qwen3.5 MLP; see
+/// `CudaLinear::swiglu_lora`): the gate/up GEMMs and LoRA A GEMM, then
+/// `swiglu_lora_quant_1x128_<r>` (the LoRA B side, the SwiGLU and the down projection's FP8
+/// input in one pass over the gate/up output) and the down projection. Otherwise `matmul`, then
+/// `swiglu_matmul`.
+pub(super) fn swiglu_mlp(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    gate_up: &CudaLinear,
+    down: &CudaLinear,
+) -> Result<CudaTensor> {
+    let (m, k) = (x.rows_cols().0, gate_up.out_dim / 2);
+    let fusable = be.state.options.mlp_lora_fused
+        && m > 0
+        && gate_up.out_dim % 2 == 0
+        && k == down.in_dim
+        && down.has_fp8()
+        && be.fuse_act_quant(k);
+    let Some((lora, r)) = gate_up.swiglu_lora().filter(|_| fusable) else {
+        return swiglu_matmul(be, &linear::matmul(be, x, gate_up)?, down);
+    };
+    let (gu, t) = linear::matmul_deferring_lora(be, x, gate_up, lora)?;
+    let (scale, b) = lora.b_side();
+    let gs = be.bf16_of(&gu)?;
+    let y = be.alloc_bf16(m * k)?;
+    let a = be.alloc_act_fp8(m, k)?;
+    let blocks = (a.mpad.div_ceil(64) as u32, (k / FP8_BLOCK) as u32, 1);
+    be.launch(
+        &format!("swiglu_lora_quant_1x128_{r}"),
+        launch_config(blocks, 256, layout::swiglu_lora_smem_bytes(r)),
+        &[
+            Arg::Ptr(be.p(gs.s())),
+            Arg::Ptr(be.p(&t)),
+            Arg::Ptr(be.p(b)),
+            Arg::F32(scale),
+            Arg::Ptr(be.p(&y)),
+            Arg::Ptr(be.p(&a.q)),
+            Arg::Ptr(be.p(&a.s)),
+            Arg::I32(m as i32),
+            Arg::I32(a.mpad as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    be.matmul_quantised(&y, Some(&a), m, k, down)
 }
