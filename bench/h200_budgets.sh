@@ -5,9 +5,11 @@
 # --batch-sequences S --batch-tokens T` for each S:T of BUDGETS. A larger budget packs more
 # requests per forward (fewer, longer engine rounds): more requests/s, longer waits. An entry
 # S:T:TREE also passes `--question-tree TREE` (one-level, two-level), so both trees can be
-# compared in one call.
+# compared in one call; S:T:TREE:ENV also sets the environment variables ENV (VAR=VALUE, several
+# joined by `,`) for that server, e.g. 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1.
 #   BUDGETS="64:8192 96:8192 128:12288" CLIENTS=16,64 DURATION=8 bash bench/h200_budgets.sh
 #   BUDGETS="96:8192 96:8192:two-level 120:8192:two-level" CLIENTS=16,64 DURATION=6 bash bench/h200_budgets.sh
+#   BUDGETS="96:8192 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1" CLIENTS=16 bash bench/h200_budgets.sh
 # SERVE_ARGS adds `serve` flags to every run. Writes $OUT/budget-S-T[-TREE].json per entry,
 # $OUT/load.log and $OUT/summary.txt (at most 8 files: up to 6 entries). Needs
 # .gpu/imajev-serve; python3 with the standard library only.
@@ -18,14 +20,14 @@ W=${WORK:-/tmp/bench}
 port=18790
 reports=()
 for b in ${BUDGETS:-64:8192 96:8192 128:12288}; do
-  IFS=: read -r s t tree <<<"$b"
-  name="$s-$t${tree:+-$tree}" t0=$SECONDS
-  # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
-  PYTHONUNBUFFERED=1 timeout 300 python3 bench/http_load.py --bin .gpu/imajev-serve --work "$W" --port $port \
+  IFS=: read -r s t tree envs <<<"$b"
+  name="$s-$t${tree:+-$tree}${envs:+-$(echo "$envs" | tr -c 'A-Za-z0-9_=\n' '_' | tr '=' '-')}" t0=$SECONDS
+  # shellcheck disable=SC2086  # SERVE_ARGS is a list of words; ENV entries VAR=VALUE for env
+  PYTHONUNBUFFERED=1 timeout 300 env ${envs//,/ } python3 bench/http_load.py --bin .gpu/imajev-serve --work "$W" --port $port \
     --duration "${DURATION:-8}" --clients "${CLIENTS:-16,64}" --start-timeout 240 --server-log "$W/server-$name.log" \
     --out "$OUT/budget-$name.json" -- --device cuda --quantize fp8 --rotations 4 --contract imajev \
     --batch-sequences "$s" --batch-tokens "$t" ${tree:+--question-tree "$tree"} ${SERVE_ARGS:-} >>"$OUT/load.log" 2>&1
-  echo "budget $s sequences / $t tokens${tree:+ / $tree tree}: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/load.log"
+  echo "budget $s sequences / $t tokens${tree:+ / $tree tree}${envs:+ / $envs}: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/load.log"
   reports+=("$OUT/budget-$name.json")
   port=$((port + 1))
 done
