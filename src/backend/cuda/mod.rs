@@ -22,6 +22,8 @@
 //!   `quant_act_1x128` on that output). That quantisation travels with the tensor
 //!   ([`CudaTensor`]'s attachment, dropped by any in-place change), and `matmul` uses it instead
 //!   of launching `quant_act_1x128`; norms attach it once an FP8 projection has been loaded.
+//!   Opt-in (`mlp_lora_fused`): the MLP's gate/up LoRA B side inside that SwiGLU kernel
+//!   (`swiglu_mlp`, `swiglu_lora_quant_1x128_<r>`; its CPU twin is matmul + swiglu).
 //! * One stream; cudarc's per-buffer event tracking is off (everything is stream-ordered, buffers
 //!   are freed with `cuMemFreeAsync` on that stream), so kernels take raw device addresses.
 //!

@@ -42,12 +42,18 @@ impl KernelProfiler {
     }
 
     /// Waits for the device, then returns one line per kernel name (total ms, launches, share)
-    /// and a summary of host wall time vs summed device time since the previous report.
+    /// and a summary of host wall time vs summed device time since the previous report, and the
+    /// device's span from the first kernel's start to the last one's end: span − device time is
+    /// how long the device waited for the host inside those launches (a host-bound stretch).
     pub fn report(&self) -> Result<String> {
         let mut st = self.state.lock().expect("profiler lock");
         let queued = st.since.map(|t| t.elapsed().as_secs_f64() * 1e3).unwrap_or(0.0);
         self.stream.synchronize()?;
         let wall = st.since.take().map(|t| t.elapsed().as_secs_f64() * 1e3).unwrap_or(0.0);
+        let span = match (st.events.first(), st.events.last()) {
+            (Some((_, a, _)), Some((_, _, b))) => a.elapsed_ms(b)? as f64,
+            _ => 0.0,
+        };
         let mut totals: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         let mut device = 0.0;
         for (name, a, b) in st.events.drain(..) {
@@ -61,7 +67,8 @@ impl KernelProfiler {
         let mut rows: Vec<_> = totals.into_iter().collect();
         rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         let mut s = format!(
-            "device {device:.3} ms in {launches} launches; host queued them in {queued:.3} ms, done after {wall:.3} ms\n"
+            "device {device:.3} ms in {launches} launches (span {span:.3} ms: idle {:.3}); host queued them in {queued:.3} ms, done after {wall:.3} ms\n",
+            (span - device).max(0.0)
         );
         for (name, (ms, n)) in rows {
             s.push_str(&format!("  {ms:9.3} ms {n:6}x {:5.1}%  {name}\n", 100.0 * ms / device.max(1e-9)));
