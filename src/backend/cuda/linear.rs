@@ -170,14 +170,28 @@ impl CudaBackend {
         w: &CudaLinear,
     ) -> Result<CudaTensor> {
         let y = self.project(xs, fp8, m, k, w)?;
-        for l in &w.loras {
-            if m == 0 {
-                break;
-            }
-            let t = self.lora_a(xs, m, k, l)?;
-            self.lora_b(&y, w.out_dim, m, l, &t)?;
-        }
+        self.add_loras(&y, xs, m, k, w, None)?;
         Ok(self.bf16_tensor(y, &[m, w.out_dim]))
+    }
+
+    /// `y += scale · (x·Aᵀ)·Bᵀ` for each LoRA pair of `w` but `except` (two GEMMs each).
+    fn add_loras(
+        &self,
+        y: &CudaSlice<bf16>,
+        xs: &CudaSlice<bf16>,
+        m: usize,
+        k: usize,
+        w: &CudaLinear,
+        except: Option<&CudaLora>,
+    ) -> Result<()> {
+        if m == 0 {
+            return Ok(());
+        }
+        for l in w.loras.iter().filter(|l| !except.is_some_and(|e| std::ptr::eq(*l, e))) {
+            let t = self.lora_a(xs, m, k, l)?;
+            self.lora_b(y, w.out_dim, m, l, &t)?;
+        }
+        Ok(())
     }
 
     /// The FP8 and BF16 GEMMs and the bias of a projection, without its LoRA: `[rows, out_dim]`
@@ -441,10 +455,7 @@ pub(super) fn matmul_deferring_lora(
     ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
     let xs = be.bf16_of(x)?;
     let y = with_input_fp8(be, x, xs.s(), w, |fp8| be.project(xs.s(), fp8, m, k, w))?;
-    for l in w.loras.iter().filter(|l| !std::ptr::eq(*l, lora)) {
-        let t = be.lora_a(xs.s(), m, k, l)?;
-        be.lora_b(&y, w.out_dim, m, l, &t)?;
-    }
+    be.add_loras(&y, xs.s(), m, k, w, Some(lora))?;
     let t = be.lora_a(xs.s(), m, k, lora)?;
     Ok((be.bf16_tensor(y, &[m, w.out_dim]), t))
 }
