@@ -458,3 +458,22 @@ pub trait Backend: Send + Sync + 'static {
         segments: &[Range<usize>],
     ) -> Result<Self::Tensor>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_states_are_the_callers_choice_and_every_parent() {
+        let tree = check_parents(&[None, Some(0), Some(0), None], 4).unwrap();
+        assert_eq!(kept_states(&[], &tree).unwrap(), vec![true; 4], "empty: all kept");
+        assert_eq!(
+            kept_states(&[false; 4], &tree).unwrap(),
+            vec![true, false, false, false],
+            "a parent is kept"
+        );
+        assert_eq!(kept_states(&[false, true, false, true], &tree).unwrap(), vec![true, true, false, true]);
+        let e = kept_states(&[false; 3], &tree).unwrap_err().to_string();
+        assert!(e.contains("3 keep flags for 4 segments"), "{e}");
+    }
+}
