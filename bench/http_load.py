@@ -26,7 +26,8 @@ and string the same, in the same order).
 
 Writes {"throughput": [{clients, requests_per_s, p50_ms, p99_ms, statuses,
 identical_to_single_client}], ...} plus the server's engine rounds per level (from /metrics:
-requests per packed forward) and the sha256 of each variant's reference answers (so that two
+requests per packed forward, and the fraction of the wall time the engine spent in rounds with
+their mean length, from `imajev_engine_busy_seconds_total`) and the sha256 of each variant's reference answers (so that two
 servers' answers can be compared); `--merge-into bench/results/h200.json` also puts the rows there
 under "throughput" (and the commands under "throughput_command"). With `--merge-report` instead of
 a run, the rows come from a report written before; a second `--merge-report` (a run with
@@ -97,7 +98,8 @@ def metrics(url):
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     out = {}
     for line in text.splitlines():
-        if line.startswith("imajev_batch_requests_sum") or line.startswith("imajev_batch_requests_count"):
+        if line.startswith(("imajev_batch_requests_sum", "imajev_batch_requests_count",
+                            "imajev_engine_busy_seconds_total")):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -173,9 +175,14 @@ def run_level(url, bodies, reference, clients, duration):
         "statuses": dict(sorted(statuses.items())),
         "identical_to_single_client": bool(ok) and all(same for s, _, same in rows if s == 200),
     }
+    busy = after.get("imajev_engine_busy_seconds_total", 0) - before.get("imajev_engine_busy_seconds_total", 0)
     detail = {"clients": clients, "requests": len(rows), "answered": len(ok), "seconds": round(wall, 2),
               "engine_rounds": int(rounds),
-              "requests_per_engine_round": round(answered / rounds, 2) if rounds else None}
+              "requests_per_engine_round": round(answered / rounds, 2) if rounds else None,
+              # The engine thread's time inside rounds: wall / rounds - this is what it spends
+              # between rounds (taking the next requests, answering); busy / wall near 1: saturated.
+              "engine_busy_fraction": round(busy / wall, 3) if "imajev_engine_busy_seconds_total" in after else None,
+              "engine_ms_per_round": round(1e3 * busy / rounds, 2) if rounds and busy else None}
     return row, detail, problems
 
 
@@ -233,7 +240,8 @@ def print_report(path):
     for row, d in zip(r["throughput"], r["details"]):
         print(f"  {row['clients']:3d} clients: {row['requests_per_s']:7.2f} req/s  p50 {row['p50_ms']} ms  "
               f"p99 {row['p99_ms']} ms  statuses {row['statuses']}  identical {row['identical_to_single_client']}  "
-              f"requests/round {d['requests_per_engine_round']}")
+              f"requests/round {d['requests_per_engine_round']}  engine busy {d.get('engine_busy_fraction')}"
+              f" ({d.get('engine_ms_per_round')} ms a round)")
     for q in r["problems"][:5]:
         print(f"  problem: {q}")
 

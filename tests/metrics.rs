@@ -270,6 +270,14 @@ fn a_scrape_after_a_mixed_workload_shows_what_was_served() {
     assert_eq!(m.value("imajev_queue_depth", &[]), 0.0);
     assert_eq!(m.value("imajev_queue_capacity", &[]), QUEUE_DEPTH as f64);
     assert_eq!(m.value("imajev_engine_requests_running", &[]), 0.0);
+    // One request a round: the engine was busy at least for every request's stages.
+    let stages: f64 =
+        ["imajev_vision_seconds_sum", "imajev_prefill_seconds_sum", "imajev_questions_seconds_sum"]
+            .iter()
+            .map(|f| m.value(f, &[]))
+            .sum();
+    let busy = m.value("imajev_engine_busy_seconds_total", &[]);
+    assert!(busy >= stages - 1e-6 && busy > 0.0, "busy {busy} s, stages {stages} s");
     assert_eq!(m.total("imajev_jobs_dropped_total"), 0.0);
     assert_eq!(m.value("imajev_model_loaded", &[]), 1.0);
     assert!(m.value("imajev_model_load_seconds", &[]) > 0.0);

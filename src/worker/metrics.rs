@@ -15,7 +15,9 @@
 
 use super::EngineOutput;
 use crate::backend::MemoryProbe;
-use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Counter, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 use std::sync::Mutex;
 
 pub struct EngineMetrics {
@@ -25,6 +27,11 @@ pub struct EngineMetrics {
     pub queue_capacity: IntGauge,
     /// `imajev_engine_requests_running`: requests in the engine's current round.
     pub requests_running: IntGauge,
+    /// `imajev_engine_busy_seconds_total`: wall time the engine thread spent in rounds (from
+    /// taking a round's requests to having their results). Its rate is the engine's
+    /// utilisation: near 1 the one GPU worker is saturated (scale out), and 1 − rate is the time
+    /// it spent waiting for requests or between rounds.
+    pub busy_seconds: Counter,
     pub queue_seconds: Histogram,
     pub vision_seconds: Histogram,
     pub prefill_seconds: Histogram,
@@ -76,6 +83,10 @@ impl EngineMetrics {
             requests_running: IntGauge::new(
                 "imajev_engine_requests_running",
                 "Requests inside the engine now (its current round)",
+            )?,
+            busy_seconds: Counter::new(
+                "imajev_engine_busy_seconds_total",
+                "Seconds the engine spent running rounds (rate: its utilisation, 1 = saturated)",
             )?,
             queue_seconds: stage("imajev_queue_wait_seconds", "Time requests waited in the queue")?,
             vision_seconds: stage(
@@ -134,6 +145,7 @@ impl EngineMetrics {
             Box::new(m.queue_depth.clone()),
             Box::new(m.queue_capacity.clone()),
             Box::new(m.requests_running.clone()),
+            Box::new(m.busy_seconds.clone()),
             Box::new(m.queue_seconds.clone()),
             Box::new(m.vision_seconds.clone()),
             Box::new(m.prefill_seconds.clone()),

@@ -429,6 +429,7 @@ fn run_batch(engine: &dyn DecisionEngine, batch: Vec<(Job, WorkEstimate)>, h: &S
     h.metrics.requests_running.set(batch.len() as i64);
     let results = engine.run_packed(&jobs, limits);
     let secs = started.elapsed().as_secs_f64();
+    h.metrics.busy_seconds.inc_by(secs);
     drop(jobs);
     drop(checks);
     h.metrics.batch_requests.observe(batch.len() as f64);
