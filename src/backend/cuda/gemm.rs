@@ -325,12 +325,9 @@ pub struct PlanInfo {
     pub kind: GemmKind,
     pub n: usize,
     pub k: usize,
-    pub algo_id: i32,
-    pub tile_id: u32,
-    pub splitk: u32,
-    pub stages: u32,
     pub workspace: usize,
-    /// The whole config (None if cuBLASLt would not describe the algorithm).
+    /// The algorithm's config: its id, tile, stages, split-K, … (None if cuBLASLt would not
+    /// describe it).
     pub config: Option<AlgoConfig>,
     /// Whether a pin chose the algorithm (else the heuristic's first at the reference M).
     pub pinned: bool,
@@ -659,18 +656,7 @@ impl Blas {
             algo: chosen.algo,
             per_m: HashMap::new(),
             layouts: HashMap::new(),
-            info: PlanInfo {
-                kind: g.kind,
-                n: g.n,
-                k: g.k,
-                algo_id: config.map_or(-1, |c| c.algo),
-                tile_id: config.map_or(0, |c| c.tile),
-                splitk: config.map_or(0, |c| c.splitk),
-                stages: config.map_or(0, |c| c.stages),
-                workspace: chosen.workspaceSize,
-                config,
-                pinned,
-            },
+            info: PlanInfo { kind: g.kind, n: g.n, k: g.k, workspace: chosen.workspaceSize, config, pinned },
         })
     }
 
