@@ -12,7 +12,7 @@ use super::{elementwise, layout, linear, CudaBackend};
 use crate::backend::Gelu;
 use crate::weights::fp8::FP8_BLOCK;
 use anyhow::Result;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 use std::sync::atomic::Ordering;
 
@@ -76,8 +76,24 @@ impl CudaBackend {
     /// 128-block) items. Returns that quantisation (the kernel writes all of it: pad rows zero,
     /// scale 1).
     fn fused_quant(&self, name: &str, head: &[Arg], m: usize, k: usize, tail: &[Arg]) -> Result<ActFp8> {
+        self.fused_quant_shaped(name, head, m, k, tail, |mpad| {
+            let warps = (mpad * (k / FP8_BLOCK)).div_ceil(FUSED_QUANT_ITEMS);
+            launch_config((grid1(warps * 32, 256), 1, 1), 256, 0)
+        })
+    }
+
+    /// [`CudaBackend::fused_quant`] launched as `shape` says for the padded row count (a kernel
+    /// with its own tiling, e.g. `swiglu_lora_quant_1x128_<r>`).
+    fn fused_quant_shaped(
+        &self,
+        name: &str,
+        head: &[Arg],
+        m: usize,
+        k: usize,
+        tail: &[Arg],
+        shape: impl FnOnce(usize) -> LaunchConfig,
+    ) -> Result<ActFp8> {
         let a = self.alloc_act_fp8(m, k)?;
-        let warps = (a.mpad * (k / FP8_BLOCK)).div_ceil(FUSED_QUANT_ITEMS);
         let mut args = head.to_vec();
         args.extend([
             Arg::Ptr(self.p(&a.q)),
@@ -87,7 +103,7 @@ impl CudaBackend {
             Arg::I32(k as i32),
         ]);
         args.extend_from_slice(tail);
-        self.launch(name, launch_config((grid1(warps * 32, 256), 1, 1), 256, 0), &args)?;
+        self.launch(name, shape(a.mpad), &args)?;
         Ok(a)
     }
 }
@@ -153,23 +169,15 @@ pub(super) fn swiglu_mlp(
     let (scale, b) = lora.b_side();
     let gs = be.bf16_of(&gu)?;
     let y = be.alloc_bf16(m * k)?;
-    let a = be.alloc_act_fp8(m, k)?;
-    let blocks = (a.mpad.div_ceil(64) as u32, (k / FP8_BLOCK) as u32, 1);
-    be.launch(
-        &format!("swiglu_lora_quant_1x128_{r}"),
-        launch_config(blocks, 256, layout::swiglu_lora_smem_bytes(r)),
-        &[
-            Arg::Ptr(be.p(gs.s())),
-            Arg::Ptr(be.p(&t)),
-            Arg::Ptr(be.p(b)),
-            Arg::F32(scale),
-            Arg::Ptr(be.p(&y)),
-            Arg::Ptr(be.p(&a.q)),
-            Arg::Ptr(be.p(&a.s)),
-            Arg::I32(m as i32),
-            Arg::I32(a.mpad as i32),
-            Arg::I32(k as i32),
-        ],
-    )?;
+    let head =
+        [Arg::Ptr(be.p(gs.s())), Arg::Ptr(be.p(&t)), Arg::Ptr(be.p(b)), Arg::F32(scale), Arg::Ptr(be.p(&y))];
+    // One block per 64 padded rows and 128 columns.
+    let a = be.fused_quant_shaped(&format!("swiglu_lora_quant_1x128_{r}"), &head, m, k, &[], |mpad| {
+        launch_config(
+            (mpad.div_ceil(64) as u32, (k / FP8_BLOCK) as u32, 1),
+            256,
+            layout::swiglu_lora_smem_bytes(r),
+        )
+    })?;
     be.matmul_quantised(&y, Some(&a), m, k, down)
 }
