@@ -39,9 +39,7 @@ use cudarc::driver::{sys::CUevent_flags, CudaContext, CudaSlice, CudaStream, Dev
 use imajev_serve::backend::cuda::gemm::{Blas, Gemm, GemmKind};
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, CudaTensor, GdnScan};
-use imajev_serve::backend::{
-    AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs, LinearPart, LoraPair,
-};
+use imajev_serve::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs};
 use imajev_serve::engine::positions;
 use imajev_serve::synth;
 use imajev_serve::synth::memory::MemoryTensor;
@@ -78,20 +76,6 @@ fn tiling(lens: &[usize]) -> Vec<Range<usize>> {
             at - l..at
         })
         .collect()
-}
-
-fn part(w: &MemoryTensor) -> LinearPart<'_> {
-    LinearPart { weight: w.r(), bias: None, lora: None }
-}
-
-/// A block with a LoRA adapter `scale · (x·Aᵀ)·Bᵀ`.
-fn lora_part<'a>(
-    w: &'a MemoryTensor,
-    a: &'a MemoryTensor,
-    b: &'a MemoryTensor,
-    scale: f32,
-) -> LinearPart<'a> {
-    LinearPart { lora: Some(LoraPair { a: a.r(), b: b.r(), scale }), ..part(w) }
 }
 
 /// `values` as a BF16 device tensor of `shape` (an upload is F32; a row gather makes it BF16, as
@@ -188,7 +172,7 @@ impl Bench<'_> {
             for (fmt, w) in
                 [("fp8", MemoryTensor::fp8("w", &[n, k], &v)), ("bf16", MemoryTensor::bf16("w", &[n, k], &v))]
             {
-                let l = g.linear(&[part(&w)])?;
+                let l = g.linear(&[w.part()])?;
                 let ms = time_ms(g, 10, &mut || g.matmul(&x, &l).map(|_| ()))?;
                 self.push(
                     format!("{fmt} GEMM {name} N={n} K={k} M={m} (incl. act quant)"),
@@ -220,8 +204,8 @@ impl Bench<'_> {
         let (ga, gb) = (t("gate.A", &[r, h], 0.02, false), t("gate.B", &[k, r], 0.02, false));
         let (ua, ub) = (t("up.A", &[r, h], 0.02, false), t("up.B", &[k, r], 0.02, false));
         let (da, db) = (t("down.A", &[r, k], 0.02, false), t("down.B", &[h, r], 0.02, false));
-        let gate_up = [lora_part(&wg, &ga, &gb, 2.0), lora_part(&wu, &ua, &ub, 2.0)];
-        let down = [lora_part(&wd, &da, &db, 2.0)];
+        let gate_up = [wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)];
+        let down = [wd.lora_part(&da, &db, 2.0)];
         for &m in rows {
             let x_h = self.rng.bf16_normals(m * h, 1.0);
             let mut times = Vec::new();
@@ -437,7 +421,7 @@ impl Bench<'_> {
         let xv = self.rng.bf16_normals(m * d, 1.0);
         let wv = self.rng.bf16_normals(d, 0.1);
         for (label, be) in [("fused quantisation", g), ("quant_act_1x128 launch", &u)] {
-            let l = be.linear(&[part(&wp)])?;
+            let l = be.linear(&[wp.part()])?;
             let x = bf16_tensor(be, &xv, &[m, d])?;
             let w = be.upload(&wv, &[d])?;
             let ms = time_ms(be, 20, &mut || be.matmul(&be.rms_norm(&x, &w, 1e-6, 1.0)?, &l).map(|_| ()))?;

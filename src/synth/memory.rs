@@ -2,6 +2,7 @@
 //! FP8 (the RTN recipe of [`crate::weights::fp8`]) and hand them to a backend as the
 //! [`TensorRef`] a checkpoint file would give, without writing a file.
 
+use crate::backend::{LinearPart, LoraPair};
 use crate::weights::fp8::quantize_fp8_blocks;
 use crate::weights::{ScaleRef, StoredDtype, TensorRef};
 
@@ -60,5 +61,16 @@ impl MemoryTensor {
                 block: Some([128, 128]),
             }),
         }
+    }
+
+    /// This tensor as one block of a projection ([`crate::backend::Backend::linear`]): no bias,
+    /// no LoRA.
+    pub fn part(&self) -> LinearPart<'_> {
+        LinearPart { weight: self.r(), bias: None, lora: None }
+    }
+
+    /// This tensor as a block with a LoRA adapter `scale · (x·Aᵀ)·Bᵀ` (`a` `[r, in]`, `b` `[out, r]`).
+    pub fn lora_part<'a>(&'a self, a: &'a MemoryTensor, b: &'a MemoryTensor, scale: f32) -> LinearPart<'a> {
+        LinearPart { lora: Some(LoraPair { a: a.r(), b: b.r(), scale }), ..self.part() }
     }
 }

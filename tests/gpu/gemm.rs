@@ -3,7 +3,7 @@
 //! GEMM of its own dequantised operands, bitwise batch invariance, SwiGLU fused with the FP8
 //! quantisation, and the f32 readout.
 
-use super::harness::{lora_part, part, rel, rms_rel, variant, Report};
+use super::harness::{rel, rms_rel, variant, Report};
 use anyhow::{ensure, Result};
 use imajev_serve::backend::cpu::linear::matmul_xwt;
 use imajev_serve::backend::cpu::CpuBackend;
@@ -21,7 +21,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     let (n, k, m) = (2560, 4096, 300);
     let w = MemoryTensor::bf16("bf16.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
     let x = rng.bf16_normals(m * k, 1.0);
-    let (lg, lc) = (g.linear(&[part(&w)])?, c.linear(&[part(&w)])?);
+    let (lg, lc) = (g.linear(&[w.part()])?, c.linear(&[w.part()])?);
     let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
     let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
     rep.check(p, "bf16 N=2560 K=4096 M=300", rel(&yg, &yc), 1e-2);
@@ -80,7 +80,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
                 .to_f32()
         })
         .collect();
-    let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
+    let (lg, lc) = (g.linear(&[w8.part()])?, c.linear(&[w8.part()])?);
     ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
     let xg = g.upload(&x, &[m, k])?;
     let yg = g.download(&g.matmul(&xg, &lg)?)?;
@@ -181,12 +181,12 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     let gq = variant(g, |o| o.quantize_fp8 = true)?;
     let (n, k, m) = (1024, 2560, 33);
     let w = MemoryTensor::bf16("q.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
-    let lq = gq.linear(&[part(&w)])?;
+    let lq = gq.linear(&[w.part()])?;
     ensure!(lq.summary() == "fp8[0..1024]", "quantize_fp8 placed {}", lq.summary());
     let x = rng.bf16_normals(m * k, 1.0);
     let e = rel(
         &gq.download(&gq.matmul(&gq.upload(&x, &[m, k])?, &lq)?)?,
-        &c.matmul(&c.upload(&x, &[m, k])?, &c.linear(&[part(&w)])?)?.data,
+        &c.matmul(&c.upload(&x, &[m, k])?, &c.linear(&[w.part()])?)?.data,
     );
     rep.check(p, "quantize_fp8 at load: N=1024 K=2560 M=33 vs CPU bf16 weights", e, 1e-1);
     Ok(())
@@ -208,12 +208,12 @@ pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
         let m = 300;
         let w = MemoryTensor::bf16("narrow.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
         let x = rng.bf16_normals(m * k, 1.0);
-        let (lg, lc) = (g.linear(&[part(&w)])?, c.linear(&[part(&w)])?);
+        let (lg, lc) = (g.linear(&[w.part()])?, c.linear(&[w.part()])?);
         let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
         let yc = c.matmul(&c.upload(&x, &[m, k])?, &lc)?.data;
         rep.check(p, format!("narrow bf16 N={n} K={k} M={m}"), rel(&yg, &yc), 1e-2);
         invariance(g, rep, &format!("narrow bf16 N={n} K={k}"), &lg, &x, k, &yg)?;
-        let yw = whole.download(&whole.matmul(&whole.upload(&x, &[m, k])?, &whole.linear(&[part(&w)])?)?)?;
+        let yw = whole.download(&whole.matmul(&whole.upload(&x, &[m, k])?, &whole.linear(&[w.part()])?)?)?;
         let differ = yw.iter().zip(&yg).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         rep.check(
             p,
@@ -228,8 +228,7 @@ pub fn narrow(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
     let w = MemoryTensor::bf16("p.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
     let a = MemoryTensor::bf16("p.A", &[r, k], &rng.bf16_normals(r * k, 0.05));
     let b = MemoryTensor::bf16("p.B", &[n, r], &rng.bf16_normals(n * r, 0.05));
-    let parts =
-        [LinearPart { weight: w.r(), bias: None, lora: Some(LoraPair { a: a.r(), b: b.r(), scale: 2.0 }) }];
+    let parts = [w.lora_part(&a, &b, 2.0)];
     let (lg, lc) = (g.linear(&parts)?, c.linear(&parts)?);
     let x = rng.bf16_normals(m * k, 1.0);
     let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
@@ -268,7 +267,7 @@ pub fn lora_b(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Split
         let a: Vec<MemoryTensor> = (0..outs.len()).map(|i| mk(format!("p{i}.A"), r, k, 0.05, rng)).collect();
         let b: Vec<MemoryTensor> =
             outs.iter().enumerate().map(|(i, &o)| mk(format!("p{i}.B"), o, r, 0.05, rng)).collect();
-        let parts: Vec<LinearPart> = (0..outs.len()).map(|i| lora_part(&ws[i], &a[i], &b[i], 2.0)).collect();
+        let parts: Vec<LinearPart> = (0..outs.len()).map(|i| ws[i].lora_part(&a[i], &b[i], 2.0)).collect();
         let (lg, lc) = (g.linear(&parts)?, c.linear(&parts)?);
         let x = rng.bf16_normals(m * k, 1.0);
         let yg = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &lg)?)?;
@@ -331,7 +330,7 @@ pub fn large_batches(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> R
     ] {
         let v = rng.bf16_normals(n * k, 0.02);
         let w = if fp8 { MemoryTensor::fp8("w", &[n, k], &v) } else { MemoryTensor::bf16("w", &[n, k], &v) };
-        let l = g.linear(&[part(&w)])?;
+        let l = g.linear(&[w.part()])?;
         let x = rng.bf16_normals(m * k, 1.0);
         let full = g.download(&g.matmul(&g.upload(&x, &[m, k])?, &l)?)?;
         let mut bad = 0usize;
@@ -369,8 +368,8 @@ pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mu
     let w8 = MemoryTensor::fp8("down.weight", &[n, k], &rng.bf16_normals(n * k, 0.02));
     let la = MemoryTensor::bf16("down.A", &[8, k], &rng.bf16_normals(8 * k, 0.05));
     let lb = MemoryTensor::bf16("down.B", &[n, 8], &rng.bf16_normals(n * 8, 0.05));
-    let (lg, lc) = (g.linear(&[part(&w8)])?, c.linear(&[part(&w8)])?);
-    let lora = [lora_part(&w8, &la, &lb, 2.0)];
+    let (lg, lc) = (g.linear(&[w8.part()])?, c.linear(&[w8.part()])?);
+    let lora = [w8.lora_part(&la, &lb, 2.0)];
     let lgl = g.linear(&lora)?;
     ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
     for m in [1usize, 37, 130] {
@@ -431,8 +430,8 @@ pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
     let (wg, wu, wd) = (w("gate", k, h, 0.02, rng), w("up", k, h, 0.02, rng), w("down", h, k, 0.02, rng));
     let ((ga, gb), (ua, ub), (da, db)) =
         (lora("gate", k, h, rng), lora("up", k, h, rng), lora("down", h, k, rng));
-    let gate_up = [lora_part(&wg, &ga, &gb, 2.0), lora_part(&wu, &ua, &ub, 2.0)];
-    let down = [lora_part(&wd, &da, &db, 2.0)];
+    let gate_up = [wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)];
+    let down = [wd.lora_part(&da, &db, 2.0)];
     let (fgu, fd) = (fused.linear(&gate_up)?, fused.linear(&down)?);
     let (pgu, pd) = (plain.linear(&gate_up)?, plain.linear(&down)?);
     let (cgu, cd) = (c.linear(&gate_up)?, c.linear(&down)?);

@@ -4,9 +4,7 @@
 use anyhow::{anyhow, Result};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::cuda::{CudaBackend, CudaOptions};
-use imajev_serve::backend::{LinearPart, LoraPair};
 use imajev_serve::image::{load_and_preprocess, ImageLimits, ImageProcessorConfig};
-use imajev_serve::synth::memory::MemoryTensor;
 use imajev_serve::synth::{self, SynthDtype};
 use serde_json::Value;
 use std::ops::Range;
@@ -200,21 +198,6 @@ pub fn cat_cols(n: usize, parts: &[&[f32]]) -> (Vec<f32>, usize) {
         }
     }
     (out, w)
-}
-
-/// A projection block without bias or LoRA.
-pub fn part(w: &MemoryTensor) -> LinearPart<'_> {
-    LinearPart { weight: w.r(), bias: None, lora: None }
-}
-
-/// A block with a LoRA adapter `scale · (x·Aᵀ)·Bᵀ`.
-pub fn lora_part<'a>(
-    w: &'a MemoryTensor,
-    a: &'a MemoryTensor,
-    b: &'a MemoryTensor,
-    scale: f32,
-) -> LinearPart<'a> {
-    LinearPart { lora: Some(LoraPair { a: a.r(), b: b.r(), scale }), ..part(w) }
 }
 
 /// ` parents [..]` for a call that runs a tree, else nothing.

@@ -2,7 +2,7 @@
 //! their output (`*_quant`) bitwise against the norm followed by `quant_act_1x128`.
 
 use super::deltanet::{delta_pair, DELTANET_4B, DELTANET_SMALL_VALUE_DIM};
-use super::harness::{bit_diff, lora_part, part, rel, variant, Report};
+use super::harness::{bit_diff, rel, variant, Report};
 use anyhow::{ensure, Result};
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::cuda::{CudaBackend, CudaLinear, CudaTensor};
@@ -142,9 +142,9 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
     let wb = MemoryTensor::bf16("proj_b.weight", &[32, d], &rng.bf16_normals(32 * d, 0.02));
     let la = MemoryTensor::bf16("proj.A", &[8, d], &rng.bf16_normals(8 * d, 0.05));
     let lb = MemoryTensor::bf16("proj.B", &[256, 8], &rng.bf16_normals(256 * 8, 0.05));
-    let mixed = [lora_part(&w8, &la, &lb, 2.0), part(&wb)];
-    let (lg, lgm) = (g.linear(&[part(&w8)])?, g.linear(&mixed)?);
-    let _ = u.linear(&[part(&w8)])?;
+    let mixed = [w8.lora_part(&la, &lb, 2.0), wb.part()];
+    let (lg, lgm) = (g.linear(&[w8.part()])?, g.linear(&mixed)?);
+    let _ = u.linear(&[w8.part()])?;
     ensure!(
         lgm.summary() == "fp8[0..256] bf16[256..288] lora×1",
         "mixed projection placed as {}",
@@ -247,7 +247,7 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
     // GELU output and the projection's output bitwise.
     let k = 4096;
     let wf = MemoryTensor::fp8("fc2.weight", &[256, k], &rng.bf16_normals(256 * k, 0.02));
-    let (lfg, lfu) = (g.linear(&[part(&wf)])?, u.linear(&[part(&wf)])?);
+    let (lfg, lfu) = (g.linear(&[wf.part()])?, u.linear(&[wf.part()])?);
     for (m, kind) in [(1usize, Gelu::Tanh), (16, Gelu::Erf), (37, Gelu::Tanh), (300, Gelu::Erf)] {
         let x = input(rng, m, k);
         let (mut tg, mut tu) = (g.upload(&x, &[m, k])?, u.upload(&x, &[m, k])?);
@@ -315,7 +315,7 @@ pub fn fused_norm_quant(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
     // then its out projection (K = 4096) on the attachment vs a copy.
     let d4b = DELTANET_4B;
     let wo = MemoryTensor::fp8("out_proj.weight", &[256, 4096], &rng.bf16_normals(256 * 4096, 0.02));
-    let lo = g.linear(&[part(&wo)])?;
+    let lo = g.linear(&[wo.part()])?;
     for lens in [&[1usize][..], &[16], &[37], &[70, 1, 130]] {
         let (og, ou) = delta_pair(g, &u, rng, d4b, lens, true)?;
         let n: usize = lens.iter().sum();
