@@ -407,8 +407,10 @@ pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mu
 /// The MLP with its gate/up LoRA B side fused into the SwiGLU (`swiglu_lora_quant_1x128_64`,
 /// `mlp_lora_fused`) at Qwen3.5-4B's shapes (2560 → 2 × 9216 → 2560, LoRA rank 64 on gate, up and
 /// down, scale 2): against the unfused GPU MLP (the LoRA B GEMM; the same values up to the order of
-/// its 64-term sums, so within the FP8 rounding of a few flipped codes), against the CPU (f32),
-/// and batch-invariant (the rows of a 37-row call bit for bit the first rows of a 977-row call).
+/// its 64-term sums and one bf16 rounding fewer, then FP8 activation codes that flip with them: on
+/// the H200 1.1–1.5e-2 apart, where a LoRA side lost or misplaced is ~0.3), against the CPU (f32:
+/// within the quantisation error, and no further from it than the unfused MLP is), and
+/// batch-invariant (the rows of a 37-row call bit for bit the first rows of a 977-row call).
 pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let p = "gemm";
     let (h, k, r) = (2560usize, 9216usize, 64usize);
@@ -447,14 +449,16 @@ pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
         let x = &x_all[..m * h];
         let of = fused.download(&fused.swiglu_mlp(&fused.upload(x, &[m, h])?, &fgu, &fd)?)?;
         let op = plain.download(&plain.swiglu_mlp(&plain.upload(x, &[m, h])?, &pgu, &pd)?)?;
-        rep.check(p, format!("swiglu_mlp fused vs unfused GPU, M={m}"), rel(&of, &op), 1e-2);
+        rep.check(p, format!("swiglu_mlp fused vs unfused GPU, M={m}"), rel(&of, &op), 3e-2);
         if m == 37 || m == 130 {
             let want = c.swiglu_mlp(&c.upload(x, &[m, h])?, &cgu, &cd)?.data;
+            let (fused_err, plain_err) = (rel(&of, &want), rel(&op, &want));
+            rep.check(p, format!("swiglu_mlp fused vs CPU f32 (quantisation error), M={m}"), fused_err, 8e-2);
             rep.check(
                 p,
-                format!("swiglu_mlp fused vs CPU f32 (quantisation error), M={m}"),
-                rel(&of, &want),
-                8e-2,
+                format!("swiglu_mlp fused's CPU error / unfused's ({plain_err:.3e}), M={m}"),
+                fused_err / plain_err.max(1e-12),
+                1.2,
             );
         }
         if m == 37 {
