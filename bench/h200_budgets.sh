@@ -11,7 +11,8 @@
 #   BUDGETS="96:8192 96:8192:two-level 120:8192:two-level" CLIENTS=16,64 DURATION=6 bash bench/h200_budgets.sh
 #   BUDGETS="96:8192 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1" CLIENTS=16 bash bench/h200_budgets.sh
 # SERVE_ARGS adds `serve` flags to every run. Writes $OUT/budget-S-T[-TREE].json per entry,
-# $OUT/load.log and $OUT/summary.txt (at most 8 files: up to 6 entries). Needs
+# $OUT/load.log and $OUT/summary.txt, and $OUT/profile-NAME.log for an entry whose ENV has
+# IMAJEV_PROFILE=kernels (its round's kernel profile; at most 8 files in all). Needs
 # .gpu/imajev-serve; python3 with the standard library only.
 set -uo pipefail
 source bench/device_env.sh
@@ -28,6 +29,12 @@ for b in ${BUDGETS:-64:8192 96:8192 128:12288}; do
     --out "$OUT/budget-$name.json" -- --device cuda --quantize fp8 --rotations 4 --contract imajev \
     --batch-sequences "$s" --batch-tokens "$t" ${tree:+--question-tree "$tree"} ${SERVE_ARGS:-} >>"$OUT/load.log" 2>&1
   echo "budget $s sequences / $t tokens${tree:+ / $tree tree}${envs:+ / $envs}: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/load.log"
+  # An entry with IMAJEV_PROFILE=kernels: its server's last kernel profiles (the log itself stays in
+  # $WORK, which a warm machine keeps from earlier calls) -> $OUT/profile-NAME.log.
+  if [[ "$envs" == *IMAJEV_PROFILE=kernels* ]]; then
+    grep -v -e "loading weights" -e "request status" "$W/server-$name.log" | grep -A 40 "kernels of forward" |
+      tail -n 120 >"$OUT/profile-$name.log"
+  fi
   reports+=("$OUT/budget-$name.json")
   port=$((port + 1))
 done
