@@ -31,6 +31,8 @@
 //! they are (HF's `split_special_tokens=True`), so a client can never write a turn
 //! boundary or an image slot into the prompt.
 
+mod ascii;
+
 use std::io::{BufRead, Write};
 use std::path::Path;
 
@@ -92,6 +94,18 @@ pub struct QwenTokenizer {
     /// true when the file's normalizer, pre-tokenizer and special tokens are the ones that
     /// argument is about.
     cuttable: bool,
+    /// Plain text of ASCII and the em dash is encoded by [`ascii`] rather than by `plain`'s
+    /// pipeline (the same ids, without its allocations): set when the file is laid out as that
+    /// module reads it ([`fast_layout`]).
+    fast: Option<FastPath>,
+}
+
+/// What [`ascii::encode`] needs beside the tokenizer.
+#[derive(Clone)]
+struct FastPath {
+    byte_level: [char; 256],
+    /// The BPE model looks a pre-token up whole before merging (`ignore_merges`).
+    ignore_merges: bool,
 }
 
 /// The Qwen3.5 split regex (the first pre-tokenizer of its `tokenizer.json`).
@@ -152,6 +166,17 @@ fn cut_points(text: &str) -> Vec<usize> {
     cuts
 }
 
+/// Whether `tokenizer.json` (parsed) is laid out as [`ascii`] reads it: [`cuttable`]'s layout,
+/// byte-level BPE without dropout, and only special added tokens (with special-token strings
+/// encoded as text, none of them splits plain text).
+fn fast_layout(json: &serde_json::Value) -> bool {
+    let model = &json["model"];
+    cuttable(json)
+        && model["dropout"].is_null()
+        && model["byte_fallback"] != true
+        && json["added_tokens"].as_array().is_some_and(|a| a.iter().all(|t| t["special"] == true))
+}
+
 fn encode_with(t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
     let enc = t.encode_fast(text, false).map_err(|e| anyhow!(e)).context("tokenizing")?;
     Ok(enc.get_ids().to_vec())
@@ -202,7 +227,12 @@ impl QwenTokenizer {
         // The engine needs every id of the prompt, unpadded.
         inner.with_truncation(None).map_err(|e| anyhow!(e))?;
         inner.with_padding(None);
-        let cuttable = serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|j| cuttable(&j));
+        let json = serde_json::from_slice::<serde_json::Value>(bytes).ok();
+        let cuttable = json.as_ref().is_some_and(cuttable);
+        let fast = json.as_ref().filter(|j| fast_layout(j)).map(|j| FastPath {
+            byte_level: ascii::byte_level_table(),
+            ignore_merges: j["model"]["ignore_merges"] == true,
+        });
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
         let mut specials: Vec<(String, u32)> = inner
@@ -212,7 +242,7 @@ impl QwenTokenizer {
             .map(|(id, t)| (t.content, id))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        Ok(Self { inner, plain, specials, cuttable })
+        Ok(Self { inner, plain, specials, cuttable, fast })
     }
 
     /// The special tokens (strings and ids), longest string first.
@@ -238,7 +268,7 @@ impl QwenTokenizer {
     ) -> Result<std::result::Result<Vec<u32>, usize>> {
         let cuts = if self.cuttable && text.len() >= 2 * PIECE_BYTES { cut_points(text) } else { Vec::new() };
         if cuts.is_empty() {
-            let ids = encode_with(&self.plain, text)?;
+            let ids = self.encode_plain_piece(text)?;
             return Ok(if ids.len() > max { Err(ids.len()) } else { Ok(ids) });
         }
         use rayon::prelude::*;
@@ -249,7 +279,7 @@ impl QwenTokenizer {
         for group in windows.chunks(batch) {
             let pieces = group
                 .par_iter()
-                .map(|w| encode_with(&self.plain, &text[w[0]..w[1]]))
+                .map(|w| self.encode_plain_piece(&text[w[0]..w[1]]))
                 .collect::<Result<Vec<_>>>()?;
             for p in pieces {
                 ids.extend(p);
@@ -259,6 +289,34 @@ impl QwenTokenizer {
             }
         }
         Ok(Ok(ids))
+    }
+
+    /// One piece of [`Self::encode_plain_within`]: its stretches in the fast path's alphabet by
+    /// [`ascii::encode`], the others (cut from them where the ids cannot change:
+    /// [`ascii::fast_segments`]) by the HF pipeline; the ids equal [`Self::encode_plain_hf`]'s.
+    fn encode_plain_piece(&self, text: &str) -> Result<Vec<u32>> {
+        let Some(fast) = &self.fast else { return encode_with(&self.plain, text) };
+        if ascii::in_alphabet(text) {
+            let mut ids = Vec::with_capacity(text.len() / 3);
+            ascii::encode(&self.plain, &fast.byte_level, fast.ignore_merges, text, &mut ids)?;
+            return Ok(ids);
+        }
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        for (range, in_alphabet) in ascii::fast_segments(text) {
+            let part = &text[range];
+            if in_alphabet {
+                ascii::encode(&self.plain, &fast.byte_level, fast.ignore_merges, part, &mut ids)?;
+            } else {
+                ids.extend(encode_with(&self.plain, part)?);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// [`Self::encode_plain`] by the HF pipeline alone, in one piece: what the fast paths must
+    /// equal.
+    pub fn encode_plain_hf(&self, text: &str) -> Result<Vec<u32>> {
+        encode_with(&self.plain, text)
     }
 
     /// Token ids of a prompt: special-token strings are control tokens in [`Piece::Template`]
@@ -476,6 +534,140 @@ mod tests {
         assert_eq!(t.encode(&text).unwrap(), t.encode_whole(&text).unwrap());
         // No ASCII letter-space-letter anywhere: one piece.
         assert!(cut_points(&"日本語のテキスト。".repeat(2000)).is_empty());
+    }
+
+    /// The fast path ([`ascii`]) and the HF pipeline agree: every string of up to four
+    /// characters over one or two characters of every class the split regex tells apart (and the
+    /// contractions' letters), every ASCII character in every neighbourhood, and the parity
+    /// corpus. `encode_plain` must equal `encode_plain_hf` wherever the fast path is taken.
+    #[test]
+    fn fast_path_equals_the_hf_pipeline_on_short_strings() {
+        let t = tok();
+        assert!(t.fast.as_ref().is_some_and(|f| f.ignore_merges), "the builtin file takes the fast path");
+        let check = |s: &str| assert_eq!(t.encode_plain(s).unwrap(), t.encode_plain_hf(s).unwrap(), "{s:?}");
+        let alphabet = [
+            "a", "S", "e", "l", "5", "'", " ", "\n", "\r", "\t", "\x0b", "\x0c", "\x1c", "\x00", "!",
+            "\u{2014}",
+        ];
+        let mut all = vec![String::new()];
+        for _ in 0..4 {
+            all = all.iter().flat_map(|s| alphabet.iter().map(move |c| format!("{s}{c}"))).collect();
+            all.iter().for_each(|s| check(s));
+        }
+        for c in (0u8..0x80).map(char::from) {
+            for s in [
+                format!("{c}"),
+                format!("a{c}b"),
+                format!("{c}{c}x"),
+                format!(" {c} "),
+                format!("'{c}"),
+                format!("{c}\n\n"),
+                format!("1{c}2"),
+                format!("\u{2014}{c}a"),
+                format!("x  {c}"),
+            ] {
+                check(&s);
+            }
+        }
+        let raw =
+            std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer/parity.jsonl.zst"))
+                .expect("the parity corpus");
+        let corpus = String::from_utf8(zstd::decode_all(&raw[..]).unwrap()).unwrap();
+        let mut fast = 0;
+        for line in corpus.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let text = v["text"].as_str().unwrap();
+            fast += usize::from(ascii::in_alphabet(text));
+            check(text);
+        }
+        assert!(fast > 1000, "{fast} corpus strings in the fast alphabet");
+    }
+
+    /// Long mixed texts (pieces of ASCII, em dashes, accents, combining marks, CJK, emoji,
+    /// special-token strings, control characters and white-space runs, states rendered as
+    /// JSON), random but seeded: the cut, partly-fast encoding equals the HF pipeline in one
+    /// piece, at every length from a few bytes to ~100 KB.
+    #[test]
+    fn fast_path_equals_the_hf_pipeline_on_long_mixed_texts() {
+        let t = tok();
+        let parts = [
+            "printer",
+            " network",
+            " outage",
+            "'s",
+            "'LL",
+            " 42",
+            "3.14",
+            "\n",
+            "\r\n",
+            "  ",
+            "\t",
+            "\x0b",
+            "\u{2014}",
+            " \u{2014} ",
+            "caf\u{e9}",
+            "e\u{301}",
+            "\u{65e5}\u{672c}",
+            "\u{1f600}",
+            "<|im_end|>",
+            "</think>",
+            "{\"a\": [1, null]}",
+            "\\u001f",
+            "\x00",
+            "\x7f",
+            "!?",
+            "\u{a0}",
+            "\u{2028}",
+            " x",
+            "Z",
+        ];
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for case in 0..60 {
+            let words = [3usize, 40, 400, 4000, 20000][case % 5];
+            // Mostly ASCII words (the fast path), with the other parts sprinkled in.
+            let ascii_share = [0, 50, 90, 99][case % 4];
+            let text: String = (0..words)
+                .map(|_| {
+                    if next(100) < ascii_share {
+                        [" the", " printer", " floor", "s", " 7", ","][next(6)]
+                    } else {
+                        parts[next(parts.len())]
+                    }
+                })
+                .collect();
+            assert_eq!(t.encode_plain(&text).unwrap(), t.encode_plain_hf(&text).unwrap(), "case {case}");
+        }
+        // A state as the prompt renders it.
+        let state = serde_json::json!({"ticket": "Printer \u{2014} E-204 'again'\n\ttab", "n": [1.5, -0.0, 1e16],
+            "\u{fc}": "x".repeat(9000), "log": "line one\r\nline two ".repeat(500)});
+        let json = crate::decision::pyjson::dumps(&state, crate::decision::pyjson::PROMPT_STATE).unwrap();
+        let line = format!("State: {json}\n");
+        assert_eq!(t.encode_plain(&line).unwrap(), t.encode_plain_hf(&line).unwrap());
+    }
+
+    #[test]
+    fn byte_level_table_is_the_vocabularys() {
+        let t = tok();
+        let table = ascii::byte_level_table();
+        for b in 0u8..=255 {
+            let id = t.token_to_id(&table[b as usize].to_string());
+            assert!(id.is_some(), "byte {b:#x}");
+            if b < 0x80 {
+                assert_eq!(
+                    t.encode_plain_hf(&char::from(b).to_string()).unwrap(),
+                    [id.unwrap()],
+                    "byte {b:#x}"
+                );
+            }
+        }
+        assert_eq!(table[b' ' as usize], '\u{120}');
+        assert_eq!(table[b'\n' as usize], '\u{10a}');
     }
 
     #[test]
