@@ -113,128 +113,97 @@ extern "C" __global__ void __launch_bounds__(256, 6)
 //      B_gate[c] in columns 0..R, row K + c holds B_up[c] in columns R..2R (zeros elsewhere, not read).
 // Writes y[m, c] = bf16(silu(g) * up) with g = bf16(gate + scale * t_gate . B_gate[c]) (u likewise):
 // the values the unfused lora_b GEMM leaves, up to the order of its 64-term f32 sums; then q / s
-// exactly as quant_act_1x128 would from y (rows M..Mpad zero with scale 1). Rows never mix, and an
-// element's sums are the same mma.sync chain whichever block computes it: a row's bits do not
-// depend on M or on the grid (batch invariance). CPU twin: cpu::linear::matmul (the LoRA in f32),
-// then cpu::elementwise::swiglu and weights::fp8::quantize_act_1x128.
-// Work: tiles of 32 rows x 128 columns of y (one 1x128 quantisation block per row), numbered
-// column block by column block; block b of a one-wave grid (the host launches as many blocks as
-// fit at once) takes the contiguous run of tiles b * tiles / grid.., so it keeps one column block's
-// B_gate / B_up in shared memory across its run (reloaded at most once or twice) and copies the
-// next tile's t, gate and up (cp.async, two stages) while it computes the current one. Why: with a
-// block per 64 x 128 tile that copied everything, then computed, then stored, the kernel ran at
-// ~1 TB/s, twice the SwiGLU's time (H200, 16K rows: 0.77 against 0.39 ms a layer); B was re-read
-// from L2 for every 64 rows (as many bytes as the gate/up output itself).
-// Per tile, 256 threads: warp w computes the LoRA terms of rows 16 (w % 2).., columns 32 (w / 2)..
-// for gate and up with mma.sync (row strides padded by 16 bytes: conflict-free fragment loads), adds
-// them to its gate/up values and writes h = silu(g) * u over the gate tile; then warp w stores and
-// quantises rows 4w..4w+3, a lane 4 columns, as swiglu_quant_1x128 does. Shared memory:
-// layout::swiglu_lora_smem_bytes (89,088 bytes at R = 64: two blocks per SM).
+// exactly as quant_act_1x128 would from y (rows M..Mpad zero with scale 1). Rows never mix: a row's
+// bits do not depend on M (batch invariance). CPU twin: cpu::linear::matmul (the LoRA in f32), then
+// cpu::elementwise::swiglu and weights::fp8::quantize_act_1x128.
+// Block: 64 rows x 128 columns of y (one 1x128 quantisation block per row), 256 threads. Every
+// operand tile is copied to shared memory at once (cp.async, 16 bytes, coalesced); warp w computes
+// the LoRA terms of rows 16 (w % 4).., columns 64 (w / 4).. for gate and up with mma.sync (row
+// strides padded by 16 bytes: conflict-free fragment loads), adds them to its gate/up values and
+// writes h = silu(g) * u over the gate tile; then warp w stores and quantises rows 8w..8w+7, a lane
+// 4 columns, as swiglu_quant_1x128 does. Shared memory: layout::swiglu_lora_smem_bytes (89,088
+// bytes at R = 64: two blocks per SM).
 __device__ __forceinline__ unsigned ld_smem_u32(const bf16* p) { return *(const unsigned*)p; }
 
 template <int R>
 __device__ void swiglu_lora_quant(const bf16* gu, const bf16* t, const bf16* b, float scale, bf16* y,
                                   unsigned char* q, float* s, int M, int Mpad, int K) {
-  constexpr int ROWS = 32, COLS = 128, LT = 2 * R + 8, LB = R + 8, LG = COLS + 8;
-  constexpr int STAGE = ROWS * LT + 2 * ROWS * LG;  // bf16 elements of one stage: t, gate, up
+  constexpr int ROWS = 64, COLS = 128, LT = 2 * R + 8, LB = R + 8, LG = COLS + 8;
   static_assert(R % 16 == 0 && R <= 64, "rank per part: a multiple of 16, at most 64");
   extern __shared__ __align__(16) bf16 smem_sl[];
-  bf16* Bg = smem_sl;          // [128][LB]: B_gate of the column block
-  bf16* Bu = Bg + COLS * LB;   // [128][LB]: B_up
-  bf16* stages = Bu + COLS * LB;  // 2 x { t [32][LT], gate [32][LG] (then h), up [32][LG] }
-  const int tid = threadIdx.x;
-  const int row_tiles = (Mpad + ROWS - 1) / ROWS, tiles = row_tiles * (K / COLS);
-  const int first = (int)((i64)tiles * blockIdx.x / gridDim.x);
-  const int last = (int)((i64)tiles * (blockIdx.x + 1) / gridDim.x);
-  auto load_b = [&](int c0) {
-    for (int i = tid; i < COLS * (R / 8); i += blockDim.x) {
-      const int n = i / (R / 8), c = (i % (R / 8)) * 8;
-      cp_async16(Bg + n * LB + c, b + (i64)(c0 + n) * 2 * R + c, true);
-      cp_async16(Bu + n * LB + c, b + (i64)(K + c0 + n) * 2 * R + R + c, true);
-    }
-  };
-  auto load_tile = [&](bf16* st, int r0, int c0) {
-    bf16 *Ts = st, *Gs = st + ROWS * LT, *Us = Gs + ROWS * LG;
-    for (int i = tid; i < ROWS * (2 * R / 8); i += blockDim.x) {
-      const int r = i / (2 * R / 8), c = (i % (2 * R / 8)) * 8;
-      const bool ok = r0 + r < M;
-      cp_async16(Ts + r * LT + c, t + (ok ? (i64)(r0 + r) * 2 * R + c : 0), ok);
-    }
-    for (int i = tid; i < ROWS * (COLS / 8); i += blockDim.x) {
-      const int r = i / (COLS / 8), c = (i % (COLS / 8)) * 8;
-      const bool ok = r0 + r < M;
-      const bf16* row = gu + (ok ? (i64)(r0 + r) * 2 * K : 0);
-      cp_async16(Gs + r * LG + c, row + c0 + c, ok);
-      cp_async16(Us + r * LG + c, row + K + c0 + c, ok);
-    }
-  };
+  bf16* Ts = smem_sl;         // [64][LT]: t of rows r0..
+  bf16* Bg = Ts + ROWS * LT;  // [128][LB]: B_gate of columns c0..
+  bf16* Bu = Bg + COLS * LB;  // [128][LB]: B_up of columns c0..
+  bf16* Gs = Bu + COLS * LB;  // [64][LG]: gate of rows r0.., columns c0.. (then h)
+  bf16* Us = Gs + ROWS * LG;  // [64][LG]: up
+  const int r0 = blockIdx.x * ROWS, c0 = blockIdx.y * COLS, tid = threadIdx.x;
+  for (int i = tid; i < ROWS * (2 * R / 8); i += blockDim.x) {
+    const int r = i / (2 * R / 8), c = (i % (2 * R / 8)) * 8;
+    const bool ok = r0 + r < M;
+    cp_async16(Ts + r * LT + c, t + (ok ? (i64)(r0 + r) * 2 * R + c : 0), ok);
+  }
+  for (int i = tid; i < COLS * (R / 8); i += blockDim.x) {
+    const int n = i / (R / 8), c = (i % (R / 8)) * 8;
+    cp_async16(Bg + n * LB + c, b + (i64)(c0 + n) * 2 * R + c, true);
+    cp_async16(Bu + n * LB + c, b + (i64)(K + c0 + n) * 2 * R + R + c, true);
+  }
+  for (int i = tid; i < ROWS * (COLS / 8); i += blockDim.x) {
+    const int r = i / (COLS / 8), c = (i % (COLS / 8)) * 8;
+    const bool ok = r0 + r < M;
+    const bf16* row = gu + (ok ? (i64)(r0 + r) * 2 * K : 0);
+    cp_async16(Gs + r * LG + c, row + c0 + c, ok);
+    cp_async16(Us + r * LG + c, row + K + c0 + c, ok);
+  }
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
   const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
-  const int m0 = 16 * (warp & 1), n0 = 32 * (warp >> 1);
-  int block_cb = -1, stage = 0;
-  for (int tile = first; tile < last; tile++) {
-    const int cb = tile / row_tiles, r0 = (tile % row_tiles) * ROWS, c0 = cb * COLS;
-    bf16* st = stages + stage * STAGE;
-    if (cb != block_cb) {  // the run's first tile or a new column block: nothing else in flight
-      load_b(c0);
-      load_tile(st, r0, c0);
-      cp_async_commit();
-      block_cb = cb;
+  const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
+  float ag[8][4], au[8][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) ag[nt][e] = au[nt][e] = 0.f;
+#pragma unroll
+  for (int k0 = 0; k0 < R; k0 += 16) {
+    const bf16* ta = Ts + (m0 + gr) * LT + k0 + 2 * tg;
+    const unsigned a_g[4] = {ld_smem_u32(ta), ld_smem_u32(ta + 8 * LT), ld_smem_u32(ta + 8),
+                             ld_smem_u32(ta + 8 * LT + 8)};
+    const unsigned a_u[4] = {ld_smem_u32(ta + R), ld_smem_u32(ta + 8 * LT + R), ld_smem_u32(ta + R + 8),
+                             ld_smem_u32(ta + 8 * LT + R + 8)};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+      const int n = (n0 + 8 * nt + gr) * LB + k0 + 2 * tg;
+      const unsigned b_g[2] = {ld_smem_u32(Bg + n), ld_smem_u32(Bg + n + 8)};
+      const unsigned b_u[2] = {ld_smem_u32(Bu + n), ld_smem_u32(Bu + n + 8)};
+      mma_bf16_16816(ag[nt], a_g, b_g);
+      mma_bf16_16816(au[nt], a_u, b_u);
     }
-    if (tile + 1 < last && (tile + 1) / row_tiles == cb)
-      load_tile(stages + (stage ^ 1) * STAGE, ((tile + 1) % row_tiles) * ROWS, c0);
-    cp_async_commit();          // (an empty group when there is no next tile to copy)
-    cp_async_wait_group<1>();   // this tile's copies (and B's) are done; the next one's may not be
-    __syncthreads();
-    const bf16 *Ts = st, *Us = st + ROWS * LT + ROWS * LG;
-    bf16* Gs = st + ROWS * LT;
-    float ag[4][4], au[4][4];
+  }
+  // h over the gate tile: each element is read and written by the thread that owns it.
 #pragma unroll
-    for (int nt = 0; nt < 4; nt++)
+  for (int nt = 0; nt < 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) ag[nt][e] = au[nt][e] = 0.f;
-#pragma unroll
-    for (int k0 = 0; k0 < R; k0 += 16) {
-      const bf16* ta = Ts + (m0 + gr) * LT + k0 + 2 * tg;
-      const unsigned a_g[4] = {ld_smem_u32(ta), ld_smem_u32(ta + 8 * LT), ld_smem_u32(ta + 8),
-                               ld_smem_u32(ta + 8 * LT + 8)};
-      const unsigned a_u[4] = {ld_smem_u32(ta + R), ld_smem_u32(ta + 8 * LT + R), ld_smem_u32(ta + R + 8),
-                               ld_smem_u32(ta + 8 * LT + R + 8)};
-#pragma unroll
-      for (int nt = 0; nt < 4; nt++) {
-        const int n = (n0 + 8 * nt + gr) * LB + k0 + 2 * tg;
-        const unsigned b_g[2] = {ld_smem_u32(Bg + n), ld_smem_u32(Bg + n + 8)};
-        const unsigned b_u[2] = {ld_smem_u32(Bu + n), ld_smem_u32(Bu + n + 8)};
-        mma_bf16_16816(ag[nt], a_g, b_g);
-        mma_bf16_16816(au[nt], a_u, b_u);
-      }
+    for (int e = 0; e < 4; e++) {
+      const int at = (m0 + gr + 8 * (e >> 1)) * LG + n0 + 8 * nt + 2 * tg + (e & 1);
+      const float g = bf(to_bf(fmaf(scale, ag[nt][e], bf(Gs[at]))));
+      const float u = bf(to_bf(fmaf(scale, au[nt][e], bf(Us[at]))));
+      Gs[at] = to_bf(silu_f(g) * u);
     }
-    // h over the gate tile: each element is read and written by the thread that owns it.
-#pragma unroll
-    for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int at = (m0 + gr + 8 * (e >> 1)) * LG + n0 + 8 * nt + 2 * tg + (e & 1);
-        const float g = bf(to_bf(fmaf(scale, ag[nt][e], bf(Gs[at]))));
-        const float u = bf(to_bf(fmaf(scale, au[nt][e], bf(Us[at]))));
-        Gs[at] = to_bf(silu_f(g) * u);
-      }
-    __syncthreads();
-    const int c = c0 + 4 * lane;
-#pragma unroll
-    for (int i = 0; i < ROWS / 8; i++) {
-      const int r = warp * (ROWS / 8) + i, m = r0 + r;
-      if (m >= Mpad) break;  // the same for the whole warp (quant_block_1x128 shuffles)
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
-      if (m < M) {
-        bf16 h[4];
-        load_bf16x4(Gs + r * LG + 4 * lane, h);
-        for (int j = 0; j < 4; j++) v[j] = bf(h[j]);
-        store_bf16x4(y + (i64)m * K + c, h);
-      }
-      quant_block_1x128(v, q + (i64)m * K + c, 1, s + (i64)cb * Mpad + m);
+  __syncthreads();
+  const int c = c0 + 4 * lane;
+#pragma unroll 1
+  for (int i = 0; i < ROWS / 8; i++) {
+    const int r = warp * (ROWS / 8) + i, m = r0 + r;
+    if (m >= Mpad) break;  // the same for the whole warp (quant_block_1x128 shuffles)
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (m < M) {
+      bf16 h[4];
+      load_bf16x4(Gs + r * LG + 4 * lane, h);
+      for (int j = 0; j < 4; j++) v[j] = bf(h[j]);
+      store_bf16x4(y + (i64)m * K + c, h);
     }
-    __syncthreads();  // this stage is copied into again two tiles on
-    stage ^= 1;
+    quant_block_1x128(v, q + (i64)m * K + c, 1, s + (i64)(c0 / COLS) * Mpad + m);
   }
 }
 

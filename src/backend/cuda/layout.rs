@@ -307,16 +307,10 @@ pub fn swiglu_lora_rank(
     }
 }
 
-/// Rows of one tile of `swiglu_lora_quant_1x128_<r>` (kernels/quant.cu; its tiles are this many
-/// rows by one 128-column quantisation block).
-pub const SWIGLU_LORA_TILE_ROWS: usize = 32;
-
 /// Dynamic shared memory of `swiglu_lora_quant_1x128_<r>` (kernels/quant.cu), bf16 tiles with
-/// rows padded by 8: B_gate and B_up [128][r + 8], then two stages of t [32][2r + 8] and gate and
-/// up [32][136].
+/// rows padded by 8: t [64][2r + 8], B_gate and B_up [128][r + 8], gate and up [64][136].
 pub const fn swiglu_lora_smem_bytes(r: usize) -> usize {
-    let rows = SWIGLU_LORA_TILE_ROWS;
-    (2 * 128 * (r + 8) + 2 * (rows * (2 * r + 8) + 2 * rows * 136)) * 2
+    (64 * (2 * r + 8) + 2 * 128 * (r + 8) + 2 * 64 * 136) * 2
 }
 
 /// Largest power of two (≤ 256) dividing a device address: the alignment cuBLASLt is told about.

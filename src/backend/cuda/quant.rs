@@ -171,12 +171,13 @@ pub(super) fn swiglu_mlp(
     let y = be.alloc_bf16(m * k)?;
     let head =
         [Arg::Ptr(be.p(gs.s())), Arg::Ptr(be.p(&t)), Arg::Ptr(be.p(b)), Arg::F32(scale), Arg::Ptr(be.p(&y))];
-    // One wave of blocks, each a contiguous run of the 32 x 128 tiles (the kernel says why).
-    let (name, smem) = (format!("swiglu_lora_quant_1x128_{r}"), layout::swiglu_lora_smem_bytes(r));
-    let resident = be.resident_blocks(&name, 256, smem)?.max(1);
-    let a = be.fused_quant_shaped(&name, &head, m, k, &[], |mpad| {
-        let tiles = mpad.div_ceil(layout::SWIGLU_LORA_TILE_ROWS) * (k / FP8_BLOCK);
-        launch_config((tiles.min(resident) as u32, 1, 1), 256, smem)
+    // One block per 64 padded rows and 128 columns.
+    let a = be.fused_quant_shaped(&format!("swiglu_lora_quant_1x128_{r}"), &head, m, k, &[], |mpad| {
+        launch_config(
+            (mpad.div_ceil(64) as u32, (k / FP8_BLOCK) as u32, 1),
+            256,
+            layout::swiglu_lora_smem_bytes(r),
+        )
     })?;
     be.matmul_quantised(&y, Some(&a), m, k, down)
 }
