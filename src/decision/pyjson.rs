@@ -74,22 +74,35 @@ fn write_value(v: &Value, style: Style, out: &mut String) -> Result<(), NonFinit
     Ok(())
 }
 
-/// A JSON string literal as `json.dumps(..., ensure_ascii=False)` writes it.
+/// A JSON string literal as `json.dumps(..., ensure_ascii=False)` writes it. Every character
+/// that is escaped is ASCII, so the text between escapes is copied as whole byte runs (a state
+/// is written twice per request, for the size limit and for the prompt; char by char, a 120 KB
+/// state took ~0.3 ms each time).
 pub fn write_string(s: &str, out: &mut String) {
+    out.reserve(s.len() + 2);
     out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
+    let mut run = 0;
+    for (i, b) in s.bytes().enumerate() {
+        let escape = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0x08 => "\\b",
+            0x0c => "\\f",
+            0..0x20 => "",
+            _ => continue,
+        };
+        out.push_str(&s[run..i]);
+        if escape.is_empty() {
+            out.push_str(&format!("\\u{b:04x}"));
+        } else {
+            out.push_str(escape);
         }
+        run = i + 1;
     }
+    out.push_str(&s[run..]);
     out.push('"');
 }
 
@@ -167,6 +180,42 @@ pub fn py_len(s: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The character-by-character writer [`write_string`] replaced: the reference it must equal.
+    fn write_string_by_chars(s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{08}' => out.push_str("\\b"),
+                '\u{0c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+
+    #[test]
+    fn string_runs_equal_the_char_by_char_writer() {
+        let mut cases: Vec<String> =
+            (0u32..0x100).filter_map(char::from_u32).map(|c| format!("a{c}\u{e9}{c}")).collect();
+        cases.extend(
+            ["", "\"", "\\", "\u{1f}", "\u{7f}\u{80}\u{2028}\u{2029}\u{fffd}\u{1f600}", "\\u0041 \\n"]
+                .map(String::from),
+        );
+        cases.push("Printer \u{2014} \"E-204\"\n\ttab\u{0}\u{1}\r\\ 日本語 😀 ".repeat(5000));
+        for s in &cases {
+            let (mut fast, mut reference) = (String::from("x"), String::from("x"));
+            write_string(s, &mut fast);
+            write_string_by_chars(s, &mut reference);
+            assert_eq!(fast, reference, "{s:?}");
+        }
+    }
 
     fn parse(s: &str) -> Value {
         serde_json::from_str(s).unwrap()
