@@ -140,7 +140,8 @@ fn main() -> anyhow::Result<()> {
         });
         let t_plan = time(repeats, || decider.plan(&req).map_err(|e| e.to_string()));
         let t_dumps = time(repeats, || pyjson::dumps(&req.state, pyjson::PROMPT_STATE).is_ok());
-        // The plan's two tokenizer parts, each on this thread: the shared prefix, and every pass.
+        // The plan's two tokenizer parts, each by itself: the shared prefix (a long one is cut into
+        // pieces encoded in parallel), and every pass one after another on this thread.
         let state_json = pyjson::dumps(&req.state, pyjson::PROMPT_STATE).unwrap();
         let user = format!("{INSTRUCTION}\nState: {state_json}\n");
         let t_prefix =
@@ -215,7 +216,7 @@ fn main() -> anyhow::Result<()> {
         });
         println!(
             "{} tokens ({} bytes of body, {} passes, {}): host total {host_total:.2} ms = parse {t_parse:.2} + plan \
-             {t_plan:.2} (state dumps {t_dumps:.2}; 1 thread: prefix {t_prefix:.2}, passes {t_passes:.2}) + answers {t_answers:.2} + runtime {t_runtime:.3}; response \
+             {t_plan:.2} (state dumps {t_dumps:.2}; by themselves: prefix {t_prefix:.2}, passes {t_passes:.2}) + answers {t_answers:.2} + runtime {t_runtime:.3}; response \
              serialisation {t_serialise:.3}; engine host: layouts {t_layouts:.3}, rope tables {t_rope:.2}, tree \
              tables {t_tree:.3}",
             plan.max_pass_tokens,
