@@ -132,10 +132,12 @@ pub const KERNELS: &[KernelFile] = &[
     },
     KernelFile {
         name: "deltanet",
-        // deltanet_split.cu continues deltanet.cu (it uses its helpers): one compilation unit.
+        // deltanet_split.cu and deltanet_rows.cu continue deltanet.cu (they use its helpers): one
+        // compilation unit.
         source: concat!(
             include_str!("../../../kernels/deltanet.cu"),
-            include_str!("../../../kernels/deltanet_split.cu")
+            include_str!("../../../kernels/deltanet_split.cu"),
+            include_str!("../../../kernels/deltanet_rows.cu")
         ),
         functions: &[
             k("gdn_conv"),
@@ -172,6 +174,22 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gdn_chunk_scan_tf32_wide_32", layout::delta_tc_wide_smem_bytes(32)),
             k_smem("gdn_chunk_scan_tf32_wide_64", layout::delta_tc_wide_smem_bytes(64)),
             k_smem("gdn_chunk_scan_tf32_wide_128", layout::delta_tc_wide_smem_bytes(128)),
+            k_smem("gdn_chunk_scan_tc_rows_16", layout::delta_rows_smem_bytes(16, false)),
+            k_smem("gdn_chunk_scan_tc_rows_32", layout::delta_rows_smem_bytes(32, false)),
+            k_smem("gdn_chunk_scan_tc_rows_64", layout::delta_rows_smem_bytes(64, false)),
+            k_smem("gdn_chunk_scan_tc_rows_128", layout::delta_rows_smem_bytes(128, false)),
+            k_smem("gdn_chunk_scan_tf32_rows_16", layout::delta_rows_smem_bytes(16, false)),
+            k_smem("gdn_chunk_scan_tf32_rows_32", layout::delta_rows_smem_bytes(32, false)),
+            k_smem("gdn_chunk_scan_tf32_rows_64", layout::delta_rows_smem_bytes(64, false)),
+            k_smem("gdn_chunk_scan_tf32_rows_128", layout::delta_rows_smem_bytes(128, false)),
+            k_smem("gdn_chunk_scan_tc_rows_wide_16", layout::delta_rows_smem_bytes(16, true)),
+            k_smem("gdn_chunk_scan_tc_rows_wide_32", layout::delta_rows_smem_bytes(32, true)),
+            k_smem("gdn_chunk_scan_tc_rows_wide_64", layout::delta_rows_smem_bytes(64, true)),
+            k_smem("gdn_chunk_scan_tc_rows_wide_128", layout::delta_rows_smem_bytes(128, true)),
+            k_smem("gdn_chunk_scan_tf32_rows_wide_16", layout::delta_rows_smem_bytes(16, true)),
+            k_smem("gdn_chunk_scan_tf32_rows_wide_32", layout::delta_rows_smem_bytes(32, true)),
+            k_smem("gdn_chunk_scan_tf32_rows_wide_64", layout::delta_rows_smem_bytes(64, true)),
+            k_smem("gdn_chunk_scan_tf32_rows_wide_128", layout::delta_rows_smem_bytes(128, true)),
             k_smem("gdn_split_wu_16", layout::delta_split_wu_smem_bytes(16)),
             k_smem("gdn_split_state_16", layout::delta_split_state_smem_bytes(16)),
             k_smem("gdn_split_out_16", layout::delta_split_out_smem_bytes(16)),
