@@ -731,6 +731,7 @@ fn main() -> Result<()> {
     // default choice of its precision (by length: pipelined for long or lone sequences).
     let (rows3, rows1) = (scan(GdnScan::Rows, false)?, scan(GdnScan::Rows, true)?);
     let (by_length3, by_length1) = (scan(GdnScan::ByLength, false)?, scan(GdnScan::ByLength, true)?);
+    let rows64 = CudaBackend::new(0, CudaOptions { gdn_rows_columns: 64, ..rows1.options().clone() })?;
     let tf32 = [
         [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
         [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
@@ -739,6 +740,7 @@ fn main() -> Result<()> {
         [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
         [("by-length tc scans", &by_length3), ("rows 3xTF32", &rows3)],
         [("by-length TF32 scans", &by_length1), ("rows TF32", &rows1)],
+        [("rows TF32", &rows1), ("rows TF32, 64-column blocks", &rows64)],
     ];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;

@@ -27,6 +27,8 @@
 //   gdn_chunk_scan_{tc,tf32}_rows_<DK>:      NW = 2 warps, 32 value columns a block (dv / 32
 //     blocks per head: 128 blocks for a lone 16K sequence); the next chunk's K, Q and V copied
 //     while this one computes (two stages); for long sequences.
+//   gdn_chunk_scan_{tc,tf32}_rows64_<DK>:    NW = 4 warps, 64 columns, two stages: the same for
+//     long sequences with half the blocks and twice the warps an SM (CudaOptions::gdn_rows_columns).
 //   gdn_chunk_scan_{tc,tf32}_rows_wide_<DK>: NW = 8 warps, 128 value columns a block (one block
 //     per (sequence, head), K, Q, T and P staged once for all columns), one stage; for many short
 //     sequences.
@@ -37,7 +39,7 @@
 // Vn and O rows are zero and they add nothing; their 8-row tiles are skipped.
 // Shared memory (layout::delta_rows_smem_bytes): K and Q [stages][64][DK+4], V [stages][64][cols+4],
 // T and P [64][68], gates [stages][3][64]: 189,952 bytes at dk 128 (two stages, 32 columns),
-// 136,960 (one stage, 128 columns). The host requires dv to be a multiple of the block's columns.
+// 206,336 (two stages, 64 columns), 136,960 (one stage, 128 columns). The host requires dv to be a multiple of the block's columns.
 
 template <int DK, int P, int NW, int STAGES>
 __device__ void chunk_scan_rows(const float* qn, const float* kn, const float* v, const float* beta,
@@ -270,6 +272,12 @@ __device__ void chunk_scan_rows_long(const float* qn, const float* kn, const flo
   chunk_scan_rows<DK, P, 2, 2>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);
 }
 template <int DK, int P>
+__device__ void chunk_scan_rows_64(const float* qn, const float* kn, const float* v, const float* beta,
+                                   const float* g, const float* tp, const int* chunks, const i64* segs, int kh,
+                                   int vh, int dv, float* out) {
+  chunk_scan_rows<DK, P, 4, 2>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);
+}
+template <int DK, int P>
 __device__ void chunk_scan_rows_wide(const float* qn, const float* kn, const float* v, const float* beta,
                                      const float* g, const float* tp, const int* chunks, const i64* segs, int kh,
                                      int vh, int dv, float* out) {
@@ -280,6 +288,10 @@ SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows, gdn_chunk_scan_tf32_rows, chunk_scan_row
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows, gdn_chunk_scan_tf32_rows, chunk_scan_rows_long, (64, 1), 32)
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows, gdn_chunk_scan_tf32_rows, chunk_scan_rows_long, (64, 1), 64)
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows, gdn_chunk_scan_tf32_rows, chunk_scan_rows_long, (64, 1), 128)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows64, gdn_chunk_scan_tf32_rows64, chunk_scan_rows_64, (128, 1), 16)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows64, gdn_chunk_scan_tf32_rows64, chunk_scan_rows_64, (128, 1), 32)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows64, gdn_chunk_scan_tf32_rows64, chunk_scan_rows_64, (128, 1), 64)
+SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows64, gdn_chunk_scan_tf32_rows64, chunk_scan_rows_64, (128, 1), 128)
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows_wide, gdn_chunk_scan_tf32_rows_wide, chunk_scan_rows_wide, (256, 1), 16)
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows_wide, gdn_chunk_scan_tf32_rows_wide, chunk_scan_rows_wide, (256, 1), 32)
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc_rows_wide, gdn_chunk_scan_tf32_rows_wide, chunk_scan_rows_wide, (256, 1), 64)

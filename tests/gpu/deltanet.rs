@@ -218,19 +218,39 @@ pub fn rows_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
             &[],
         )?;
         alone_and_beside(&be, rep, rng, tag)?;
-        long_and_wide_rows_agree(&be, rep, rng, tag)?;
+        let be64 = variant(g, |o| {
+            o.gdn_ffma = false;
+            o.gdn_tf32 = tf32;
+            o.gdn_scan = GdnScan::Rows;
+            o.gdn_rows_columns = 64;
+        })?;
+        long_and_wide_rows_agree(&be, &be64, rep, rng, tag)?;
     }
     Ok(())
 }
 
 /// A 73-token sequence continued from a state, alone and beside 40 sequences of 65 tokens: under
 /// `GdnScan::Rows` the first launch takes the 32-column kernel and the second the 128-column one
-/// (asserted through `chunk_scan_kernel`); its output rows and final state must agree bit for bit.
-fn long_and_wide_rows_agree(be: &CudaBackend, rep: &mut Report, rng: &mut SplitMix, tag: &str) -> Result<()> {
+/// (asserted through `chunk_scan_kernel`), and alone on `be64` (`gdn_rows_columns` 64) the
+/// 64-column one; its output rows and final state must agree bit for bit in all three.
+fn long_and_wide_rows_agree(
+    be: &CudaBackend,
+    be64: &CudaBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    tag: &str,
+) -> Result<()> {
     let dims = DELTANET_4B;
     let (short, others, other_len) = (73usize, 40usize, 65usize);
     let chunks = |n: usize| n.div_ceil(64);
     let alone_kernel = be.chunk_scan_kernel(&dims, chunks(short), 1)?.name;
+    let alone64_kernel = be64.chunk_scan_kernel(&dims, chunks(short), 1)?.name;
+    rep.flag(
+        "gdn",
+        format!("{tag}: alone with 64-column blocks {alone64_kernel}"),
+        alone64_kernel.contains("_rows64_"),
+        "expected the 64-column kernel",
+    );
     let beside_kernel = be.chunk_scan_kernel(&dims, chunks(other_len.max(short)), others + 1)?.name;
     rep.flag(
         "gdn",
@@ -240,12 +260,28 @@ fn long_and_wide_rows_agree(be: &CudaBackend, rep: &mut Report, rng: &mut SplitM
     );
     let wts = DeltaWeights::random(rng, dims);
     let pw = dims.proj_width();
+    let warm = rng.bf16_normals(100 * pw, 1.0);
     let mut base = vec![be.new_delta_state(&dims)?];
-    wts.run(be, &rng.bf16_normals(100 * pw, 1.0), dims, &tiling(&[100]), &[], &mut base)?;
+    wts.run(be, &warm, dims, &tiling(&[100]), &[], &mut base)?;
     let xs = rng.bf16_normals(short * pw, 1.0);
     let xo = rng.bf16_normals(others * other_len * pw, 1.0);
     let mut s_alone = vec![base[0].clone()];
     let o_alone = be.download(&wts.run(be, &xs, dims, &tiling(&[short]), &[], &mut s_alone)?)?;
+    // The same warm-up and continuation on the 64-column backend (its warm-up runs the 64-column
+    // kernel too, so a difference anywhere shows in the comparison below).
+    let mut s_alone64 = vec![be64.new_delta_state(&dims)?];
+    wts.run(be64, &warm, dims, &tiling(&[100]), &[], &mut s_alone64)?;
+    let o_alone64 = be64.download(&wts.run(be64, &xs, dims, &tiling(&[short]), &[], &mut s_alone64)?)?;
+    let diff64 =
+        bit_diff(&o_alone, &o_alone64) + bit_diff(&s_alone[0].recurrent()?, &s_alone64[0].recurrent()?);
+    rep.check(
+        "gdn",
+        format!(
+            "{tag}: {short} tokens with 32- vs 64-column blocks: output and state values whose bits differ"
+        ),
+        diff64 as f64,
+        0.0,
+    );
     let mut s_beside = (0..others).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
     s_beside.push(base[0].clone());
     let both = [xo.as_slice(), xs.as_slice()].concat();

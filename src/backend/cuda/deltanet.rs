@@ -10,7 +10,7 @@
 //! copy-on-write ([`CudaDeltaState`]).
 
 use super::launch::{grid1, launch_config, Arg};
-use super::layout;
+use super::layout::{self, RowsBlock};
 use super::tensor::CudaTensor;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::{check_parents, check_tiling, kept_states, DeltaNetDims, DeltaNetInputs, Tree};
@@ -50,10 +50,10 @@ pub enum GdnScan {
     Wide,
     /// The row-state scans (kernels/deltanet_rows.cu): the state held transposed in registers,
     /// each warp owning 16 value columns, so that a chunk's products need no barrier between
-    /// them. `gdn_chunk_scan_{tc,tf32}_rows_<dk>` (32 columns a block, the next chunk copied while
-    /// one computes) when the longest sequence has at least [`PIPELINED_MIN_CHUNKS`] chunks or its
-    /// grid fits one wave, otherwise `_rows_wide_<dk>` (128 columns a block) when the value dim is
-    /// a multiple of 128. The two give the same bits; not the other scans' (the same mathematics
+    /// them. `gdn_chunk_scan_{tc,tf32}_rows_<dk>` (32 columns a block, or `_rows64_` with
+    /// `CudaOptions::gdn_rows_columns` 64; the next chunk copied while one computes) when the
+    /// longest sequence has at least [`PIPELINED_MIN_CHUNKS`] chunks or its grid fits one wave,
+    /// otherwise `_rows_wide_<dk>` (128 columns a block) when the value dim is a multiple of 128. The two give the same bits; not the other scans' (the same mathematics
     /// summed in another order), so chosen for every launch, never per launch. Value dims that are
     /// not a multiple of 32 fall back to [`GdnScan::PlainByLength`]. Opt-in while measured.
     Rows,
@@ -125,19 +125,21 @@ pub fn scan_kernel(
     // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
     let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     let short = longest_chunks < PIPELINED_MIN_CHUNKS;
-    if options.gdn_scan == GdnScan::Rows && dv % layout::delta_rows_columns(false) == 0 {
-        let rows = |wide: bool| {
-            let columns = layout::delta_rows_columns(wide);
-            ScanKernel {
-                name: format!("gdn_chunk_scan_{products}_rows{}_{dk}", if wide { "_wide" } else { "" }),
-                smem: layout::delta_rows_smem_bytes(dk, wide),
-                threads: columns as u32 * 2,
-                column_blocks: (dv / columns) as u32,
-            }
+    if options.gdn_scan == GdnScan::Rows && dv % RowsBlock::Narrow32.columns() == 0 {
+        let rows = |block: RowsBlock| ScanKernel {
+            name: format!("gdn_chunk_scan_{products}_{}_{dk}", block.infix()),
+            smem: layout::delta_rows_smem_bytes(dk, block),
+            threads: block.columns() as u32 * 2,
+            column_blocks: (dv / block.columns()) as u32,
         };
-        let long = rows(false);
-        let wide_fits = dv % layout::delta_rows_columns(true) == 0;
-        return if !short || !wide_fits || one_wave(&long) { long } else { rows(true) };
+        let narrow = if options.gdn_rows_columns == 64 && dv % 64 == 0 {
+            RowsBlock::Narrow64
+        } else {
+            RowsBlock::Narrow32
+        };
+        let long = rows(narrow);
+        let wide_fits = dv % RowsBlock::Wide.columns() == 0;
+        return if !short || !wide_fits || one_wave(&long) { long } else { rows(RowsBlock::Wide) };
     }
 
     let pipelined = narrow(
@@ -736,7 +738,7 @@ mod tests {
         let long = scan_kernel(&rows, 128, 128, PIPELINED_MIN_CHUNKS, spills);
         assert_eq!(long.name, "gdn_chunk_scan_tf32_rows_128");
         assert_eq!((long.threads, long.column_blocks), (64, 4));
-        assert_eq!(long.smem, layout::delta_rows_smem_bytes(128, false));
+        assert_eq!(long.smem, layout::delta_rows_smem_bytes(128, RowsBlock::Narrow32));
         assert_eq!(scan_kernel(&rows, 128, 128, short, fits).name, "gdn_chunk_scan_tf32_rows_128");
         let wide = scan_kernel(&rows, 128, 128, short, spills);
         assert_eq!(wide.name, "gdn_chunk_scan_tf32_rows_wide_128");
@@ -751,6 +753,15 @@ mod tests {
         assert_eq!(
             scan_kernel(&rows, 32, 24, PIPELINED_MIN_CHUNKS, spills).name,
             "gdn_chunk_scan_tf32_pipelined_32"
+        );
+        // 64-column blocks for long launches when asked (and the value dim allows).
+        let rows64 = CudaOptions { gdn_rows_columns: 64, ..rows.clone() };
+        let k = scan_kernel(&rows64, 128, 128, PIPELINED_MIN_CHUNKS, spills);
+        assert_eq!((k.name.as_str(), k.threads, k.column_blocks), ("gdn_chunk_scan_tf32_rows64_128", 128, 2));
+        assert_eq!(scan_kernel(&rows64, 128, 128, short, spills).name, "gdn_chunk_scan_tf32_rows_wide_128");
+        assert_eq!(
+            scan_kernel(&rows64, 64, 96, PIPELINED_MIN_CHUNKS, spills).name,
+            "gdn_chunk_scan_tf32_rows_64"
         );
         // The FMA scan still wins over every tensor-core choice.
         let ffma = CudaOptions { gdn_ffma: true, ..rows };

@@ -89,6 +89,10 @@ pub struct CudaOptions {
     /// decisions within median |Δp| 1.4e-5 of 3xTF32 (bench/NOTES.md); plain and pipelined give
     /// the same bits as each other either way. `IMAJEV_GDN_TF32=0` in the environment turns it off.
     pub gdn_tf32: bool,
+    /// Value columns of a block of the row-state scans' long-sequence kernel (`GdnScan::Rows`):
+    /// 32 (two warps, the default) or 64 (four warps, half the blocks); the same bits either way.
+    /// `IMAJEV_GDN_ROWS_COLUMNS=32|64` in the environment sets it.
+    pub gdn_rows_columns: usize,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
@@ -124,6 +128,7 @@ impl Default for CudaOptions {
             gdn_ffma: false,
             gdn_scan: GdnScan::default(),
             gdn_tf32: true,
+            gdn_rows_columns: 32,
             unfused_act_quant: false,
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
@@ -223,6 +228,12 @@ impl CudaBackend {
             if !v.is_empty() {
                 options.narrow_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_NARROW_GEMM={v}: {e}"))?;
             }
+        }
+        match std::env::var("IMAJEV_GDN_ROWS_COLUMNS").as_deref() {
+            Ok("32") => options.gdn_rows_columns = 32,
+            Ok("64") => options.gdn_rows_columns = 64,
+            Ok("") | Err(_) => {}
+            Ok(other) => bail!("IMAJEV_GDN_ROWS_COLUMNS={other}: expected 32 or 64"),
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
