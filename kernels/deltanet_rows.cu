@@ -41,6 +41,46 @@
 // T and P [64][68], gates [stages][3][64]: 189,952 bytes at dk 128 (two stages, 32 columns),
 // 206,336 (two stages, 64 columns), 136,960 (one stage, 128 columns). The host requires dv to be a multiple of the block's columns.
 
+// acc[nt] (zeroed here) = the warp's 16 rows of S^T times X^T over DK, for the chunk's 8-row tiles
+// nt < tiles of X (K or Q, row-major [64][LK]): (k S)^T or (q S)^T. S's accumulators are the A
+// operand, each 8-step in the relabelled k order; X's two values of a B fragment are adjacent.
+template <int DK, int LK, int P>
+__device__ __forceinline__ void rows_times_state(float (&acc)[8][4], const float (&S)[DK / 8][4], const float* X,
+                                                 int tiles, int gr, int tg) {
+#pragma unroll
+  for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < DK / 8; kk++) {
+    const TfA a = split_a(S[kk][0], S[kk][2], S[kk][1], S[kk][3]);
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+      if (nt < tiles) {
+        const float2 xb = *(const float2*)(X + (8 * nt + gr) * LK + 8 * kk + 2 * tg);
+        mma_p<P>(acc[nt], a, split_b(xb.x, xb.y));
+      }
+  }
+}
+
+// acc[nt] += A M over the chunk's rows, where A is a [16][64] accumulator set (R^T or Vn^T, the
+// relabelled k order) and M a lower-triangular chunk matrix in the prep's transposed layout
+// (Ms[k][n] = M[n][k], stride LT): Vn^T = R^T Tᵀ and Vn^T Pᵀ. Tiles above the diagonal (k tile >
+// n tile) and past the chunk's rows are skipped: their products are zero.
+template <int LT, int P>
+__device__ __forceinline__ void rows_times_lower(float (&acc)[8][4], const float (&A)[8][4], const float* Ms,
+                                                 int tiles, int gr, int tg) {
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++)
+    if (kk < tiles) {
+      const TfA a = split_a(A[kk][0], A[kk][2], A[kk][1], A[kk][3]);
+#pragma unroll
+      for (int nt = kk; nt < 8; nt++)
+        if (nt < tiles) {
+          const float* mb = Ms + (8 * kk + 2 * tg) * LT + 8 * nt + gr;
+          mma_p<P>(acc[nt], a, split_b(mb[0], mb[LT]));
+        }
+    }
+}
+
 template <int DK, int P, int NW, int STAGES>
 __device__ void chunk_scan_rows(const float* qn, const float* kn, const float* v, const float* beta,
                                 const float* g, const float* tp, const int* chunks, const i64* segs, int kh,
@@ -154,18 +194,7 @@ __device__ void chunk_scan_rows(const float* qn, const float* kn, const float* v
 
     // (k S)^T: this warp's 16 value rows x the chunk's rows, over DK; then R^T in place.
     float r[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) r[nt][0] = r[nt][1] = r[nt][2] = r[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < NTD; kk++) {
-      const TfA a = split_a(S[kk][0], S[kk][2], S[kk][1], S[kk][3]);
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-        if (nt < tiles) {
-          const float2 kb = *(const float2*)(K + (8 * nt + gr) * LK + 8 * kk + 2 * tg);
-          mma_p<P>(r[nt], a, split_b(kb.x, kb.y));
-        }
-    }
+    rows_times_state<DK, LK, P>(r, S, K, tiles, gr, tg);
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
@@ -182,47 +211,16 @@ __device__ void chunk_scan_rows(const float* qn, const float* kn, const float* v
     float vn[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) vn[nt][0] = vn[nt][1] = vn[nt][2] = vn[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++)
-      if (kk < tiles) {
-        const TfA a = split_a(r[kk][0], r[kk][2], r[kk][1], r[kk][3]);
-#pragma unroll
-        for (int nt = kk; nt < 8; nt++)
-          if (nt < tiles) {
-            const float* tb = Ts + (8 * kk + 2 * tg) * LT + 8 * nt + gr;
-            mma_p<P>(vn[nt], a, split_b(tb[0], tb[LT]));
-          }
-      }
+    rows_times_lower<LT, P>(vn, r, Ts, tiles, gr, tg);
 
     // O^T = e^gamma (q S)^T + Vn^T P^T (P[i][j] = 0 for j > i), stored for the chunk's rows.
     float o[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < NTD; kk++) {
-      const TfA a = split_a(S[kk][0], S[kk][2], S[kk][1], S[kk][3]);
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-        if (nt < tiles) {
-          const float2 qb = *(const float2*)(Q + (8 * nt + gr) * LK + 8 * kk + 2 * tg);
-          mma_p<P>(o[nt], a, split_b(qb.x, qb.y));
-        }
-    }
+    rows_times_state<DK, LK, P>(o, S, Q, tiles, gr, tg);
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) o[nt][e] *= G[8 * nt + 2 * tg + (e & 1)];
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++)
-      if (kk < tiles) {
-        const TfA a = split_a(vn[kk][0], vn[kk][2], vn[kk][1], vn[kk][3]);
-#pragma unroll
-        for (int nt = kk; nt < 8; nt++)
-          if (nt < tiles) {
-            const float* pb = Ps + (8 * kk + 2 * tg) * LT + 8 * nt + gr;
-            mma_p<P>(o[nt], a, split_b(pb[0], pb[LT]));
-          }
-      }
+    rows_times_lower<LT, P>(o, vn, Ps, tiles, gr, tg);
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
