@@ -139,17 +139,26 @@ fn for_each_pretoken(text: &str, mut f: impl FnMut(Range<usize>) -> Result<()>) 
     Ok(())
 }
 
+/// The byte length of the character at `i` (`i` < `b.len()`) when it is in the fast path's
+/// alphabet.
+fn alphabet_char_len(b: &[u8], i: usize) -> Option<usize> {
+    if b[i] < 0x80 {
+        Some(1)
+    } else if b[i..].starts_with(EM_DASH) {
+        Some(EM_DASH.len())
+    } else {
+        None
+    }
+}
+
 /// Whether every character of `text` is in the fast path's alphabet.
 pub(super) fn in_alphabet(text: &str) -> bool {
     let b = text.as_bytes();
     let mut i = 0;
     while i < b.len() {
-        if b[i] < 0x80 {
-            i += 1;
-        } else if b[i..].starts_with(EM_DASH) {
-            i += EM_DASH.len();
-        } else {
-            return false;
+        match alphabet_char_len(b, i) {
+            Some(len) => i += len,
+            None => return false,
         }
     }
     true
@@ -167,22 +176,16 @@ pub(super) fn fast_segments(text: &str) -> Vec<(Range<usize>, bool)> {
     };
     let (mut start, mut fast, mut i) = (0, true, 0);
     while i < b.len() {
-        if b[i] == b' '
-            && i > 0
-            && i + 1 < b.len()
-            && b[i - 1].is_ascii_alphabetic()
-            && b[i + 1].is_ascii_alphabetic()
-        {
+        if super::cuts_here(b, i) {
             push(start..i, fast);
             (start, fast) = (i, true);
         }
-        if b[i] < 0x80 {
-            i += 1;
-        } else if b[i..].starts_with(EM_DASH) {
-            i += EM_DASH.len();
-        } else {
-            fast = false;
-            i += 1;
+        match alphabet_char_len(b, i) {
+            Some(len) => i += len,
+            None => {
+                fast = false;
+                i += 1;
+            }
         }
     }
     if start < b.len() {
@@ -279,12 +282,7 @@ mod tests {
             ]
         );
         for (r, _) in &segs[1..] {
-            let b = text.as_bytes();
-            assert!(
-                b[r.start] == b' '
-                    && b[r.start - 1].is_ascii_alphabetic()
-                    && b[r.start + 1].is_ascii_alphabetic()
-            );
+            assert!(super::super::cuts_here(text.as_bytes(), r.start), "cut at {}", r.start);
         }
         assert!(fast_segments("").is_empty());
         assert_eq!(fast_segments("\u{e9}"), [(0..2, false)]);

@@ -152,9 +152,7 @@ fn cut_points(text: &str) -> Vec<usize> {
     let mut cuts = Vec::new();
     let mut at = PIECE_BYTES;
     while at + 1 < b.len() {
-        let found = (at..b.len() - 1)
-            .take(PIECE_BYTES)
-            .find(|&i| b[i] == b' ' && b[i - 1].is_ascii_alphabetic() && b[i + 1].is_ascii_alphabetic());
+        let found = (at..b.len() - 1).take(PIECE_BYTES).find(|&i| cuts_here(b, i));
         match found {
             Some(i) => {
                 cuts.push(i);
@@ -164,6 +162,16 @@ fn cut_points(text: &str) -> Vec<usize> {
         }
     }
     cuts
+}
+
+/// Whether byte `i` of `b` is a space between two ASCII letters: a point where a text may be cut
+/// and its pieces encoded one by one (the argument is [`cut_points`]').
+fn cuts_here(b: &[u8], i: usize) -> bool {
+    b[i] == b' '
+        && i > 0
+        && i + 1 < b.len()
+        && b[i - 1].is_ascii_alphabetic()
+        && b[i + 1].is_ascii_alphabetic()
 }
 
 /// Whether `tokenizer.json` (parsed) is laid out as [`ascii`] reads it: [`cuttable`]'s layout,
