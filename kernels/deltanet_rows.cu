@@ -22,7 +22,7 @@
 // Products as in the tc scans (mma_p<P>: 3xTF32, or one TF32 MMA for the _tf32 entries), but
 // summed in another order, so the bits are not the tc scans': the host chooses this family for
 // every launch, never per launch. Within it, every element is the same chain of MMAs whichever
-// NW a block has, so the two block shapes below give the same bits and the host may pick either
+// NW a block has, so the three block shapes below give the same bits and the host may pick either
 // per launch (a sequence's result never depends on the batch).
 //   gdn_chunk_scan_{tc,tf32}_rows_<DK>:      NW = 2 warps, 32 value columns a block (dv / 32
 //     blocks per head: 128 blocks for a lone 16K sequence); the next chunk's K, Q and V copied
@@ -39,7 +39,8 @@
 // Vn and O rows are zero and they add nothing; their 8-row tiles are skipped.
 // Shared memory (layout::delta_rows_smem_bytes): K and Q [stages][64][DK+4], V [stages][64][cols+4],
 // T and P [64][68], gates [stages][3][64]: 189,952 bytes at dk 128 (two stages, 32 columns),
-// 206,336 (two stages, 64 columns), 136,960 (one stage, 128 columns). The host requires dv to be a multiple of the block's columns.
+// 206,336 (two stages, 64 columns), 136,960 (one stage, 128 columns). The host requires dv to be
+// a multiple of the block's columns.
 
 // acc[nt] (zeroed here) = the warp's 16 rows of S^T times X^T over DK, for the chunk's 8-row tiles
 // nt < tiles of X (K or Q, row-major [64][LK]): (k S)^T or (q S)^T. S's accumulators are the A

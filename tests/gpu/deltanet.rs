@@ -191,8 +191,8 @@ pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
 /// products: against the CPU twin at the lengths where chunks and buffers change shape, in a tree
 /// (children start from their parents' new states), at a value dim of 96 (three 32-column blocks,
 /// no 128-column one); a sequence's bits alone and beside a 16,384-token one; and a 73-token
-/// sequence alone (the 32-column kernel: its grid fits one wave) against the same sequence beside
-/// 40 others (the 128-column kernel), which must give the same bits.
+/// sequence alone (the 32-column kernel: its grid fits one wave) against the same sequence with
+/// 64-column blocks and beside 40 others (the 128-column kernel), which must give the same bits.
 pub fn rows_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     for tf32 in [false, true] {
         let be = tc_scan(g, GdnScan::Rows, Some(tf32))?;
@@ -218,12 +218,7 @@ pub fn rows_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
             &[],
         )?;
         alone_and_beside(&be, rep, rng, tag)?;
-        let be64 = variant(g, |o| {
-            o.gdn_ffma = false;
-            o.gdn_tf32 = tf32;
-            o.gdn_scan = GdnScan::Rows;
-            o.gdn_rows_columns = 64;
-        })?;
+        let be64 = variant(&be, |o| o.gdn_rows_columns = 64)?;
         long_and_wide_rows_agree(&be, &be64, rep, rng, tag)?;
     }
     Ok(())
@@ -486,11 +481,11 @@ pub const DELTANET_4B: DeltaNetDims = DeltaNetDims {
     norm_eps: 1e-6,
 };
 
-/// Small Gated DeltaNet shapes whose value_dim is not a multiple of 32 (nor 128).
 /// A value dim that is a multiple of 32 but not of 128 (the row-state scans' narrow blocks only).
 pub const DELTANET_VALUE_DIM_96: DeltaNetDims =
     DeltaNetDims { key_heads: 2, value_heads: 4, key_dim: 64, value_dim: 96, conv_kernel: 4, norm_eps: 1e-6 };
 
+/// Small Gated DeltaNet shapes whose value_dim is not a multiple of 32 (nor 128).
 pub const DELTANET_SMALL_VALUE_DIM: DeltaNetDims =
     DeltaNetDims { key_heads: 2, value_heads: 6, key_dim: 32, value_dim: 24, conv_kernel: 4, norm_eps: 1e-6 };
 

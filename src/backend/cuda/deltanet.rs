@@ -53,8 +53,9 @@ pub enum GdnScan {
     /// them. `gdn_chunk_scan_{tc,tf32}_rows_<dk>` (32 columns a block, or `_rows64_` with
     /// `CudaOptions::gdn_rows_columns` 64; the next chunk copied while one computes) when the
     /// longest sequence has at least [`PIPELINED_MIN_CHUNKS`] chunks or its grid fits one wave,
-    /// otherwise `_rows_wide_<dk>` (128 columns a block) when the value dim is a multiple of 128. The two give the same bits; not the other scans' (the same mathematics
-    /// summed in another order), so chosen for every launch, never per launch. Value dims that are
+    /// otherwise `_rows_wide_<dk>` (128 columns a block) when the value dim is a multiple of 128.
+    /// All three give the same bits; not the other scans' (the same mathematics summed in another
+    /// order), so this family is chosen for every launch, never per launch. Value dims that are
     /// not a multiple of 32 fall back to [`GdnScan::PlainByLength`]. Opt-in while measured.
     Rows,
 }
@@ -129,7 +130,7 @@ pub fn scan_kernel(
         let rows = |block: RowsBlock| ScanKernel {
             name: format!("gdn_chunk_scan_{products}_{}_{dk}", block.infix()),
             smem: layout::delta_rows_smem_bytes(dk, block),
-            threads: block.columns() as u32 * 2,
+            threads: block.threads(),
             column_blocks: (dv / block.columns()) as u32,
         };
         let narrow = if options.gdn_rows_columns == 64 && dv % 64 == 0 {

@@ -301,6 +301,11 @@ impl RowsBlock {
         }
     }
 
+    /// One warp per 16 value columns.
+    pub const fn threads(self) -> u32 {
+        (self.columns() / 16 * 32) as u32
+    }
+
     pub const fn stages(self) -> usize {
         match self {
             RowsBlock::Wide => 1,
