@@ -268,23 +268,18 @@ pub enum Command {
         dump_layers: Option<PathBuf>,
     },
     /// Compile every CUDA kernel for a GPU that need not be here, into a kernel cache folder that
-    /// the server reads (`IMAJEV_KERNEL_CACHE`): a machine with that GPU, driver and NVRTC version
-    /// then starts without compiling (~50 s on an H200's first start). Needs NVRTC (libnvrtc) and
-    /// the CUDA headers (`CUDA_HOME`), of the NVRTC version the target machine has.
+    /// the server reads (`IMAJEV_KERNEL_CACHE`): a machine with a GPU of that compute capability
+    /// (any name: an H100 and an H200 are both 9.0), a driver at least as new as this NVRTC and
+    /// the same NVRTC version then starts without compiling (~50 s on an H200's first start).
+    /// Needs NVRTC (libnvrtc) and the CUDA headers (`CUDA_HOME`), of the NVRTC version the target
+    /// machine has.
     PrecompileKernels {
         /// The cache folder to fill (created if missing).
         #[arg(long, value_name = "DIR")]
         cache: PathBuf,
-        /// The GPU's name as the driver reports it (`nvidia-smi --query-gpu=name`).
-        #[arg(long, default_value = "NVIDIA H200")]
-        gpu_name: String,
         /// Its compute capability, major.minor.
         #[arg(long, default_value = "9.0")]
         compute_capability: String,
-        /// The driver's CUDA version as cuDriverGetVersion reports it (13000 = CUDA 13.0; the
-        /// server logs it as `driver_version` at start).
-        #[arg(long, default_value_t = 13000)]
-        driver_version: i32,
     },
     /// Write a synthetic Qwen3.5 checkpoint (and adapter) in the real layouts, random or
     /// trained-like, deterministic in the seed; transformers and PEFT load it unchanged.
@@ -360,8 +355,8 @@ pub fn run(cli: Cli) -> Result<()> {
             decide_cmd(&model, &request, out.as_deref(), repeat, emit_passes.as_deref(), timings.as_deref())
         }
         Command::Tokenize { model, jsonl } => crate::tokenizer::run_tokenize_cli(model.as_deref(), jsonl),
-        Command::PrecompileKernels { cache, gpu_name, compute_capability, driver_version } => {
-            precompile_kernels_cmd(&cache, &gpu_name, &compute_capability, driver_version)
+        Command::PrecompileKernels { cache, compute_capability } => {
+            precompile_kernels_cmd(&cache, &compute_capability)
         }
         Command::Verify(args) => crate::release::cli::run(&args),
         Command::Forward { model, adapter, input, out, device, quantize, dump_layers } => forward(
@@ -698,7 +693,7 @@ fn forward(
 }
 
 /// `precompile-kernels`: the cache entries of every kernel file for the GPU described.
-fn precompile_kernels_cmd(cache: &std::path::Path, gpu_name: &str, cc: &str, driver: i32) -> Result<()> {
+fn precompile_kernels_cmd(cache: &std::path::Path, cc: &str) -> Result<()> {
     use crate::backend::cuda::{compile, layout};
     let parse = |s: &str| s.trim().parse::<i32>().ok();
     let cc = match cc.split_once('.') {
@@ -713,7 +708,7 @@ fn precompile_kernels_cmd(cache: &std::path::Path, gpu_name: &str, cc: &str, dri
         );
     }
     let nvrtc = compile::nvrtc_version()?;
-    let tag = compile::device_tag(gpu_name, cc, driver, nvrtc);
+    let tag = compile::device_tag(cc, nvrtc);
     let arch = layout::gpu_arch(cc.0, cc.1);
     let t = std::time::Instant::now();
     let written = compile::precompile(cache, &tag, &arch)?;

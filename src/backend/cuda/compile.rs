@@ -3,10 +3,13 @@
 //!
 //! Sources are embedded with `include_str!`, so the binary needs no kernel files at run time;
 //! NVRTC needs the CUDA headers (`cuda_bf16.h`, `cuda_fp8.h`) only when something has to be
-//! compiled. A cache entry is keyed by the SHA-256 of (source, NVRTC options, GPU name, compute
-//! capability, driver and NVRTC versions; not the header folder, whose headers come with that
-//! NVRTC) and carries a checksum of its payload; an entry that is truncated, corrupt or rejected by
-//! the driver is rebuilt, never fatal. [`precompile`] fills a cache for a GPU that is not there
+//! compiled. A cache entry is keyed by the SHA-256 of (source, NVRTC options with the target
+//! architecture, compute capability and NVRTC version; not the header folder, whose headers come
+//! with that NVRTC) and carries a checksum of its payload; an entry that is truncated, corrupt or
+//! rejected by the driver is rebuilt, never fatal. Not the GPU's name or the driver version: NVRTC
+//! writes the same CUBIN for every GPU of one architecture (an H100 and an H200 are both sm_90a),
+//! and a driver at least as new as that NVRTC loads it (an older one rejects it: rebuilt), so one
+//! cache serves a fleet of mixed cards and drivers. [`precompile`] fills a cache for a GPU that is not there
 //! (`imajev-serve precompile-kernels`): the same compile path and keys, so a machine that has the
 //! GPU loads the entries instead of spending ~50 s in NVRTC at its first start.
 
@@ -50,10 +53,11 @@ pub fn cache_key(source: &str, options: &[String], device_tag: &str) -> String {
     hex::encode(h.finalize())
 }
 
-/// What a kernel cache entry is keyed by besides the program: the GPU's name, compute capability,
-/// driver version (as `cuDriverGetVersion`) and NVRTC version, e.g. `NVIDIA H200|9.0|13000|13.0`.
-pub fn device_tag(gpu_name: &str, cc: (i32, i32), driver: i32, nvrtc: (i32, i32)) -> String {
-    format!("{gpu_name}|{}.{}|{driver}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1)
+/// What a kernel cache entry is keyed by besides the program and its options: the compute
+/// capability and the NVRTC version, e.g. `9.0|13.0` (see the module doc for why not the GPU's
+/// name or the driver).
+pub fn device_tag(cc: (i32, i32), nvrtc: (i32, i32)) -> String {
+    format!("{}.{}|{}.{}", cc.0, cc.1, nvrtc.0, nvrtc.1)
 }
 
 /// The cache file of kernel file `name` under `key` in `dir`.
@@ -325,7 +329,7 @@ mod tests {
         // Not where the headers are: a cache filled elsewhere (precompile) serves this machine.
         let elsewhere = compile_options("sm_90a", Path::new("/opt/pip/nvidia/cu13/include"));
         assert_eq!(k, cache_key("src", &elsewhere, "H200|9.0|13000|13.0"));
-        assert_eq!(device_tag("NVIDIA H200", (9, 0), 13000, (13, 0)), "NVIDIA H200|9.0|13000|13.0");
+        assert_eq!(device_tag((9, 0), (13, 0)), "9.0|13.0");
     }
 
     /// With NVRTC and the headers present, precompile writes one valid entry per kernel file, at
@@ -337,7 +341,7 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        let tag = device_tag("NVIDIA H200", (9, 0), 13000, nvrtc_version().unwrap());
+        let tag = device_tag((9, 0), nvrtc_version().unwrap());
         let written = precompile(dir.path(), &tag, "sm_90a").unwrap();
         assert_eq!(written.len(), KERNELS.len());
         let opts = compile_options("sm_90a", &cuda_include_dir().unwrap());

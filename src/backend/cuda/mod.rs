@@ -295,7 +295,7 @@ impl CudaBackend {
         let arch = layout::gpu_arch(cc.0, cc.1);
         let started = std::time::Instant::now();
         let (funcs, cached, compiled) =
-            compile::load_kernels(&ctx, &options, &arch, &compile::device_tag(&name, cc, driver, nvrtc))?;
+            compile::load_kernels(&ctx, &options, &arch, &compile::device_tag(cc, nvrtc))?;
         let kernel_seconds = started.elapsed().as_secs_f64();
         let blas = Blas::new(stream.clone())?;
         let staging = std::sync::Mutex::new(staging::Staging::new(stream.clone())?);
