@@ -216,3 +216,178 @@ __device__ void swiglu_lora_quant(const bf16* gu, const bf16* t, const bf16* b, 
 SWIGLU_LORA_ENTRY(16)
 SWIGLU_LORA_ENTRY(32)
 SWIGLU_LORA_ENTRY(64)
+
+// swiglu_lora_runs_quant_1x128_<R>: swiglu_lora_quant_1x128_<R> (above: same arguments plus
+// `tiles`, same outputs, the same bits) as a one-wave grid that overlaps copies with work. The
+// first kernel copies a whole 64 x 128 tile and its B (as many bytes from L2 over the grid as the
+// gate/up output itself), then computes, then stores, two blocks per SM: no overlap (H200: 0.77 ms a
+// layer at 16K rows where the plain SwiGLU takes 0.39). Opt-in while it is measured
+// (`IMAJEV_MLP_LORA_KERNEL=runs`, quant.rs).
+//
+// Tiles and runs (the same arithmetic as layout::swiglu_lora_{tiles,run,tile,loads_b}, whose unit
+// test checks that every (padded row, 128-column block) is written once, with the right B): y is
+// cut into tiles of 32 padded rows x 128 columns (one 1x128 quantisation block per row),
+// row_tiles = ceil(Mpad / 32) of them per column block, tiles = row_tiles * K / 128 in all,
+// numbered column block by column block (tile i: column block i / row_tiles, row tile
+// i % row_tiles). The grid is one wave (quant.rs: as many blocks as the GPU holds at once, at most
+// `tiles`), and block b of G owns the contiguous run of tiles / G tiles (one more for the first
+// tiles % G blocks) starting at b * (tiles / G) + min(b, tiles % G). A run thus stays in one
+// column block for up to row_tiles tiles: B_gate / B_up of the current column block stay in shared
+// memory and are copied again only where the run enters the next column block (after the last
+// tile's LoRA terms, under its quantisation). t / gate / up go through two stages: tile j + 1's
+// are copied (cp.async, 16 bytes, coalesced; rows >= M zero-filled) while tile j is computed,
+// stored and quantised.
+// Per tile, 256 threads (the launch must give SWIGLU_LORA_THREADS): warp w computes the LoRA terms
+// of rows 16 (w % 2).., columns 32 (w / 2).. of gate and up with mma.sync (row strides padded by 16
+// bytes: conflict-free fragment loads), adds them to its gate/up values and writes h = silu(g) * u
+// over the gate tile; then warp w stores and quantises rows 4w..4w+3, a lane 4 columns, as
+// swiglu_quant_1x128 does.
+// Bits: every element takes the arithmetic of the first version of this kernel (one 64-row tile per
+// block, everything copied before any work): the same mma.sync instructions (the same 16-row x
+// 8-column fragments, since 32-row tiles keep rows at m % 16 and columns at c % 8 in them; k = 0..R
+// in steps of 16 into one f32 accumulator), then bf(to_bf(fmaf(scale, acc, gate))) and likewise up,
+// to_bf(silu_f(g) * u), and one warp per quantisation block.
+// Shared memory: layout::swiglu_lora_smem_bytes, B_gate and B_up [128][R + 8] and two stages of
+// t [32][2R + 8], gate and up [32][136] (89,088 bytes at R = 64: two blocks per SM).
+#define SWIGLU_LORA_THREADS 256  // = layout::SWIGLU_LORA_THREADS
+template <int R>
+__device__ void swiglu_lora_runs(const bf16* gu, const bf16* t, const bf16* b, float scale, bf16* y,
+                                  unsigned char* q, float* s, int M, int Mpad, int K, int tiles) {
+  constexpr int ROWS = 32, COLS = 128, LT = 2 * R + 8, LB = R + 8, LG = COLS + 8, NT = SWIGLU_LORA_THREADS;
+  constexpr int STAGE = ROWS * LT + 2 * ROWS * LG;  // bf16 of one stage: t, gate, up
+  static_assert(R % 16 == 0 && R <= 64, "rank per part: a multiple of 16, at most 64");
+  extern __shared__ __align__(16) bf16 smem_sl[];
+  bf16* Bg = smem_sl;             // [128][LB]: B_gate of the current column block
+  bf16* Bu = Bg + COLS * LB;      // [128][LB]: B_up
+  bf16* stages = Bu + COLS * LB;  // [2][STAGE]: Ts [32][LT], Gs [32][LG] (then h), Us [32][LG]
+  const int tid = threadIdx.x;
+  // This block's run: tiles first..first + count (layout::swiglu_lora_run).
+  const int row_tiles = (Mpad + ROWS - 1) / ROWS, nblocks = gridDim.x, bi = blockIdx.x;
+  const int per = tiles / nblocks, extra = tiles % nblocks;
+  const int first = bi * per + min(bi, extra), count = per + (bi < extra ? 1 : 0);
+  if (count == 0) return;  // the whole block (the host never launches more blocks than tiles)
+
+  // B_gate / B_up of column block cb (columns 128 cb.. of y).
+  auto load_b = [&](int cb) {
+    const int c0 = cb * COLS;
+#pragma unroll
+    for (int i = tid; i < COLS * (R / 8); i += NT) {
+      const int n = i / (R / 8), c = (i % (R / 8)) * 8;
+      cp_async16(Bg + n * LB + c, b + (i64)(c0 + n) * 2 * R + c, true);
+      cp_async16(Bu + n * LB + c, b + (i64)(K + c0 + n) * 2 * R + R + c, true);
+    }
+  };
+  // t, gate and up of tile i into stage st (layout::swiglu_lora_tile).
+  auto load_tile = [&](int i, bf16* st) {
+    const int r0 = (i % row_tiles) * ROWS, c0 = (i / row_tiles) * COLS;
+    bf16* Ts = st;
+    bf16* Gs = Ts + ROWS * LT;
+    bf16* Us = Gs + ROWS * LG;
+#pragma unroll
+    for (int j = tid; j < ROWS * (2 * R / 8); j += NT) {
+      const int r = j / (2 * R / 8), c = (j % (2 * R / 8)) * 8;
+      const bool ok = r0 + r < M;
+      cp_async16(Ts + r * LT + c, t + (ok ? (i64)(r0 + r) * 2 * R + c : 0), ok);
+    }
+#pragma unroll
+    for (int j = tid; j < ROWS * (COLS / 8); j += NT) {
+      const int r = j / (COLS / 8), c = (j % (COLS / 8)) * 8;
+      const bool ok = r0 + r < M;
+      const bf16* row = gu + (ok ? (i64)(r0 + r) * 2 * K : 0);
+      cp_async16(Gs + r * LG + c, row + c0 + c, ok);
+      cp_async16(Us + r * LG + c, row + K + c0 + c, ok);
+    }
+  };
+
+  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  const int m0 = 16 * (warp & 1), n0 = 32 * (warp >> 1);
+  load_b(first / row_tiles);  // layout::swiglu_lora_loads_b: a run's first tile
+  load_tile(first, stages);
+  cp_async_commit();
+#pragma unroll 1
+  for (int j = 0; j < count; j++) {
+    const int i = first + j, cb = i / row_tiles, r0 = (i % row_tiles) * ROWS, c0 = cb * COLS;
+    bf16* Ts = stages + (j & 1) * STAGE;
+    bf16* Gs = Ts + ROWS * LT;
+    bf16* Us = Gs + ROWS * LG;
+    // Tile i's stage (and B, where it was copied again) has landed for every thread, and every
+    // thread is done with tile i - 1 (whose stage the next copy overwrites).
+    cp_async_wait_all();
+    __syncthreads();
+    if (j + 1 < count) {
+      load_tile(i + 1, stages + ((j + 1) & 1) * STAGE);
+      cp_async_commit();
+    }
+    float ag[4][4], au[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) ag[nt][e] = au[nt][e] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < R; k0 += 16) {
+      const bf16* ta = Ts + (m0 + gr) * LT + k0 + 2 * tg;
+      const unsigned a_g[4] = {ld_smem_u32(ta), ld_smem_u32(ta + 8 * LT), ld_smem_u32(ta + 8),
+                               ld_smem_u32(ta + 8 * LT + 8)};
+      const unsigned a_u[4] = {ld_smem_u32(ta + R), ld_smem_u32(ta + 8 * LT + R), ld_smem_u32(ta + R + 8),
+                               ld_smem_u32(ta + 8 * LT + R + 8)};
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) {
+        const int n = (n0 + 8 * nt + gr) * LB + k0 + 2 * tg;
+        const unsigned b_g[2] = {ld_smem_u32(Bg + n), ld_smem_u32(Bg + n + 8)};
+        const unsigned b_u[2] = {ld_smem_u32(Bu + n), ld_smem_u32(Bu + n + 8)};
+        mma_bf16_16816(ag[nt], a_g, b_g);
+        mma_bf16_16816(au[nt], a_u, b_u);
+      }
+    }
+    // h over the gate tile: each pair of elements (columns 2tg, 2tg + 1 of a row) is read and
+    // written by the thread that owns it.
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int at = (m0 + gr + 8 * half) * LG + n0 + 8 * nt + 2 * tg;
+        const __nv_bfloat162 g2 = *(const __nv_bfloat162*)(Gs + at), u2 = *(const __nv_bfloat162*)(Us + at);
+        const float gv[2] = {bf(g2.x), bf(g2.y)}, uv[2] = {bf(u2.x), bf(u2.y)};
+        bf16 h[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float g = bf(to_bf(fmaf(scale, ag[nt][2 * half + e], gv[e])));
+          const float u = bf(to_bf(fmaf(scale, au[nt][2 * half + e], uv[e])));
+          h[e] = to_bf(silu_f(g) * u);
+        }
+        __nv_bfloat162 h2;
+        h2.x = h[0];
+        h2.y = h[1];
+        *(__nv_bfloat162*)(Gs + at) = h2;
+      }
+    __syncthreads();  // h is complete, and no thread reads B for tile i any more
+    if (j + 1 < count && (i + 1) % row_tiles == 0) {  // layout::swiglu_lora_loads_b: a new column block
+      load_b(cb + 1);
+      cp_async_commit();
+    }
+    const int c = c0 + 4 * lane;
+#pragma unroll
+    for (int rr = 0; rr < ROWS / 8; rr++) {
+      const int r = warp * (ROWS / 8) + rr, m = r0 + r;
+      if (m >= Mpad) break;  // the same for the whole warp (quant_block_1x128 shuffles)
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (m < M) {
+        bf16 h[4];
+        load_bf16x4(Gs + r * LG + 4 * lane, h);
+        for (int e = 0; e < 4; e++) v[e] = bf(h[e]);
+        store_bf16x4(y + (i64)m * K + c, h);
+      }
+      quant_block_1x128(v, q + (i64)m * K + c, 1, s + (i64)cb * Mpad + m);
+    }
+  }
+}
+
+#define SWIGLU_LORA_RUNS_ENTRY(R)                                                                               \
+  extern "C" __global__ void __launch_bounds__(SWIGLU_LORA_THREADS, 2) swiglu_lora_runs_quant_1x128_##R(       \
+      const bf16* gu, const bf16* t, const bf16* b, float scale, bf16* y, unsigned char* q, float* s, int M, \
+      int Mpad, int K, int tiles) {                                                                        \
+    swiglu_lora_runs<R>(gu, t, b, scale, y, q, s, M, Mpad, K, tiles);                                     \
+  }
+SWIGLU_LORA_RUNS_ENTRY(16)
+SWIGLU_LORA_RUNS_ENTRY(32)
+SWIGLU_LORA_RUNS_ENTRY(64)
