@@ -18,7 +18,7 @@
 //!   that would pin the winners (see src/backend/cuda/gemm.rs);
 //! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
 //!   16,384 rows, the gate/up LoRA B side as its own GEMM and fused into the SwiGLU
-//!   (`mlp_lora_fused`, one 64-row tile a block and the pipelined `mlp_lora_runs`), and their ratios;
+//!   (`mlp_lora_fused`), and their ratio;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -185,19 +185,11 @@ impl Bench<'_> {
     }
 
     /// Qwen3.5-4B's MLP with LoRA (rank 64 on gate, up and down) at `rows` rows, the gate/up
-    /// LoRA B side as its own GEMM and fused into the SwiGLU (`mlp_lora_fused`, both kernels), side
-    /// by side.
+    /// LoRA B side as its own GEMM and fused into the SwiGLU (`mlp_lora_fused`), side by side.
     fn mlp(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
         let unfused = CudaBackend::new(0, CudaOptions { mlp_lora_fused: false, ..g.options().clone() })?;
-        let fused = CudaBackend::new(
-            0,
-            CudaOptions { mlp_lora_fused: true, mlp_lora_runs: false, ..g.options().clone() },
-        )?;
-        let runs = CudaBackend::new(
-            0,
-            CudaOptions { mlp_lora_fused: true, mlp_lora_runs: true, ..g.options().clone() },
-        )?;
+        let fused = CudaBackend::new(0, CudaOptions { mlp_lora_fused: true, ..g.options().clone() })?;
         let (h, k, r) = (2560usize, 9216usize, 64usize);
         let mut t = |name: &str, shape: &[usize], std: f32, fp8: bool| {
             let v = self.rng.bf16_normals(shape.iter().product(), std);
@@ -217,9 +209,7 @@ impl Bench<'_> {
         for &m in rows {
             let x_h = self.rng.bf16_normals(m * h, 1.0);
             let mut times = Vec::new();
-            for (label, be) in
-                [("LoRA B GEMM", &unfused), ("LoRA B fused", &fused), ("LoRA B fused, runs", &runs)]
-            {
+            for (label, be) in [("LoRA B GEMM", &unfused), ("LoRA B fused", &fused)] {
                 let (gu, d) = (be.linear(&gate_up)?, be.linear(&down)?);
                 let x = bf16_tensor(be, &x_h, &[m, h])?;
                 let ms = time_ms(be, 10, &mut || be.swiglu_mlp(&x, &gu, &d).map(|_| ()))?;
@@ -230,12 +220,7 @@ impl Bench<'_> {
                     println!("  kernels of the {label} runs (warm-up included):\n{report}");
                 }
             }
-            println!(
-                "  MLP M={m}: fused / unfused = {:.3}, runs / unfused = {:.3}, runs / fused = {:.3}",
-                times[1] / times[0],
-                times[2] / times[0],
-                times[2] / times[1]
-            );
+            println!("  MLP M={m}: fused / unfused = {:.3}", times[1] / times[0]);
         }
         Ok(())
     }

@@ -410,28 +410,14 @@ pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mu
 /// its 64-term sums and one bf16 rounding fewer, then FP8 activation codes that flip with them: on
 /// the H200 1.1–1.5e-2 apart, where a LoRA side lost or misplaced is ~0.3), against the CPU (f32:
 /// within the quantisation error, and no further from it than the unfused MLP is), and
-/// batch-invariant (the rows of a 37-row call bit for bit the first rows of a 977-row call). The
-/// pipelined kernel (`swiglu_lora_runs_quant_1x128_64`, `mlp_lora_runs`) bit for bit the first one at
-/// every M, and its 977 rows those of a 4,133-row call (its one-wave grid gives each block another
-/// run of tiles at each M).
+/// batch-invariant (the rows of a 37-row call bit for bit the first rows of a 977-row call).
 pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let p = "gemm";
     let (h, k, r) = (2560usize, 9216usize, 64usize);
-    let fused = variant(g, |o| {
-        o.mlp_lora_fused = true;
-        o.mlp_lora_runs = false;
-    })?;
-    let runs = variant(g, |o| {
-        o.mlp_lora_fused = true;
-        o.mlp_lora_runs = true;
-    })?;
+    let fused = variant(g, |o| o.mlp_lora_fused = true)?;
     let plain = variant(g, |o| o.mlp_lora_fused = false)?;
     if !fused.options().mlp_lora_fused || plain.options().mlp_lora_fused {
         rep.flag(p, "swiglu_mlp fused vs unfused", false, "IMAJEV_MLP_LORA_FUSED forces one: unset it");
-        return Ok(());
-    }
-    if fused.options().mlp_lora_runs || !runs.options().mlp_lora_runs {
-        rep.flag(p, "swiglu_mlp tiles vs runs", false, "IMAJEV_MLP_LORA_KERNEL forces one: unset it");
         return Ok(());
     }
     let w = |name: &str, o: usize, i: usize, std: f32, rng: &mut SplitMix| {
@@ -450,7 +436,6 @@ pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
     let down = [wd.lora_part(&da, &db, 2.0)];
     let (fgu, fd) = (fused.linear(&gate_up)?, fused.linear(&down)?);
     let (pgu, pd) = (plain.linear(&gate_up)?, plain.linear(&down)?);
-    let (rgu, rd) = (runs.linear(&gate_up)?, runs.linear(&down)?);
     let (cgu, cd) = (c.linear(&gate_up)?, c.linear(&down)?);
     rep.flag(
         p,
@@ -458,29 +443,11 @@ pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
         fgu.swiglu_lora_rank() == Some(r),
         "CudaLinear::swiglu_lora refused the gate/up projection",
     );
-    // Rows past 977 from their own generator, so that the tests after this one draw what they did
-    // before the 4,133-row call was added.
-    let mut x_all = rng.bf16_normals(977 * h, 1.0);
-    x_all.extend(SplitMix::new(4133).bf16_normals((4133 - 977) * h, 1.0));
-    let (mut first_rows, mut runs_977) = (Vec::new(), Vec::new());
-    for m in [1usize, 37, 130, 977, 4133] {
+    let x_all = rng.bf16_normals(977 * h, 1.0);
+    let mut first_rows = Vec::new();
+    for m in [1usize, 37, 130, 977] {
         let x = &x_all[..m * h];
-        let or = runs.download(&runs.swiglu_mlp(&runs.upload(x, &[m, h])?, &rgu, &rd)?)?;
-        if m == 977 {
-            runs_977 = or.clone();
-        } else if m == 4133 {
-            rep.check(
-                p,
-                "swiglu_mlp runs: rows of a 977-row call vs the same rows of a 4,133-row call (bitwise)",
-                rel(&runs_977, &or[..977 * h]),
-                0.0,
-            );
-        }
         let of = fused.download(&fused.swiglu_mlp(&fused.upload(x, &[m, h])?, &fgu, &fd)?)?;
-        rep.check(p, format!("swiglu_mlp runs vs tiles kernel, M={m} (bitwise)"), rel(&or, &of), 0.0);
-        if m == 4133 {
-            continue;
-        }
         let op = plain.download(&plain.swiglu_mlp(&plain.upload(x, &[m, h])?, &pgu, &pd)?)?;
         rep.check(p, format!("swiglu_mlp fused vs unfused GPU, M={m}"), rel(&of, &op), 3e-2);
         if m == 37 || m == 130 {

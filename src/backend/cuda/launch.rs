@@ -95,9 +95,6 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("swiglu_lora_quant_1x128_16", layout::swiglu_lora_smem_bytes(16)),
             k_smem("swiglu_lora_quant_1x128_32", layout::swiglu_lora_smem_bytes(32)),
             k_smem("swiglu_lora_quant_1x128_64", layout::swiglu_lora_smem_bytes(64)),
-            k_smem("swiglu_lora_runs_quant_1x128_16", layout::swiglu_lora_smem_bytes(16)),
-            k_smem("swiglu_lora_runs_quant_1x128_32", layout::swiglu_lora_smem_bytes(32)),
-            k_smem("swiglu_lora_runs_quant_1x128_64", layout::swiglu_lora_smem_bytes(64)),
         ],
     },
     KernelFile {

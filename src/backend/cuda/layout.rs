@@ -359,58 +359,10 @@ pub fn swiglu_lora_rank(
     }
 }
 
-/// Padded rows per tile of `swiglu_lora_runs_quant_1x128_<r>` (kernels/quant.cu); a tile is this
-/// many rows × one 128-column quantisation block of its output.
-pub const SWIGLU_LORA_TILE_ROWS: usize = 32;
-
-/// Threads per block of both fused MLP kernels (= SWIGLU_LORA_THREADS in kernels/quant.cu).
-pub const SWIGLU_LORA_THREADS: u32 = 256;
-
-/// Dynamic shared memory of the fused MLP kernels (kernels/quant.cu), bf16 tiles with rows padded
-/// by 8: B_gate and B_up [128][r + 8], then `swiglu_lora_quant_1x128_<r>`'s one 64-row tile (t
-/// [64][2r + 8], gate and up [64][136]) or `swiglu_lora_runs_quant_1x128_<r>`'s two stages of a
-/// 32-row one: the same bytes.
+/// Dynamic shared memory of `swiglu_lora_quant_1x128_<r>` (kernels/quant.cu), bf16 tiles with
+/// rows padded by 8: t [64][2r + 8], B_gate and B_up [128][r + 8], gate and up [64][136].
 pub const fn swiglu_lora_smem_bytes(r: usize) -> usize {
-    let rows = 2 * SWIGLU_LORA_TILE_ROWS;
-    let tiles = rows * (2 * r + 8) + 2 * rows * (FP8_BLOCK + 8);
-    (2 * FP8_BLOCK * (r + 8) + tiles) * 2
-}
-
-/// `(row_tiles, tiles)` of `swiglu_lora_runs_quant_1x128_<r>` over `mpad` padded rows and `k` columns
-/// (a multiple of 128): row tiles of [`SWIGLU_LORA_TILE_ROWS`] per 128-column block (the last may
-/// reach past `mpad`; the kernel skips rows from `mpad` on), and all tiles. The kernel derives
-/// `row_tiles` from Mpad and is passed `tiles`.
-pub const fn swiglu_lora_tiles(mpad: usize, k: usize) -> (usize, usize) {
-    let row_tiles = mpad.div_ceil(SWIGLU_LORA_TILE_ROWS);
-    (row_tiles, row_tiles * (k / FP8_BLOCK))
-}
-
-/// The grid of `swiglu_lora_runs_quant_1x128_<r>`: one wave, as many blocks as the GPU holds at once
-/// (`resident`), but no more blocks than tiles (and at least one).
-pub fn swiglu_lora_grid(tiles: usize, resident: usize) -> usize {
-    tiles.min(resident).max(1)
-}
-
-/// The tiles block `block` of a grid of `grid` computes: a contiguous run, `tiles / grid` long, one
-/// longer for the first `tiles % grid` blocks (so the runs of consecutive blocks tile `0..tiles`).
-/// The kernel computes its run the same way.
-pub fn swiglu_lora_run(tiles: usize, grid: usize, block: usize) -> Range<usize> {
-    let (per, extra) = (tiles / grid, tiles % grid);
-    let first = block * per + block.min(extra);
-    first..first + per + usize::from(block < extra)
-}
-
-/// Tile `i`'s `(column block, row tile)`: tiles are numbered column block by column block, so a
-/// run stays in one column block (one B_gate / B_up) for up to `row_tiles` tiles.
-pub const fn swiglu_lora_tile(i: usize, row_tiles: usize) -> (usize, usize) {
-    (i / row_tiles, i % row_tiles)
-}
-
-/// Whether a block whose run starts at tile `first` copies B_gate / B_up (of tile `i`'s column
-/// block) into shared memory for tile `i`: at its first tile, and at each tile that starts a column
-/// block. The kernel copies them once the previous tile's LoRA terms are done.
-pub const fn swiglu_lora_loads_b(first: usize, i: usize, row_tiles: usize) -> bool {
-    i == first || i % row_tiles == 0
+    (64 * (2 * r + 8) + 2 * 128 * (r + 8) + 2 * 64 * 136) * 2
 }
 
 /// Largest power of two (≤ 256) dividing a device address: the alignment cuBLASLt is told about.
@@ -440,76 +392,9 @@ mod tests {
         assert_eq!(swiglu_lora_rank(&[(0..9216, 64)], &(0..9216), 18432), None, "gate only");
         assert_eq!(swiglu_lora_rank(&[(0..9000, 64), (9000..18432, 64)], &all, 18432), None, "not halves");
         assert_eq!(swiglu_lora_rank(&[(0..9216, 64), (9216..18432, 64), (0..1, 64)], &all, 18432), None);
-        // Every supported rank's tiles fit an SM twice (the kernel's launch bounds ask for two;
-        // 228 KiB an SM, 1 KiB reserved per block).
-        assert_eq!(swiglu_lora_smem_bytes(64), 89_088);
-        assert_eq!(swiglu_lora_smem_bytes(32), 64_512);
-        assert_eq!(swiglu_lora_smem_bytes(16), 52_224);
+        // Every supported rank's tiles fit an SM twice (the kernel's launch bounds ask for two).
         for r in SWIGLU_LORA_RANKS {
-            assert!(2 * (swiglu_lora_smem_bytes(r) + 1024) <= 228 * 1024, "rank {r}");
-        }
-    }
-
-    #[test]
-    fn the_fused_swiglu_lora_runs_cover_every_tile_once_with_the_right_b() {
-        use crate::weights::fp8::fp8_rows;
-        assert_eq!(swiglu_lora_tiles(992, 9216), (31, 31 * 72));
-        assert_eq!(swiglu_lora_tiles(48, 128), (2, 2));
-        assert_eq!(swiglu_lora_grid(144, 264), 144);
-        assert_eq!(swiglu_lora_grid(36_864, 264), 264);
-        assert_eq!(swiglu_lora_grid(5, 0), 1);
-        for m in [1usize, 16, 37, 130, 977, 4133, 16_384] {
-            let mpad = fp8_rows(m);
-            for k in [128usize, 384, 2560, 9216] {
-                let (row_tiles, tiles) = swiglu_lora_tiles(mpad, k);
-                // The row tiles cover the padded rows, and no tile lies wholly past them.
-                assert!(row_tiles * SWIGLU_LORA_TILE_ROWS >= mpad);
-                assert!((row_tiles - 1) * SWIGLU_LORA_TILE_ROWS < mpad);
-                for resident in [1usize, 7, 132, 264, 528, 1 << 20] {
-                    let grid = swiglu_lora_grid(tiles, resident);
-                    assert!(grid <= tiles && grid <= resident.max(1));
-                    // How often each (padded row, 128-column block) is written: exactly once.
-                    let kb = k / FP8_BLOCK;
-                    let mut written = vec![0u32; mpad * kb];
-                    let mut next = 0;
-                    for block in 0..grid {
-                        let run = swiglu_lora_run(tiles, grid, block);
-                        assert_eq!(
-                            run.start, next,
-                            "m {m} k {k} grid {grid} block {block}: runs are contiguous"
-                        );
-                        assert!(!run.is_empty(), "m {m} k {k} grid {grid} block {block}: an idle block");
-                        assert!(run.len() == tiles / grid || run.len() == tiles / grid + 1);
-                        next = run.end;
-                        // B as the kernel holds it: copied where loads_b says, then used by the tile.
-                        let (mut b, mut loads, mut blocks) = (None, 0, std::collections::BTreeSet::new());
-                        for i in run.clone() {
-                            let (cb, rt) = swiglu_lora_tile(i, row_tiles);
-                            assert!(cb < kb && rt < row_tiles);
-                            if swiglu_lora_loads_b(run.start, i, row_tiles) {
-                                b = Some(cb);
-                                loads += 1;
-                            }
-                            assert_eq!(
-                                b,
-                                Some(cb),
-                                "m {m} k {k} grid {grid} tile {i}: B of another column block"
-                            );
-                            blocks.insert(cb);
-                            let rows = rt * SWIGLU_LORA_TILE_ROWS..(rt + 1) * SWIGLU_LORA_TILE_ROWS;
-                            for row in rows.filter(|&row| row < mpad) {
-                                written[row * kb + cb] += 1;
-                            }
-                        }
-                        assert_eq!(loads, blocks.len(), "B copied once per column block of the run");
-                    }
-                    assert_eq!(next, tiles);
-                    assert!(
-                        written.iter().all(|&n| n == 1),
-                        "m {m} k {k} grid {grid}: a row block not written once"
-                    );
-                }
-            }
+            assert!(2 * swiglu_lora_smem_bytes(r) <= 227 * 1024, "rank {r}");
         }
     }
 

@@ -22,9 +22,8 @@
 //!   `quant_act_1x128` on that output). That quantisation travels with the tensor
 //!   ([`CudaTensor`]'s attachment, dropped by any in-place change), and `matmul` uses it instead
 //!   of launching `quant_act_1x128`; norms attach it once an FP8 projection has been loaded.
-//!   By default (`mlp_lora_fused`) the MLP's gate/up LoRA B side runs inside that SwiGLU kernel
-//!   (`swiglu_mlp`, `swiglu_lora_quant_1x128_<r>` or its pipelined twin
-//!   `swiglu_lora_runs_quant_1x128_<r>`; the CPU twin of both is matmul + swiglu).
+//!   Opt-in (`mlp_lora_fused`): the MLP's gate/up LoRA B side inside that SwiGLU kernel
+//!   (`swiglu_mlp`, `swiglu_lora_quant_1x128_<r>`; its CPU twin is matmul + swiglu).
 //! * One stream; cudarc's per-buffer event tracking is off (everything is stream-ordered, buffers
 //!   are freed with `cuMemFreeAsync` on that stream), so kernels take raw device addresses.
 //!
@@ -105,10 +104,6 @@ pub struct CudaOptions {
     /// round 127 → 122 ms, whole requests unchanged); `IMAJEV_MLP_LORA_FUSED=0` (or `1`) in the
     /// environment sets it.
     pub mlp_lora_fused: bool,
-    /// With `mlp_lora_fused`: run it as `swiglu_lora_runs_quant_1x128_<r>` (a one-wave grid of
-    /// 32-row tile runs, copies overlapped with work; the same bits) instead of one 64-row tile per
-    /// block. Opt-in until measured: `IMAJEV_MLP_LORA_KERNEL=runs` (or `tiles`) in the environment.
-    pub mlp_lora_runs: bool,
     /// Which attention kernel runs (see [`AttentionKernel`]): the reference kernels are kept for
     /// comparisons and profiling. `IMAJEV_ATTENTION=auto|ov|ws|wgmma|q128|q64` overrides it when this
     /// field is left at `Auto`.
@@ -136,7 +131,6 @@ impl Default for CudaOptions {
             gdn_rows_columns: 32,
             unfused_act_quant: false,
             mlp_lora_fused: true,
-            mlp_lora_runs: false,
             attention: AttentionKernel::default(),
             narrow_gemm: narrow::NarrowGemm::default(),
             narrow_whole_rows: None,
@@ -250,14 +244,6 @@ impl CudaBackend {
             Ok("") | Err(_) => {}
             Ok(other) => {
                 bail!("IMAJEV_MLP_LORA_FUSED={other}: expected 1 (fused) or 0 (a separate LoRA B GEMM)")
-            }
-        }
-        match std::env::var("IMAJEV_MLP_LORA_KERNEL").as_deref() {
-            Ok("runs") => options.mlp_lora_runs = true,
-            Ok("tiles") => options.mlp_lora_runs = false,
-            Ok("") | Err(_) => {}
-            Ok(other) => {
-                bail!("IMAJEV_MLP_LORA_KERNEL={other}: expected tiles (one 64-row tile a block) or runs")
             }
         }
         // cudarc panics on first use of a library it cannot dlopen; look before touching it.

@@ -10,7 +10,7 @@ use super::linear::CudaLinear;
 use super::tensor::{ActFp8, CudaTensor};
 use super::{elementwise, layout, linear, CudaBackend};
 use crate::backend::Gelu;
-use crate::weights::fp8::{fp8_rows, FP8_BLOCK};
+use crate::weights::fp8::FP8_BLOCK;
 use anyhow::Result;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
@@ -171,28 +171,13 @@ pub(super) fn swiglu_mlp(
     let y = be.alloc_bf16(m * k)?;
     let head =
         [Arg::Ptr(be.p(gs.s())), Arg::Ptr(be.p(&t)), Arg::Ptr(be.p(b)), Arg::F32(scale), Arg::Ptr(be.p(&y))];
-    let smem = layout::swiglu_lora_smem_bytes(r);
-    let a = if be.state.options.mlp_lora_runs {
-        // One wave of blocks, each a contiguous run of 32-row × 128-column tiles (the kernel's
-        // comment; layout::swiglu_lora_run).
-        let name = format!("swiglu_lora_runs_quant_1x128_{r}");
-        let threads = layout::SWIGLU_LORA_THREADS;
-        let mpad = fp8_rows(m);
-        let (_, tiles) = layout::swiglu_lora_tiles(mpad, k);
-        let grid = layout::swiglu_lora_grid(tiles, be.resident_blocks(&name, threads, smem)?);
-        be.fused_quant_shaped(&name, &head, m, k, &[Arg::I32(tiles as i32)], |padded| {
-            debug_assert_eq!(padded, mpad, "the kernel's tiles are counted over fp8_rows(m)");
-            launch_config((grid as u32, 1, 1), threads, smem)
-        })?
-    } else {
-        // One block per 64 padded rows and 128 columns.
-        be.fused_quant_shaped(&format!("swiglu_lora_quant_1x128_{r}"), &head, m, k, &[], |mpad| {
-            launch_config(
-                (mpad.div_ceil(64) as u32, (k / FP8_BLOCK) as u32, 1),
-                layout::SWIGLU_LORA_THREADS,
-                smem,
-            )
-        })?
-    };
+    // One block per 64 padded rows and 128 columns.
+    let a = be.fused_quant_shaped(&format!("swiglu_lora_quant_1x128_{r}"), &head, m, k, &[], |mpad| {
+        launch_config(
+            (mpad.div_ceil(64) as u32, (k / FP8_BLOCK) as u32, 1),
+            256,
+            layout::swiglu_lora_smem_bytes(r),
+        )
+    })?;
     be.matmul_quantised(&y, Some(&a), m, k, down)
 }
