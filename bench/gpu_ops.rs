@@ -727,20 +727,12 @@ fn main() -> Result<()> {
     let (split3, split1) = (scan(GdnScan::Split, false)?, scan(GdnScan::Split, true)?);
     // The wide plain scan (one block per head over all value columns) beside the plain one.
     let wide1 = scan(GdnScan::Wide, true)?;
-    // The row-state scans (`GdnScan::Rows`: the state in registers by value rows), each beside the
-    // default choice of its precision (by length: pipelined for long or lone sequences).
-    let (rows3, rows1) = (scan(GdnScan::Rows, false)?, scan(GdnScan::Rows, true)?);
-    let (by_length3, by_length1) = (scan(GdnScan::ByLength, false)?, scan(GdnScan::ByLength, true)?);
-    let rows64 = CudaBackend::new(0, CudaOptions { gdn_rows_columns: 64, ..rows1.options().clone() })?;
     let tf32 = [
         [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
         [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
         [("plain TF32 scan", &plain1), ("wide TF32 scan", &wide1)],
         [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
         [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
-        [("by-length tc scans", &by_length3), ("rows 3xTF32", &rows3)],
-        [("by-length TF32 scans", &by_length1), ("rows TF32", &rows1)],
-        [("rows TF32", &rows1), ("rows TF32, 64-column blocks", &rows64)],
     ];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;

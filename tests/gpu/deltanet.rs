@@ -187,114 +187,6 @@ pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     Ok(())
 }
 
-/// The row-state scans (`GdnScan::Rows`, kernels/deltanet_rows.cu), with 3xTF32 and with TF32
-/// products: against the CPU twin at the lengths where chunks and buffers change shape, in a tree
-/// (children start from their parents' new states), at a value dim of 96 (three 32-column blocks,
-/// no 128-column one); a sequence's bits alone and beside a 16,384-token one; and a 73-token
-/// sequence alone (the 32-column kernel: its grid fits one wave) against the same sequence with
-/// 64-column blocks and beside 40 others (the 128-column kernel), which must give the same bits.
-pub fn rows_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
-    for tf32 in [false, true] {
-        let be = tc_scan(g, GdnScan::Rows, Some(tf32))?;
-        let dims = DELTANET_4B;
-        let tag = if tf32 { "rows TF32" } else { "rows 3xTF32" };
-        if be.options().gdn_ffma || be.options().gdn_scan != GdnScan::Rows {
-            rep.flag("gdn", tag, false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
-            return Ok(());
-        }
-        let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
-        delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &[])?;
-        let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
-        let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
-        delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &tree)?;
-        delta_case(
-            &be,
-            c,
-            rep,
-            rng,
-            &format!("dv 96, {tag}"),
-            DELTANET_VALUE_DIM_96,
-            &[&[100, 5, 700], &[1, 70, 64]],
-            &[],
-        )?;
-        alone_and_beside(&be, rep, rng, tag)?;
-        let be64 = variant(&be, |o| o.gdn_rows_columns = 64)?;
-        long_and_wide_rows_agree(&be, &be64, rep, rng, tag)?;
-    }
-    Ok(())
-}
-
-/// A 73-token sequence continued from a state, alone and beside 40 sequences of 65 tokens: under
-/// `GdnScan::Rows` the first launch takes the 32-column kernel and the second the 128-column one
-/// (asserted through `chunk_scan_kernel`), and alone on `be64` (`gdn_rows_columns` 64) the
-/// 64-column one; its output rows and final state must agree bit for bit in all three.
-fn long_and_wide_rows_agree(
-    be: &CudaBackend,
-    be64: &CudaBackend,
-    rep: &mut Report,
-    rng: &mut SplitMix,
-    tag: &str,
-) -> Result<()> {
-    let dims = DELTANET_4B;
-    let (short, others, other_len) = (73usize, 40usize, 65usize);
-    let chunks = |n: usize| n.div_ceil(64);
-    let alone_kernel = be.chunk_scan_kernel(&dims, chunks(short), 1)?.name;
-    let alone64_kernel = be64.chunk_scan_kernel(&dims, chunks(short), 1)?.name;
-    rep.flag(
-        "gdn",
-        format!("{tag}: alone with 64-column blocks {alone64_kernel}"),
-        alone64_kernel.contains("_rows64_"),
-        "expected the 64-column kernel",
-    );
-    let beside_kernel = be.chunk_scan_kernel(&dims, chunks(other_len.max(short)), others + 1)?.name;
-    rep.flag(
-        "gdn",
-        format!("{tag}: alone {alone_kernel}, beside {others} others {beside_kernel}"),
-        alone_kernel.contains("_rows_") && beside_kernel.contains("_rows_wide_"),
-        "expected the 32-column kernel alone and the 128-column one beside the others",
-    );
-    let wts = DeltaWeights::random(rng, dims);
-    let pw = dims.proj_width();
-    let warm = rng.bf16_normals(100 * pw, 1.0);
-    let mut base = vec![be.new_delta_state(&dims)?];
-    wts.run(be, &warm, dims, &tiling(&[100]), &[], &mut base)?;
-    let xs = rng.bf16_normals(short * pw, 1.0);
-    let xo = rng.bf16_normals(others * other_len * pw, 1.0);
-    let mut s_alone = vec![base[0].clone()];
-    let o_alone = be.download(&wts.run(be, &xs, dims, &tiling(&[short]), &[], &mut s_alone)?)?;
-    // The same warm-up and continuation on the 64-column backend (its warm-up runs the 64-column
-    // kernel too, so a difference anywhere shows in the comparison below).
-    let mut s_alone64 = vec![be64.new_delta_state(&dims)?];
-    wts.run(be64, &warm, dims, &tiling(&[100]), &[], &mut s_alone64)?;
-    let o_alone64 = be64.download(&wts.run(be64, &xs, dims, &tiling(&[short]), &[], &mut s_alone64)?)?;
-    let diff64 =
-        bit_diff(&o_alone, &o_alone64) + bit_diff(&s_alone[0].recurrent()?, &s_alone64[0].recurrent()?);
-    rep.check(
-        "gdn",
-        format!(
-            "{tag}: {short} tokens with 32- vs 64-column blocks: output and state values whose bits differ"
-        ),
-        diff64 as f64,
-        0.0,
-    );
-    let mut s_beside = (0..others).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
-    s_beside.push(base[0].clone());
-    let both = [xo.as_slice(), xs.as_slice()].concat();
-    let mut lens = vec![other_len; others];
-    lens.push(short);
-    let o_beside = be.download(&wts.run(be, &both, dims, &tiling(&lens), &[], &mut s_beside)?)?;
-    let w = dims.value_heads * dims.value_dim;
-    let diff = bit_diff(&o_alone, &o_beside[others * other_len * w..])
-        + bit_diff(&s_alone[0].recurrent()?, &s_beside[others].recurrent()?);
-    rep.check(
-        "gdn",
-        format!("{tag}: {short} tokens alone vs beside {others} x {other_len}: output and state values whose bits differ"),
-        diff as f64,
-        0.0,
-    );
-    Ok(())
-}
-
 /// Final states that are not kept (`keep` false, as for read-out-only passes), under each scan:
 /// a tree call — a 4,097-token parent continued by 73, 1 and 600 tokens, a 2-token parent
 /// continued by 65, and an independent 130-token sequence whose state (it has seen 100 tokens)
@@ -316,7 +208,6 @@ pub fn unkept_state_cases(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix)
         ("pipelined", tc_scan(g, GdnScan::Pipelined, None)?),
         ("by length", tc_scan(g, GdnScan::ByLength, None)?),
         ("split", tc_scan(g, GdnScan::Split, None)?),
-        ("rows", tc_scan(g, GdnScan::Rows, None)?),
         ("FMA", variant(g, |o| o.gdn_ffma = true)?),
     ];
     for (name, be) in &variants {
@@ -480,10 +371,6 @@ pub const DELTANET_4B: DeltaNetDims = DeltaNetDims {
     conv_kernel: 4,
     norm_eps: 1e-6,
 };
-
-/// A value dim that is a multiple of 32 but not of 128 (the row-state scans' narrow blocks only).
-pub const DELTANET_VALUE_DIM_96: DeltaNetDims =
-    DeltaNetDims { key_heads: 2, value_heads: 4, key_dim: 64, value_dim: 96, conv_kernel: 4, norm_eps: 1e-6 };
 
 /// Small Gated DeltaNet shapes whose value_dim is not a multiple of 32 (nor 128).
 pub const DELTANET_SMALL_VALUE_DIM: DeltaNetDims =

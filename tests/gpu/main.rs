@@ -166,15 +166,6 @@ fn split_deltanet_matches_cpu() {
     rep.finish("deltanet (split)");
 }
 
-/// The row-state scans (opt-in `GdnScan::Rows`), 3xTF32 and TF32.
-#[test]
-fn rows_deltanet_matches_cpu() {
-    let Some(d) = gpu("deltanet (rows)") else { return };
-    let (mut rep, mut rng) = (Report::default(), SplitMix::new(18));
-    rep.guard("gdn", "deltanet (rows)", |rep| deltanet::rows_cases(&d.g, &d.c, rep, &mut rng));
-    rep.finish("deltanet (rows)");
-}
-
 #[test]
 fn engine_matches_cpu_and_goldens() {
     let Some(d) = gpu("engine") else { return };

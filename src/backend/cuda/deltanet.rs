@@ -10,7 +10,7 @@
 //! copy-on-write ([`CudaDeltaState`]).
 
 use super::launch::{grid1, launch_config, Arg};
-use super::layout::{self, RowsBlock};
+use super::layout;
 use super::tensor::CudaTensor;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::{check_parents, check_tiling, kept_states, DeltaNetDims, DeltaNetInputs, Tree};
@@ -48,16 +48,6 @@ pub enum GdnScan {
     /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 run the plain
     /// scan.
     Wide,
-    /// The row-state scans (kernels/deltanet_rows.cu): the state held transposed in registers,
-    /// each warp owning 16 value columns, so that a chunk's products need no barrier between
-    /// them. `gdn_chunk_scan_{tc,tf32}_rows_<dk>` (32 columns a block, or `_rows64_` with
-    /// `CudaOptions::gdn_rows_columns` 64; the next chunk copied while one computes) when the
-    /// longest sequence has at least [`PIPELINED_MIN_CHUNKS`] chunks or its grid fits one wave,
-    /// otherwise `_rows_wide_<dk>` (128 columns a block) when the value dim is a multiple of 128.
-    /// All three give the same bits; not the other scans' (the same mathematics summed in another
-    /// order), so this family is chosen for every launch, never per launch. Value dims that are
-    /// not a multiple of 32 fall back to [`GdnScan::PlainByLength`]. Opt-in while measured.
-    Rows,
 }
 
 impl GdnScan {
@@ -71,7 +61,6 @@ impl GdnScan {
             GdnScan::Plain => "tensor cores, not pipelined",
             GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
             GdnScan::Wide => "tensor cores, one block per head over all value columns",
-            GdnScan::Rows => "tensor cores, the state in registers by value rows",
         }
     }
 }
@@ -126,23 +115,6 @@ pub fn scan_kernel(
     // The TF32 kernels are the same code with one MMA per product: same layouts, same memory.
     let products = if options.gdn_tf32 { "tf32" } else { "tc" };
     let short = longest_chunks < PIPELINED_MIN_CHUNKS;
-    if options.gdn_scan == GdnScan::Rows && dv % RowsBlock::Narrow32.columns() == 0 {
-        let rows = |block: RowsBlock| ScanKernel {
-            name: format!("gdn_chunk_scan_{products}_{}_{dk}", block.infix()),
-            smem: layout::delta_rows_smem_bytes(dk, block),
-            threads: block.threads(),
-            column_blocks: (dv / block.columns()) as u32,
-        };
-        let narrow = if options.gdn_rows_columns == 64 && dv % 64 == 0 {
-            RowsBlock::Narrow64
-        } else {
-            RowsBlock::Narrow32
-        };
-        let long = rows(narrow);
-        let wide_fits = dv % RowsBlock::Wide.columns() == 0;
-        return if !short || !wide_fits || one_wave(&long) { long } else { rows(RowsBlock::Wide) };
-    }
-
     let pipelined = narrow(
         format!("gdn_chunk_scan_{products}_pipelined_{dk}"),
         layout::delta_tc_pipelined_smem_bytes(dk),
@@ -150,8 +122,7 @@ pub fn scan_kernel(
     let use_pipelined = match options.gdn_scan {
         GdnScan::Pipelined => true,
         GdnScan::Plain | GdnScan::Wide => false,
-        // Rows here: its value dim is not a multiple of 32 (above), so the plain-by-length choice.
-        GdnScan::PlainByLength | GdnScan::Split | GdnScan::Rows => !short,
+        GdnScan::PlainByLength | GdnScan::Split => !short,
         GdnScan::ByLength => !short || one_wave(&pipelined),
     };
     if use_pipelined {
@@ -728,45 +699,6 @@ mod tests {
         for w in rows.windows(2) {
             assert!(w[0][0] + w[0][1] <= w[1][0], "disjoint, ascending: {w:?}");
         }
-    }
-
-    #[test]
-    fn the_row_state_scans_are_chosen_for_every_launch_of_a_multiple_of_32_value_dim() {
-        let rows = CudaOptions { gdn_scan: GdnScan::Rows, ..CudaOptions::default() };
-        let fits = |_: &ScanKernel| true;
-        let spills = |_: &ScanKernel| false;
-        let short = PIPELINED_MIN_CHUNKS - 1;
-        let long = scan_kernel(&rows, 128, 128, PIPELINED_MIN_CHUNKS, spills);
-        assert_eq!(long.name, "gdn_chunk_scan_tf32_rows_128");
-        assert_eq!((long.threads, long.column_blocks), (64, 4));
-        assert_eq!(long.smem, layout::delta_rows_smem_bytes(128, RowsBlock::Narrow32));
-        assert_eq!(scan_kernel(&rows, 128, 128, short, fits).name, "gdn_chunk_scan_tf32_rows_128");
-        let wide = scan_kernel(&rows, 128, 128, short, spills);
-        assert_eq!(wide.name, "gdn_chunk_scan_tf32_rows_wide_128");
-        assert_eq!((wide.threads, wide.column_blocks), (256, 1));
-        // 96 value columns: three 32-column blocks, no 128-column one.
-        let k = scan_kernel(&rows, 64, 96, short, spills);
-        assert_eq!((k.name.as_str(), k.column_blocks), ("gdn_chunk_scan_tf32_rows_64", 3));
-        let tc = CudaOptions { gdn_tf32: false, ..rows.clone() };
-        assert_eq!(scan_kernel(&tc, 128, 128, short, spills).name, "gdn_chunk_scan_tc_rows_wide_128");
-        // Value dims that are not a multiple of 32 take the plain-by-length choice.
-        assert_eq!(scan_kernel(&rows, 32, 24, short, spills).name, "gdn_chunk_scan_tf32_32");
-        assert_eq!(
-            scan_kernel(&rows, 32, 24, PIPELINED_MIN_CHUNKS, spills).name,
-            "gdn_chunk_scan_tf32_pipelined_32"
-        );
-        // 64-column blocks for long launches when asked (and the value dim allows).
-        let rows64 = CudaOptions { gdn_rows_columns: 64, ..rows.clone() };
-        let k = scan_kernel(&rows64, 128, 128, PIPELINED_MIN_CHUNKS, spills);
-        assert_eq!((k.name.as_str(), k.threads, k.column_blocks), ("gdn_chunk_scan_tf32_rows64_128", 128, 2));
-        assert_eq!(scan_kernel(&rows64, 128, 128, short, spills).name, "gdn_chunk_scan_tf32_rows_wide_128");
-        assert_eq!(
-            scan_kernel(&rows64, 64, 96, PIPELINED_MIN_CHUNKS, spills).name,
-            "gdn_chunk_scan_tf32_rows_64"
-        );
-        // The FMA scan still wins over every tensor-core choice.
-        let ffma = CudaOptions { gdn_ffma: true, ..rows };
-        assert_eq!(scan_kernel(&ffma, 128, 128, short, spills).name, "gdn_chunk_scan_128");
     }
 
     #[test]

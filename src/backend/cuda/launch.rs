@@ -6,7 +6,7 @@
 //! loads every file of the table and sets each function's shared-memory limit from it.
 
 use super::gemm::Gemm;
-use super::layout::{self, RowsBlock};
+use super::layout;
 use super::CudaBackend;
 use anyhow::{anyhow, Result};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -132,12 +132,10 @@ pub const KERNELS: &[KernelFile] = &[
     },
     KernelFile {
         name: "deltanet",
-        // deltanet_split.cu and deltanet_rows.cu continue deltanet.cu (they use its helpers): one
-        // compilation unit.
+        // deltanet_split.cu continues deltanet.cu (it uses its helpers): one compilation unit.
         source: concat!(
             include_str!("../../../kernels/deltanet.cu"),
-            include_str!("../../../kernels/deltanet_split.cu"),
-            include_str!("../../../kernels/deltanet_rows.cu")
+            include_str!("../../../kernels/deltanet_split.cu")
         ),
         functions: &[
             k("gdn_conv"),
@@ -174,30 +172,6 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gdn_chunk_scan_tf32_wide_32", layout::delta_tc_wide_smem_bytes(32)),
             k_smem("gdn_chunk_scan_tf32_wide_64", layout::delta_tc_wide_smem_bytes(64)),
             k_smem("gdn_chunk_scan_tf32_wide_128", layout::delta_tc_wide_smem_bytes(128)),
-            k_smem("gdn_chunk_scan_tc_rows_16", layout::delta_rows_smem_bytes(16, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tc_rows_32", layout::delta_rows_smem_bytes(32, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tc_rows_64", layout::delta_rows_smem_bytes(64, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tc_rows_128", layout::delta_rows_smem_bytes(128, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tf32_rows_16", layout::delta_rows_smem_bytes(16, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tf32_rows_32", layout::delta_rows_smem_bytes(32, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tf32_rows_64", layout::delta_rows_smem_bytes(64, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tf32_rows_128", layout::delta_rows_smem_bytes(128, RowsBlock::Narrow32)),
-            k_smem("gdn_chunk_scan_tc_rows64_16", layout::delta_rows_smem_bytes(16, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tc_rows64_32", layout::delta_rows_smem_bytes(32, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tc_rows64_64", layout::delta_rows_smem_bytes(64, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tc_rows64_128", layout::delta_rows_smem_bytes(128, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tf32_rows64_16", layout::delta_rows_smem_bytes(16, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tf32_rows64_32", layout::delta_rows_smem_bytes(32, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tf32_rows64_64", layout::delta_rows_smem_bytes(64, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tf32_rows64_128", layout::delta_rows_smem_bytes(128, RowsBlock::Narrow64)),
-            k_smem("gdn_chunk_scan_tc_rows_wide_16", layout::delta_rows_smem_bytes(16, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tc_rows_wide_32", layout::delta_rows_smem_bytes(32, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tc_rows_wide_64", layout::delta_rows_smem_bytes(64, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tc_rows_wide_128", layout::delta_rows_smem_bytes(128, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tf32_rows_wide_16", layout::delta_rows_smem_bytes(16, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tf32_rows_wide_32", layout::delta_rows_smem_bytes(32, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tf32_rows_wide_64", layout::delta_rows_smem_bytes(64, RowsBlock::Wide)),
-            k_smem("gdn_chunk_scan_tf32_rows_wide_128", layout::delta_rows_smem_bytes(128, RowsBlock::Wide)),
             k_smem("gdn_split_wu_16", layout::delta_split_wu_smem_bytes(16)),
             k_smem("gdn_split_state_16", layout::delta_split_state_smem_bytes(16)),
             k_smem("gdn_split_out_16", layout::delta_split_out_smem_bytes(16)),

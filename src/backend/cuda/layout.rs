@@ -279,58 +279,6 @@ pub const fn delta_scan_smem_bytes(dk: usize) -> usize {
     (dk * (c + 4) + max(dk * (c + 4), 2 * c * c) + dk * 32 + 2 * c * 32 + 3 * c) * 4
 }
 
-/// The block shapes of the row-state scans (kernels/deltanet_rows.cu), one warp per 16 value
-/// columns: `gdn_chunk_scan_{tc,tf32}_<infix>_<dk>`. Every element is the same chain of MMAs in
-/// each, so all three give the same bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowsBlock {
-    /// 32 columns (2 warps), two stages: long or lone sequences (the default).
-    Narrow32,
-    /// 64 columns (4 warps), two stages: long sequences, half the blocks, twice the warps an SM.
-    Narrow64,
-    /// 128 columns (8 warps), one stage: many short sequences.
-    Wide,
-}
-
-impl RowsBlock {
-    pub const fn columns(self) -> usize {
-        match self {
-            RowsBlock::Narrow32 => 32,
-            RowsBlock::Narrow64 => 64,
-            RowsBlock::Wide => 128,
-        }
-    }
-
-    /// One warp per 16 value columns.
-    pub const fn threads(self) -> u32 {
-        (self.columns() / 16 * 32) as u32
-    }
-
-    pub const fn stages(self) -> usize {
-        match self {
-            RowsBlock::Wide => 1,
-            _ => 2,
-        }
-    }
-
-    /// The kernel-name part after `gdn_chunk_scan_{tc,tf32}_`.
-    pub const fn infix(self) -> &'static str {
-        match self {
-            RowsBlock::Narrow32 => "rows",
-            RowsBlock::Narrow64 => "rows64",
-            RowsBlock::Wide => "rows_wide",
-        }
-    }
-}
-
-/// Dynamic shared memory of the row-state scans (kernels/deltanet_rows.cu): K and Q
-/// [stages][64][dk + 4], V [stages][64][columns + 4], T and P [64][68], the gates [stages][3][64]
-/// (f32).
-pub const fn delta_rows_smem_bytes(dk: usize, block: RowsBlock) -> usize {
-    let c = DELTA_CHUNK;
-    (block.stages() * (2 * c * (dk + 4) + c * (block.columns() + 4) + 3 * c) + 2 * c * (c + 4)) * 4
-}
-
 /// The LoRA ranks per part `swiglu_lora_quant_1x128_<r>` (kernels/quant.cu) is built for.
 pub const SWIGLU_LORA_RANKS: [usize; 3] = [16, 32, 64];
 
@@ -489,10 +437,6 @@ mod tests {
                 && ATTENTION_KEY_RANGE % attention_q128_key_tile(256) == 0
         );
         assert!(!attention_q128_serves(32) && !attention_q128_serves(250) && !attention_q128_serves(16));
-        assert_eq!(delta_rows_smem_bytes(128, RowsBlock::Narrow32), 189_952);
-        assert_eq!(delta_rows_smem_bytes(128, RowsBlock::Narrow64), 206_336);
-        assert_eq!(delta_rows_smem_bytes(128, RowsBlock::Wide), 136_960);
-        assert!(delta_rows_smem_bytes(128, RowsBlock::Narrow64) <= 227 * 1024);
         let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
         // Two scan blocks per SM (228 KiB, 1 KiB reserved per block) for either kernel.

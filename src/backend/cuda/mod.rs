@@ -80,8 +80,8 @@ pub struct CudaOptions {
     /// Which tensor-core chunk scan runs when `gdn_ffma` is off: by launch (default: the pipelined
     /// one for launches with a long sequence, otherwise the plain one or, when its grid would take
     /// more than one wave, the wide one), or one of them always. All give the same bits (the split
-    /// path does not). Default: `IMAJEV_GDN_SCAN=plain-by-length`, `pipelined`, `plain`, `wide`,
-    /// `split` or `rows` in the environment (read only when this field is left at [`GdnScan::ByLength`]).
+    /// path does not). Default: `IMAJEV_GDN_SCAN=plain-by-length`, `pipelined`, `plain`, `wide` or
+    /// `split` in the environment (read only when this field is left at [`GdnScan::ByLength`]).
     pub gdn_scan: GdnScan,
     /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
     /// mantissas, f32 accumulation; the default) rather than 3xTF32 (f32-level, `false`): about a
@@ -89,10 +89,6 @@ pub struct CudaOptions {
     /// decisions within median |Δp| 1.4e-5 of 3xTF32 (bench/NOTES.md); plain and pipelined give
     /// the same bits as each other either way. `IMAJEV_GDN_TF32=0` in the environment turns it off.
     pub gdn_tf32: bool,
-    /// Value columns of a block of the row-state scans' long-sequence kernel (`GdnScan::Rows`):
-    /// 32 (two warps, the default) or 64 (four warps, half the blocks); the same bits either way.
-    /// `IMAJEV_GDN_ROWS_COLUMNS=32|64` in the environment sets it.
-    pub gdn_rows_columns: usize,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
@@ -128,7 +124,6 @@ impl Default for CudaOptions {
             gdn_ffma: false,
             gdn_scan: GdnScan::default(),
             gdn_tf32: true,
-            gdn_rows_columns: 32,
             unfused_act_quant: false,
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
@@ -209,10 +204,9 @@ impl CudaBackend {
                 Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("wide") => options.gdn_scan = GdnScan::Wide,
                 Ok("plain-by-length") => options.gdn_scan = GdnScan::PlainByLength,
-                Ok("rows") => options.gdn_scan = GdnScan::Rows,
                 Ok("") | Ok("by-length") | Err(_) => {}
                 Ok(other) => bail!(
-                    "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide, split or rows"
+                    "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide or split"
                 ),
             }
         }
@@ -228,12 +222,6 @@ impl CudaBackend {
             if !v.is_empty() {
                 options.narrow_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_NARROW_GEMM={v}: {e}"))?;
             }
-        }
-        match std::env::var("IMAJEV_GDN_ROWS_COLUMNS").as_deref() {
-            Ok("32") => options.gdn_rows_columns = 32,
-            Ok("64") => options.gdn_rows_columns = 64,
-            Ok("") | Err(_) => {}
-            Ok(other) => bail!("IMAJEV_GDN_ROWS_COLUMNS={other}: expected 32 or 64"),
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
