@@ -129,6 +129,38 @@ pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
     )
 }
 
+/// The balanced chunk preparation (`gdn_prep_balanced`, `gdn_chunk_prep_bal_<dk>`): against the
+/// CPU twin and BITWISE against the plain preparation (outputs and final states after every call),
+/// with the default by-length TF32 scans, at the lengths where chunks change shape, in a tree and
+/// with a small value dim.
+pub fn balanced_prep_cases(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+) -> Result<()> {
+    let prep = |balanced| {
+        variant(g, |o| {
+            o.gdn_ffma = false;
+            o.gdn_prep_balanced = balanced;
+        })
+    };
+    let (bal, plain) = (prep(true)?, prep(false)?);
+    if !bal.options().gdn_prep_balanced || plain.options().gdn_prep_balanced || bal.options().gdn_ffma {
+        rep.flag("gdn", "balanced prep", false, "IMAJEV_GDN_PREP / IMAJEV_GDN_FFMA force one: unset them");
+        return Ok(());
+    }
+    let twin = Some(("plain prep", &plain));
+    let (d4b, alt) = (DELTANET_4B, DELTANET_SMALL_VALUE_DIM);
+    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
+    delta_case_vs(&bal, twin, c, rep, rng, "4B, balanced prep", d4b, lens, &[])?;
+    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+    delta_case_vs(&bal, twin, c, rep, rng, "4B, balanced prep", d4b, lens, &tree)?;
+    let lens: &[&[usize]] = &[&[100, 5, 700], &[1, 70, 64]];
+    delta_case_vs(&bal, twin, c, rep, rng, "alt, balanced prep", alt, lens, &[])
+}
+
 /// The wide plain scan (`GdnScan::Wide`: one block per (sequence, value head) over all value
 /// columns), with TF32 and with 3xTF32 products: against the CPU twin and BITWISE against the plain
 /// scan of the same precision (outputs and final states after every call), at 1, 63, 64, 65, 127
