@@ -17,8 +17,8 @@
 //!   across the row counts (a pin must keep batch invariance); last, the `IMAJEV_GEMM_PINS` value
 //!   that would pin the winners (see src/backend/cuda/gemm.rs);
 //! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
-//!   16,384 rows, the gate/up LoRA B side as its own GEMM and fused into the SwiGLU
-//!   (`mlp_lora_fused`), and their ratio;
+//!   16,384 rows (or at `--lengths`), the gate/up LoRA B side as its own GEMM and fused into the
+//!   SwiGLU (`mlp_lora_fused`), and their ratio;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -641,9 +641,6 @@ fn main() -> Result<()> {
     if run("norm") {
         b.norms()?;
     }
-    if named("mlp") {
-        b.mlp(&[977, 7816, 16384])?;
-    }
     let lengths_arg: Option<Vec<usize>> = match args.iter().position(|a| a == "--lengths") {
         Some(i) => Some(
             args.get(i + 1)
@@ -654,6 +651,9 @@ fn main() -> Result<()> {
         ),
         None => None,
     };
+    if named("mlp") {
+        b.mlp(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
+    }
     if named("gemm-algos") {
         b.gemm_algos(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
     }
