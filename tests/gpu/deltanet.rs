@@ -77,25 +77,30 @@ pub fn pipelined_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
         );
         return Ok(());
     }
-    let twin = Some(("plain tc scan", &plain));
+    twin_cases(&piped, ("plain tc scan", &plain), c, rep, rng, "pipelined scan")?;
+    batch_invariance_across_scans(g, rep, rng)
+}
+
+/// `be` against the CPU twin and BITWISE against `twin` (outputs and final states after every
+/// call): 4B shapes at 1, 63, 64, 65, 127, 4,097 and 16,384 rows, then a tree (a 2-token parent and a
+/// 4,097-token parent with children), then a small value dim.
+fn twin_cases(
+    be: &CudaBackend,
+    twin: (&str, &CudaBackend),
+    c: &CpuBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    name: &str,
+) -> Result<()> {
+    let twin = Some(twin);
     let (d4b, alt) = (DELTANET_4B, DELTANET_SMALL_VALUE_DIM);
     let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
-    delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined scan", d4b, lens, &[])?;
+    delta_case_vs(be, twin, c, rep, rng, &format!("4B, {name}"), d4b, lens, &[])?;
     let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
     let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
-    delta_case_vs(&piped, twin, c, rep, rng, "4B, pipelined scan", d4b, lens, &tree)?;
-    delta_case_vs(
-        &piped,
-        twin,
-        c,
-        rep,
-        rng,
-        "alt, pipelined scan",
-        alt,
-        &[&[100, 5, 700], &[1, 70, 64]],
-        &[],
-    )?;
-    batch_invariance_across_scans(g, rep, rng)
+    delta_case_vs(be, twin, c, rep, rng, &format!("4B, {name}"), d4b, lens, &tree)?;
+    let lens: &[&[usize]] = &[&[100, 5, 700], &[1, 70, 64]];
+    delta_case_vs(be, twin, c, rep, rng, &format!("alt, {name}"), alt, lens, &[])
 }
 
 /// The one-TF32-MMA scans (`gdn_tf32`, the default): plain and pipelined against the CPU twin (final
@@ -150,15 +155,7 @@ pub fn balanced_prep_cases(
         rep.flag("gdn", "balanced prep", false, "IMAJEV_GDN_PREP / IMAJEV_GDN_FFMA force one: unset them");
         return Ok(());
     }
-    let twin = Some(("plain prep", &plain));
-    let (d4b, alt) = (DELTANET_4B, DELTANET_SMALL_VALUE_DIM);
-    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
-    delta_case_vs(&bal, twin, c, rep, rng, "4B, balanced prep", d4b, lens, &[])?;
-    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
-    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
-    delta_case_vs(&bal, twin, c, rep, rng, "4B, balanced prep", d4b, lens, &tree)?;
-    let lens: &[&[usize]] = &[&[100, 5, 700], &[1, 70, 64]];
-    delta_case_vs(&bal, twin, c, rep, rng, "alt, balanced prep", alt, lens, &[])
+    twin_cases(&bal, ("plain prep", &plain), c, rep, rng, "balanced prep")
 }
 
 /// The wide plain scan (`GdnScan::Wide`: one block per (sequence, value head) over all value
