@@ -727,17 +727,12 @@ fn main() -> Result<()> {
     let (split3, split1) = (scan(GdnScan::Split, false)?, scan(GdnScan::Split, true)?);
     // The wide plain scan (one block per head over all value columns) beside the plain one.
     let wide1 = scan(GdnScan::Wide, true)?;
-    // The balanced chunk preparation (`gdn_prep_balanced`) beside the plain one, default scans.
-    let default1 = scan(GdnScan::ByLength, true)?;
-    let balanced1 =
-        CudaBackend::new(0, CudaOptions { gdn_prep_balanced: true, ..default1.options().clone() })?;
     let tf32 = [
         [("plain tc scan", &plain), ("plain TF32 scan", &plain1)],
         [("pipelined tc scan", &piped), ("pipelined TF32 scan", &piped1)],
         [("plain TF32 scan", &plain1), ("wide TF32 scan", &wide1)],
         [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
         [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
-        [("default scans", &default1), ("default scans, balanced prep", &balanced1)],
     ];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;

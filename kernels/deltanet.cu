@@ -360,37 +360,11 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
 // P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
 // one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
 // column in registers (no barriers inside the solve).
-//
-// gdn_chunk_prep_bal_<DK>: the same outputs, bit for bit (every sum the same terms in the same
-// order), with the work spread better (ncu, H100, 16K rows: the kernel above issues from 8 warps
-// although only 136 of its 256 threads have a tile below the diagonal, and waits on shared-memory
-// loads): the 136 lower tiles go to threads 0..135 (5 warps; prep_tile below) and the 120 upper
-// tiles, which only write zeros, to the other 120; and the solve reads A four entries at a time
-// (rows padded to 68 floats so that a row's float4 are aligned) instead of one.
-//
-// Thread tid's 4x4 tile (ti, tj) in the balanced kernel: tid < 136 the lower tiles row by row
-// (tid = ti (ti + 1) / 2 + tj, tj <= ti), tid >= 136 the upper ones as mirrors of the strictly lower
-// tiles (tid - 136 = a (a - 1) / 2 + b, b < a: (ti, tj) = (b, a)). Twin: layout::prep_tile.
-__device__ __forceinline__ void prep_tile(int tid, int& ti, int& tj) {
-  if (tid < 136) {
-    int r = 0;
-    while ((r + 1) * (r + 2) / 2 <= tid) r++;
-    ti = r;
-    tj = tid - r * (r + 1) / 2;
-  } else {
-    const int u = tid - 136;
-    int a = 1;
-    while ((a + 1) * a / 2 <= u) a++;
-    ti = u - a * (a - 1) / 2;
-    tj = a;
-  }
-}
-
-template <int DK, bool BAL>
+template <int DK>
 __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
                            const int* chunks, int kh, int vh, float* tp) {
   extern __shared__ __align__(16) float smem_prep[];
-  constexpr int LDA = BAL ? CHUNK + 4 : CHUNK + 1;
+  constexpr int LDA = CHUNK + 1;
   constexpr int STAGE = (2 * DK * LDQK > 2 * CHUNK * LDA) ? 2 * DK * LDQK : 2 * CHUNK * LDA;
   float* Kt = smem_prep;             // [DK][68]   (staging)
   float* Qt = Kt + DK * LDQK;        // [DK][68]   (staging)
@@ -402,8 +376,7 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   const int len = chunks[2 * ck + 1];
   stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
   __syncthreads();
-  int ti = tid >> 4, tj = tid & 15;
-  if (BAL) prep_tile(tid, ti, tj);
+  const int ti = tid >> 4, tj = tid & 15;
   float kk[4][4], qk[4][4];
 #pragma unroll
   for (int a = 0; a < 4; a++)
@@ -471,31 +444,12 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
 #pragma unroll
       for (int i = 0; i < CHUNK; i++) {
         float s0 = i == c ? 1.f : 0.f, s1 = 0.f;
-        if (BAL) {
-          // Even j into s0, odd j into s1, each in ascending j: the terms and order of the loop below.
 #pragma unroll
-          for (int j4 = 0; j4 < i; j4 += 4) {
-            const float4 a4 = *(const float4*)(Ah + i * LDA + j4);
-            const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-              const int j = j4 + u;
-              if (j < i) {
-                if (j & 1)
-                  s1 -= av[u] * x[j];
-                else
-                  s0 -= av[u] * x[j];
-              }
-            }
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j + 1 < i; j += 2) {
-            s0 -= Ah[i * LDA + j] * x[j];
-            s1 -= Ah[i * LDA + j + 1] * x[j + 1];
-          }
-          if (i & 1) s0 -= Ah[i * LDA + i - 1] * x[i - 1];
+        for (int j = 0; j + 1 < i; j += 2) {
+          s0 -= Ah[i * LDA + j] * x[j];
+          s1 -= Ah[i * LDA + j + 1] * x[j + 1];
         }
+        if (i & 1) s0 -= Ah[i * LDA + i - 1] * x[i - 1];
         x[i] = s0 + s1;
       }
       float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + c * CHUNK;
@@ -505,20 +459,16 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   }
 }
 
-#define PREP_ENTRY(NAME, DK, BAL)                                                                             \
-  extern "C" __global__ void __launch_bounds__(256) NAME(const float* qn, const float* kn, const float* beta,     \
-                                                         const float* g, const int* chunks, int kh, int vh,      \
-                                                         float* tp) {                                            \
-    chunk_prep<DK, BAL>(qn, kn, beta, g, chunks, kh, vh, tp);                                                     \
+#define PREP_ENTRY(DK)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep_##DK(                                      \
+      const float* qn, const float* kn, const float* beta, const float* g, const int* chunks, int kh, int vh, \
+      float* tp) {                                                                                            \
+    chunk_prep<DK>(qn, kn, beta, g, chunks, kh, vh, tp);                                                      \
   }
-PREP_ENTRY(gdn_chunk_prep_16, 16, false)
-PREP_ENTRY(gdn_chunk_prep_32, 32, false)
-PREP_ENTRY(gdn_chunk_prep_64, 64, false)
-PREP_ENTRY(gdn_chunk_prep_128, 128, false)
-PREP_ENTRY(gdn_chunk_prep_bal_16, 16, true)
-PREP_ENTRY(gdn_chunk_prep_bal_32, 32, true)
-PREP_ENTRY(gdn_chunk_prep_bal_64, 64, true)
-PREP_ENTRY(gdn_chunk_prep_bal_128, 128, true)
+PREP_ENTRY(16)
+PREP_ENTRY(32)
+PREP_ENTRY(64)
+PREP_ENTRY(128)
 
 // The sequential part, per (sequence, value head, 32 value columns c0..): for each chunk in order,
 //   R_i  = beta_i (v_i - e^{gamma_i} k_i S)          (S: the state before the chunk, [dk, 32])

@@ -134,30 +134,6 @@ pub fn tf32_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
     )
 }
 
-/// The balanced chunk preparation (`gdn_prep_balanced`, `gdn_chunk_prep_bal_<dk>`): against the
-/// CPU twin and BITWISE against the plain preparation (outputs and final states after every call),
-/// with the default by-length TF32 scans, at the lengths where chunks change shape, in a tree and
-/// with a small value dim.
-pub fn balanced_prep_cases(
-    g: &CudaBackend,
-    c: &CpuBackend,
-    rep: &mut Report,
-    rng: &mut SplitMix,
-) -> Result<()> {
-    let prep = |balanced| {
-        variant(g, |o| {
-            o.gdn_ffma = false;
-            o.gdn_prep_balanced = balanced;
-        })
-    };
-    let (bal, plain) = (prep(true)?, prep(false)?);
-    if !bal.options().gdn_prep_balanced || plain.options().gdn_prep_balanced || bal.options().gdn_ffma {
-        rep.flag("gdn", "balanced prep", false, "IMAJEV_GDN_PREP / IMAJEV_GDN_FFMA force one: unset them");
-        return Ok(());
-    }
-    twin_cases(&bal, ("plain prep", &plain), c, rep, rng, "balanced prep")
-}
-
 /// The wide plain scan (`GdnScan::Wide`: one block per (sequence, value head) over all value
 /// columns), with TF32 and with 3xTF32 products: against the CPU twin and BITWISE against the plain
 /// scan of the same precision (outputs and final states after every call), at 1, 63, 64, 65, 127

@@ -148,17 +148,6 @@ fn tf32_deltanet_scans_match_cpu() {
     rep.finish("deltanet (TF32)");
 }
 
-/// The balanced chunk preparation (opt-in `gdn_prep_balanced`), bitwise against the plain one.
-#[test]
-fn balanced_prep_deltanet_matches_cpu_and_the_plain_prep() {
-    let Some(d) = gpu("deltanet (balanced prep)") else { return };
-    let (mut rep, mut rng) = (Report::default(), SplitMix::new(19));
-    rep.guard("gdn", "deltanet (balanced prep)", |rep| {
-        deltanet::balanced_prep_cases(&d.g, &d.c, rep, &mut rng)
-    });
-    rep.finish("deltanet (balanced prep)");
-}
-
 /// The wide plain scan (opt-in `GdnScan::Wide`), TF32 and 3xTF32, bitwise against the plain scan.
 #[test]
 fn wide_deltanet_scan_matches_cpu_and_the_plain_scan() {

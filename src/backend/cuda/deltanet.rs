@@ -560,14 +560,9 @@ fn delta_rule(
     }
     let chunk = layout::DELTA_CHUNK;
     let tp = be.alloc_f32(plan.chunk_count * vh * 2 * chunk * chunk)?;
-    let balanced = be.state.options.gdn_prep_balanced;
     be.launch(
-        &format!("gdn_chunk_prep_{}{dk}", if balanced { "bal_" } else { "" }),
-        launch_config(
-            (plan.chunk_count as u32, kh as u32, 1),
-            256,
-            layout::delta_prep_smem_bytes(dk, balanced),
-        ),
+        &format!("gdn_chunk_prep_{dk}"),
+        launch_config((plan.chunk_count as u32, kh as u32, 1), 256, layout::delta_prep_smem_bytes(dk)),
         &[
             Arg::Ptr(be.p(&x.q)),
             Arg::Ptr(be.p(&x.k)),

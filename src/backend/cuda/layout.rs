@@ -266,34 +266,10 @@ pub const fn delta_split_out_smem_bytes(dk: usize) -> usize {
 }
 
 /// Dynamic shared memory of `gdn_chunk_prep_<dk>` (kernels/deltanet.cu): max(q and k staged
-/// [dk][68], A of two value heads [2][64][65], or [2][64][68] in `gdn_chunk_prep_bal_<dk>`:
-/// `balanced`) + gamma, beta [2][64] each.
-pub const fn delta_prep_smem_bytes(dk: usize, balanced: bool) -> usize {
+/// [dk][68], A of two value heads [2][64][65]) + gamma, beta [2][64] each.
+pub const fn delta_prep_smem_bytes(dk: usize) -> usize {
     let c = DELTA_CHUNK;
-    let lda = if balanced { c + 4 } else { c + 1 };
-    (max(2 * dk * (c + 4), 2 * c * lda) + 4 * c) * 4
-}
-
-/// The 4×4 tile `(ti, tj)` of the 64×64 chunk products that thread `tid` (0..256) of
-/// `gdn_chunk_prep_bal_<dk>` computes (`prep_tile` in kernels/deltanet.cu, the same arithmetic):
-/// threads 0..136 the tiles on and below the diagonal row by row, so that only the first five
-/// warps do the products; threads 136.. the tiles above it (they write zeros), as mirrors of the
-/// strictly lower ones.
-pub fn prep_tile(tid: usize) -> (usize, usize) {
-    if tid < 136 {
-        let mut r = 0;
-        while (r + 1) * (r + 2) / 2 <= tid {
-            r += 1;
-        }
-        (r, tid - r * (r + 1) / 2)
-    } else {
-        let u = tid - 136;
-        let mut a = 1;
-        while (a + 1) * a / 2 <= u {
-            a += 1;
-        }
-        (u - a * (a - 1) / 2, a)
-    }
+    (max(2 * dk * (c + 4), 2 * c * (c + 1)) + 4 * c) * 4
 }
 
 /// Dynamic shared memory of `gdn_chunk_scan_<dk>` (kernels/deltanet.cu): k [dk][68], q [dk][68]
@@ -348,20 +324,6 @@ pub fn ptr_alignment(addr: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_balanced_prep_gives_every_tile_to_one_thread_lower_tiles_first() {
-        let mut seen = std::collections::BTreeSet::new();
-        for tid in 0..256 {
-            let (ti, tj) = prep_tile(tid);
-            assert!(ti < 16 && tj < 16, "tid {tid}: ({ti}, {tj})");
-            assert_eq!(tj <= ti, tid < 136, "tid {tid}: ({ti}, {tj}) on the wrong side of the diagonal");
-            assert!(seen.insert((ti, tj)), "tid {tid}: ({ti}, {tj}) twice");
-        }
-        assert_eq!(seen.len(), 256);
-        assert_eq!((prep_tile(0), prep_tile(1), prep_tile(135)), ((0, 0), (1, 0), (15, 15)));
-        assert_eq!((prep_tile(136), prep_tile(138), prep_tile(255)), ((0, 1), (1, 2), (14, 15)));
-    }
 
     #[test]
     fn the_fused_swiglu_lora_takes_only_a_gate_and_up_pair_of_one_supported_rank() {
@@ -475,8 +437,7 @@ mod tests {
                 && ATTENTION_KEY_RANGE % attention_q128_key_tile(256) == 0
         );
         assert!(!attention_q128_serves(32) && !attention_q128_serves(250) && !attention_q128_serves(16));
-        let (prep, scan) = (delta_prep_smem_bytes(128, false), delta_scan_smem_bytes(128));
-        assert_eq!(delta_prep_smem_bytes(128, true), prep, "the balanced prep's A fits the staging");
+        let (prep, scan) = (delta_prep_smem_bytes(128), delta_scan_smem_bytes(128));
         assert!(prep <= 227 * 1024 && scan <= 227 * 1024, "{prep} {scan}");
         // Two scan blocks per SM (228 KiB, 1 KiB reserved per block) for either kernel.
         assert!(2 * (scan + 1024) <= 228 * 1024, "{scan}");

@@ -89,10 +89,6 @@ pub struct CudaOptions {
     /// decisions within median |Δp| 1.4e-5 of 3xTF32 (bench/NOTES.md); plain and pipelined give
     /// the same bits as each other either way. `IMAJEV_GDN_TF32=0` in the environment turns it off.
     pub gdn_tf32: bool,
-    /// Run the chunk preparation as `gdn_chunk_prep_bal_<dk>` (the chunk products on five warps
-    /// instead of eight, the solve reading four entries of A at a time; the same bits as
-    /// `gdn_chunk_prep_<dk>`). Opt-in until measured: `IMAJEV_GDN_PREP=balanced` (or `plain`).
-    pub gdn_prep_balanced: bool,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
@@ -128,7 +124,6 @@ impl Default for CudaOptions {
             gdn_ffma: false,
             gdn_scan: GdnScan::default(),
             gdn_tf32: true,
-            gdn_prep_balanced: false,
             unfused_act_quant: false,
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
@@ -222,12 +217,6 @@ impl CudaBackend {
             Ok(other) => {
                 bail!("IMAJEV_GDN_TF32={other}: expected 1 (TF32 products, the default) or 0 (3xTF32)")
             }
-        }
-        match std::env::var("IMAJEV_GDN_PREP").as_deref() {
-            Ok("balanced") => options.gdn_prep_balanced = true,
-            Ok("plain") => options.gdn_prep_balanced = false,
-            Ok("") | Err(_) => {}
-            Ok(other) => bail!("IMAJEV_GDN_PREP={other}: expected plain or balanced"),
         }
         if let Ok(v) = std::env::var("IMAJEV_NARROW_GEMM") {
             if !v.is_empty() {
