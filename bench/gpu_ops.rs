@@ -3,7 +3,7 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,gemm-algos,mlp,norm,attention,vision,deltanet,narrow] [--lengths 16384]` (`--only`:
+//! [--only gemm,gemm-algos,mlp,norm,attention,vision,deltanet,deltanet-wg,narrow] [--lengths 16384]` (`--only`:
 //! those groups; `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g.
 //! under a profiler)
 //!
@@ -27,7 +27,8 @@
 //!   kept, and not kept as the server runs passes), once with each tensor-core chunk scan
 //!   (plain, pipelined and the wide plain one: the same bits, the rest of the mixer the same
 //!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
-//!   own device time;
+//!   own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper) beside the default scans
+//!   (alone with `--only deltanet-wg`);
 //! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
 //!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
 //!   977 rows (the 256-token request's forward), 4K, 16K and 47,692 rows (the 2-image request)
@@ -616,8 +617,8 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 8] =
-        ["gemm", "gemm-algos", "mlp", "norm", "attention", "vision", "deltanet", "narrow"];
+    const GROUPS: [&str; 9] =
+        ["gemm", "gemm-algos", "mlp", "norm", "attention", "vision", "deltanet", "deltanet-wg", "narrow"];
     let only: Option<Vec<String>> = args.iter().position(|a| a == "--only").map(|i| match args.get(i + 1) {
         Some(v) => v.split(',').map(str::to_string).collect(),
         None => Vec::new(),
@@ -734,11 +735,17 @@ fn main() -> Result<()> {
         [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
         [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
     ];
+    // The warpgroup scan (its own prep and scan) beside the default by-length scans.
+    let (default, warpgroup) = (scan(GdnScan::ByLength, true)?, scan(GdnScan::Warpgroup, true)?);
+    let wg_pair = [("default scans", &default), ("warpgroup scan", &warpgroup)];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;
         for pair in &tf32 {
             b.deltanet(pair, delta, m, m == 2048)?;
         }
+    }
+    for &m in lengths.iter().filter(|_| run("deltanet") || run("deltanet-wg")) {
+        b.deltanet(&wg_pair, delta, m, m == 2048)?;
     }
     println!(
         "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",

@@ -618,10 +618,6 @@ ATTN_COMBINE_ENTRY(256)
 // exp2, sums over 64-key tiles in order), so a row never depends on the other rows of the batch.
 // CPU twin: as attn_fwd.
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define IMAJEV_WGMMA 1
-#endif
-
 #ifdef IMAJEV_WGMMA
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (K-major descriptors);
 // scale_d 0 overwrites D.
@@ -665,40 +661,12 @@ __device__ __forceinline__ void wgmma_rs_m64n256(float (&d)[128], const unsigned
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to the
-// async proxy the tensor cores read through.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // 2^x in one MUFU instruction (exp2f adds a range check and two multiplies for denormal results;
 // flushing those to zero changes nothing here: they are added to a sum that is at least 1).
 __device__ __forceinline__ float ex2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// A shared-memory matrix descriptor, 128-byte swizzle.
-__device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned lbo, unsigned sbo) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-
-// smem_desc's low word (start address / 16 and leading byte offset / 16). Descriptors of two
-// addresses a multiple of 16 bytes apart differ only in it, by the distance / 16 (the 14-bit
-// address field never carries: shared memory is below 256 KB), so attn_fwd_wgmma(_ov) compute it
-// once per buffer and add compile-time offsets, where building each descriptor from its address
-// took ~5 instructions, 8 descriptors per tile (SASS, NOTES).
-__device__ __forceinline__ unsigned smem_desc_lo(const void* p, unsigned lbo) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  return ((a & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
-}
-// The descriptor of a low word from smem_desc_lo and the stride byte offset: equal to smem_desc.
-__device__ __forceinline__ unsigned long long smem_desc_of(unsigned lo, unsigned sbo) {
-  return (unsigned long long)lo | ((unsigned long long)(((sbo & 0x3FFFF) >> 4) | (1u << 30)) << 32);
 }
 
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile at dst (see above), zero-

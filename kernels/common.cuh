@@ -143,3 +143,42 @@ __device__ __forceinline__ void store_bf16x4(bf16* p, const bf16 h[4]) {
   u.y = (unsigned)__bfloat16_as_ushort(h[2]) | ((unsigned)__bfloat16_as_ushort(h[3]) << 16);
   *(uint2*)p = u;
 }
+
+// Hopper warpgroup MMAs (sm_90a only: IMAJEV_WGMMA is defined where they compile; kernels that use
+// them keep empty entries elsewhere, and the host launches those only on sm_90). The primitives
+// every wgmma kernel needs: the fences and waits, and shared-memory matrix descriptors for the
+// 128-byte-swizzled layout (a tile of R rows is column blocks of R rows x 128 bytes, the 16-byte
+// chunk c of row r at chunk c ^ (r % 8), 1024-byte aligned; SBO 1024 = 8 rows).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define IMAJEV_WGMMA 1
+#endif
+
+#ifdef IMAJEV_WGMMA
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to the
+// async proxy the tensor cores read through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned lbo, unsigned sbo) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// smem_desc's low word (start address / 16 and leading byte offset / 16). Descriptors of two
+// addresses a multiple of 16 bytes apart differ only in it, by the distance / 16 (the 14-bit
+// address field never carries: shared memory is below 256 KB), so attn_fwd_wgmma(_ov) compute it
+// once per buffer and add compile-time offsets, where building each descriptor from its address
+// took ~5 instructions, 8 descriptors per tile (SASS, NOTES).
+__device__ __forceinline__ unsigned smem_desc_lo(const void* p, unsigned lbo) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return ((a & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+// The descriptor of a low word from smem_desc_lo and the stride byte offset: equal to smem_desc.
+__device__ __forceinline__ unsigned long long smem_desc_of(unsigned lo, unsigned sbo) {
+  return (unsigned long long)lo | ((unsigned long long)(((sbo & 0x3FFFF) >> 4) | (1u << 30)) << 32);
+}
+#endif  // IMAJEV_WGMMA

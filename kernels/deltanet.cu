@@ -230,6 +230,14 @@ extern "C" __global__ void gdn_conv_hist(const bf16* x, i64 ld, const i64* segs,
   }
 }
 
+// x rounded to TF32 (10-bit mantissa, to nearest, ties away), as the bits of an f32 / as an f32.
+__device__ __forceinline__ unsigned f2tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(f2tf32(x)); }
+
 // Stages rows row0.. (len of them, zeros up to 64) of key head hk of q and k, transposed: Xt[d][i] at
 // Xt + d*LDQK + i. Global reads are 16-byte and coalesced (a warp reads 4 float4 from each of 8
 // rows); the transposed shared stores of a warp hit 16 banks (2-way) thanks to the 68-float stride.
@@ -351,7 +359,11 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
 //   A[i][j] = beta_i e^{gamma_i - gamma_j} k_i.k_j       (j < i, else 0)
 //   T = (I + A)^-1                                       (unit lower triangular)
 // Both are stored TRANSPOSED, tp[(chunk*vh + hv)*2 + {0: T, 1: P}][j][i], so that the scan reads the
-// entries of 4 consecutive rows i of one column j with one 16-byte load.
+// entries of 4 consecutive rows i of one column j with one 16-byte load. gdn_chunk_prep_rm_<DK> (RM,
+// for the warpgroup scan of deltanet_wg.cu, whose operands are whole rows) stores them ROW-MAJOR,
+// tp[...][i][j], and also writes each chunk's K^T, kt[(chunk*kh + hk)][d][i] (zeros past the
+// chunk's length), from the staging; all three rounded to TF32 (the tensor cores would otherwise
+// truncate these shared-memory operands; the mma.sync scans round theirs with cvt.rna too).
 //
 // gdn_chunk_prep_<DK>: one block of 256 threads per (chunk, key head). q.k and k.k depend on the key
 // head only and are computed once for its vh/kh value heads: thread (ti, tj) = (tid/16, tid%16) holds
@@ -360,9 +372,9 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
 // P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
 // one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
 // column in registers (no barriers inside the solve).
-template <int DK>
+template <int DK, bool RM>
 __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
-                           const int* chunks, int kh, int vh, float* tp) {
+                           const int* chunks, int kh, int vh, float* tp, float* kt) {
   extern __shared__ __align__(16) float smem_prep[];
   constexpr int LDA = CHUNK + 1;
   constexpr int STAGE = (2 * DK * LDQK > 2 * CHUNK * LDA) ? 2 * DK * LDQK : 2 * CHUNK * LDA;
@@ -376,6 +388,15 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   const int len = chunks[2 * ck + 1];
   stage_qk_t<DK>(Kt, Qt, qn, kn, row0, len, kh, hk);
   __syncthreads();
+  if (RM) {
+    float* kto = kt + ((i64)ck * kh + hk) * DK * CHUNK;
+#pragma unroll
+    for (int u = 0; u < DK * CHUNK / 4 / 256; u++) {
+      const int idx = tid + 256 * u, d = idx >> 4, i4 = 4 * (idx & 15);
+      const float4 k4 = *(const float4*)(Kt + d * LDQK + i4);
+      *(float4*)(kto + d * CHUNK + i4) = make_float4(round_tf32(k4.x), round_tf32(k4.y), round_tf32(k4.z), round_tf32(k4.w));
+    }
+  }
   const int ti = tid >> 4, tj = tid & 15;
   float kk[4][4], qk[4][4];
 #pragma unroll
@@ -422,18 +443,24 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
       float* Ah = As + h * CHUNK * LDA;
       float* Pg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + CHUNK * CHUNK;
       const float* gh = gam + h * CHUNK;
+      float pv[4][4];
 #pragma unroll
       for (int b = 0; b < 4; b++) {
         const int j = 4 * tj + b;
-        float pv[4];
 #pragma unroll
         for (int a = 0; a < 4; a++) {
           const int i = 4 * ti + a;
           const float e = j <= i ? expf(gh[i] - gh[j]) : 0.f;
           Ah[i * LDA + j] = j < i ? bet[h * CHUNK + i] * kk[a][b] * e : 0.f;
-          pv[a] = j <= i ? qk[a][b] * e : 0.f;
+          pv[a][b] = j <= i ? qk[a][b] * e : 0.f;
         }
-        *(float4*)(Pg + j * CHUNK + 4 * ti) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+        if (!RM) *(float4*)(Pg + j * CHUNK + 4 * ti) = make_float4(pv[0][b], pv[1][b], pv[2][b], pv[3][b]);
+      }
+      if (RM) {
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+          *(float4*)(Pg + (4 * ti + a) * CHUNK + 4 * tj) =
+              make_float4(round_tf32(pv[a][0]), round_tf32(pv[a][1]), round_tf32(pv[a][2]), round_tf32(pv[a][3]));
       }
     }
     __syncthreads();
@@ -452,23 +479,32 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
         if (i & 1) s0 -= Ah[i * LDA + i - 1] * x[i - 1];
         x[i] = s0 + s1;
       }
-      float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK + c * CHUNK;
+      float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
+      if (RM) {
 #pragma unroll
-      for (int i = 0; i < CHUNK; i += 4) *(float4*)(Tg + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+        for (int i = 0; i < CHUNK; i++) Tg[i * CHUNK + c] = round_tf32(x[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < CHUNK; i += 4)
+          *(float4*)(Tg + c * CHUNK + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+      }
     }
   }
 }
 
-#define PREP_ENTRY(DK)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep_##DK(                                      \
-      const float* qn, const float* kn, const float* beta, const float* g, const int* chunks, int kh, int vh, \
-      float* tp) {                                                                                            \
-    chunk_prep<DK>(qn, kn, beta, g, chunks, kh, vh, tp);                                                      \
+#define PREP_ENTRY(NAME, DK, RM)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const float* qn, const float* kn, const float* beta,     \
+                                                         const float* g, const int* chunks, int kh, int vh,      \
+                                                         float* tp, float* kt) {                                 \
+    chunk_prep<DK, RM>(qn, kn, beta, g, chunks, kh, vh, tp, kt);                                                  \
   }
-PREP_ENTRY(16)
-PREP_ENTRY(32)
-PREP_ENTRY(64)
-PREP_ENTRY(128)
+PREP_ENTRY(gdn_chunk_prep_16, 16, false)
+PREP_ENTRY(gdn_chunk_prep_32, 32, false)
+PREP_ENTRY(gdn_chunk_prep_64, 64, false)
+PREP_ENTRY(gdn_chunk_prep_128, 128, false)
+PREP_ENTRY(gdn_chunk_prep_rm_32, 32, true)
+PREP_ENTRY(gdn_chunk_prep_rm_64, 64, true)
+PREP_ENTRY(gdn_chunk_prep_rm_128, 128, true)
 
 // The sequential part, per (sequence, value head, 32 value columns c0..): for each chunk in order,
 //   R_i  = beta_i (v_i - e^{gamma_i} k_i S)          (S: the state before the chunk, [dk, 32])
@@ -644,11 +680,6 @@ SCAN_ENTRY(128)
 // m16n8k8 TF32 fragments (gr = lane/4, tg = lane%4): A a0 (gr,tg) a1 (gr+8,tg) a2 (gr,tg+4)
 // a3 (gr+8,tg+4); B b0 (tg,gr) b1 (tg+4,gr); C c0 (gr,2tg) c1 (gr,2tg+1) c2 (gr+8,2tg) c3 (gr+8,2tg+1).
 
-__device__ __forceinline__ unsigned f2tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
 __device__ __forceinline__ void mma_tf32_1688(float* d, const unsigned* a, const unsigned* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"

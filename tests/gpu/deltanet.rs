@@ -7,7 +7,7 @@
 use super::harness::{bit_diff, cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::backend::cuda::deltanet::{split_kernels, PIPELINED_MIN_CHUNKS};
+use imajev_serve::backend::cuda::deltanet::{split_kernels, warpgroup_kernel, PIPELINED_MIN_CHUNKS};
 use imajev_serve::backend::cuda::{CudaBackend, CudaTensor, GdnScan};
 use imajev_serve::backend::{Backend, DeltaNetDims, DeltaNetInputs};
 use imajev_serve::synth::memory::MemoryTensor;
@@ -192,6 +192,35 @@ pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     Ok(())
 }
 
+/// The warpgroup scan (`GdnScan::Warpgroup`, kernels/deltanet_wg.cu; Hopper): against the CPU twin
+/// where chunks and the copy pipeline change shape (1, 63, 64, 65, 127, 4,097 and 16,384 rows), in a
+/// tree (children start from their parents' new states), at key dim 32 with a value dim of 24 (40
+/// of the block's 64 value columns padding); states kept and not kept give the same outputs; and a
+/// sequence's bits alone and beside a 16,384-token one.
+pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let be = tc_scan(g, GdnScan::Warpgroup, Some(true))?;
+    let dims = DELTANET_4B;
+    let hopper = be.info().compute_capability == (9, 0);
+    if warpgroup_kernel(be.options(), dims.key_dim, hopper).is_none() {
+        rep.flag(
+            "gdn",
+            "warpgroup scan",
+            false,
+            "it runs on sm_90 only, and IMAJEV_GDN_FFMA / IMAJEV_GDN_SCAN must not force another scan",
+        );
+        return Ok(());
+    }
+    let tag = "warpgroup scan";
+    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
+    delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &[])?;
+    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+    delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &tree)?;
+    let alt = DELTANET_SMALL_VALUE_DIM;
+    delta_case(&be, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5, 700], &[1, 70, 64]], &[])?;
+    alone_and_beside(&be, rep, rng, tag)
+}
+
 /// Final states that are not kept (`keep` false, as for read-out-only passes), under each scan:
 /// a tree call — a 4,097-token parent continued by 73, 1 and 600 tokens, a 2-token parent
 /// continued by 65, and an independent 130-token sequence whose state (it has seen 100 tokens)
@@ -213,6 +242,7 @@ pub fn unkept_state_cases(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix)
         ("pipelined", tc_scan(g, GdnScan::Pipelined, None)?),
         ("by length", tc_scan(g, GdnScan::ByLength, None)?),
         ("split", tc_scan(g, GdnScan::Split, None)?),
+        ("warpgroup", tc_scan(g, GdnScan::Warpgroup, None)?),
         ("FMA", variant(g, |o| o.gdn_ffma = true)?),
     ];
     for (name, be) in &variants {

@@ -166,6 +166,15 @@ fn split_deltanet_matches_cpu() {
     rep.finish("deltanet (split)");
 }
 
+/// The warpgroup scan (opt-in `GdnScan::Warpgroup`, Hopper only).
+#[test]
+fn warpgroup_deltanet_matches_cpu() {
+    let Some(d) = gpu("deltanet (warpgroup)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(17));
+    rep.guard("gdn", "deltanet (warpgroup)", |rep| deltanet::warpgroup_cases(&d.g, &d.c, rep, &mut rng));
+    rep.finish("deltanet (warpgroup)");
+}
+
 #[test]
 fn engine_matches_cpu_and_goldens() {
     let Some(d) = gpu("engine") else { return };

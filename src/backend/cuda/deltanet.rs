@@ -5,7 +5,8 @@
 //! with `gdn_tf32`, the wide plain scan `gdn_chunk_scan_{tc,tf32}_wide_<dk>` for short launches
 //! whose plain grid would take more than one wave ([`scan_kernel`]), `gdn_chunk_scan_<dk>` with
 //! `gdn_ffma`; opt-in, the split path of
-//! kernels/deltanet_split.cu ([`GdnScan::Split`])), and the gated
+//! kernels/deltanet_split.cu ([`GdnScan::Split`]) and the warpgroup scan of
+//! kernels/deltanet_wg.cu ([`GdnScan::Warpgroup`])), and the gated
 //! output norm. Kernels: kernels/deltanet.cu; CPU twin: src/backend/cpu/deltanet.rs. States are
 //! copy-on-write ([`CudaDeltaState`]).
 
@@ -48,6 +49,13 @@ pub enum GdnScan {
     /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 run the plain
     /// scan.
     Wide,
+    /// `gdn_chunk_scan_wg_<dk>` (kernels/deltanet_wg.cu, Hopper): one warpgroup per (sequence,
+    /// value head, 64 value columns) holding the state as a wgmma accumulator, after
+    /// `gdn_chunk_prep_rm_<dk>`. TF32 products like the default scans, but summed by the tensor
+    /// cores in another order, so not their bits: chosen for every launch, never per launch. Key
+    /// dims other than 32, 64 and 128, the FMA scan and other GPUs fall back to
+    /// [`GdnScan::PlainByLength`]. Opt-in while measured.
+    Warpgroup,
 }
 
 impl GdnScan {
@@ -61,6 +69,7 @@ impl GdnScan {
             GdnScan::Plain => "tensor cores, not pipelined",
             GdnScan::Split => "split: W/U and outputs in parallel, only the state in order",
             GdnScan::Wide => "tensor cores, one block per head over all value columns",
+            GdnScan::Warpgroup => "warpgroup MMAs, the state held in registers",
         }
     }
 }
@@ -122,7 +131,7 @@ pub fn scan_kernel(
     let use_pipelined = match options.gdn_scan {
         GdnScan::Pipelined => true,
         GdnScan::Plain | GdnScan::Wide => false,
-        GdnScan::PlainByLength | GdnScan::Split => !short,
+        GdnScan::PlainByLength | GdnScan::Split | GdnScan::Warpgroup => !short,
         GdnScan::ByLength => !short || one_wave(&pipelined),
     };
     if use_pipelined {
@@ -184,6 +193,16 @@ pub fn split_kernels(options: &CudaOptions, dk: usize, dv: usize) -> Option<[(St
         (format!("gdn_split_state{p}_{dk}"), layout::delta_split_state_smem_bytes(dk)),
         (format!("gdn_split_out{p}_{dk}"), layout::delta_split_out_smem_bytes(dk)),
     ])
+}
+
+/// The warpgroup scan (`GdnScan::Warpgroup`) with its dynamic shared memory, or `None` where it does
+/// not run: another scan chosen, the FMA scan, a GPU other than sm_90 (`hopper`), key dims other
+/// than 32, 64 and 128 (its operand rows are whole 128-byte swizzle blocks).
+pub fn warpgroup_kernel(options: &CudaOptions, dk: usize, hopper: bool) -> Option<(String, usize)> {
+    if options.gdn_ffma || options.gdn_scan != GdnScan::Warpgroup || !hopper || ![32, 64, 128].contains(&dk) {
+        return None;
+    }
+    Some((format!("gdn_chunk_scan_wg_{dk}"), layout::delta_wg_smem_bytes(dk)))
 }
 
 /// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
@@ -545,7 +564,9 @@ fn conv(
 /// The chunked gated delta rule: `gdn_chunk_prep_<dk>` (per chunk and key head, the chunk's
 /// triangular systems), then a chunk scan ([`scan_kernel`], chosen per launch) walking each
 /// sequence's chunks from its state, the roots first and then the children from their parents'
-/// new states. Returns the f32 output `[n·vh, dv]`.
+/// new states. With [`GdnScan::Warpgroup`] (where [`warpgroup_kernel`] allows it) the prep is
+/// `gdn_chunk_prep_rm_<dk>` and the scan `gdn_chunk_scan_wg_<dk>` for every launch. Returns the f32
+/// output `[n·vh, dv]`.
 fn delta_rule(
     be: &CudaBackend,
     dims: &DeltaNetDims,
@@ -560,8 +581,15 @@ fn delta_rule(
     }
     let chunk = layout::DELTA_CHUNK;
     let tp = be.alloc_f32(plan.chunk_count * vh * 2 * chunk * chunk)?;
+    let hopper = be.state.info.compute_capability == (9, 0);
+    let warpgroup = warpgroup_kernel(&be.state.options, dk, hopper);
+    // The warpgroup scan reads T and P row-major and each chunk's K^T, which its prep writes.
+    let kt = match warpgroup {
+        Some(_) => Some(be.alloc_f32(plan.chunk_count * kh * dk * chunk)?),
+        None => None,
+    };
     be.launch(
-        &format!("gdn_chunk_prep_{dk}"),
+        &format!("gdn_chunk_prep_{}{dk}", if kt.is_some() { "rm_" } else { "" }),
         launch_config((plan.chunk_count as u32, kh as u32, 1), 256, layout::delta_prep_smem_bytes(dk)),
         &[
             Arg::Ptr(be.p(&x.q)),
@@ -572,8 +600,37 @@ fn delta_rule(
             Arg::I32(kh as i32),
             Arg::I32(vh as i32),
             Arg::Ptr(be.p(&tp)),
+            Arg::Ptr(kt.as_ref().map_or(0, |kt| be.p(kt))),
         ],
     )?;
+    if let (Some((name, smem)), Some(kt)) = (&warpgroup, &kt) {
+        for range in [0..plan.roots, plan.roots..plan.sequences] {
+            let (meta, count) = plan.entries(be, &plan.scan_meta, range);
+            if count == 0 {
+                continue;
+            }
+            be.launch(
+                name,
+                launch_config((count as u32, vh as u32, dv.div_ceil(64) as u32), 128, *smem),
+                &[
+                    Arg::Ptr(be.p(&x.q)),
+                    Arg::Ptr(be.p(&x.k)),
+                    Arg::Ptr(be.p(&x.v)),
+                    Arg::Ptr(be.p(&x.beta)),
+                    Arg::Ptr(be.p(&x.g)),
+                    Arg::Ptr(be.p(&tp)),
+                    Arg::Ptr(be.p(kt)),
+                    Arg::Ptr(be.p(&plan.chunks)),
+                    Arg::Ptr(meta),
+                    Arg::I32(kh as i32),
+                    Arg::I32(vh as i32),
+                    Arg::I32(dv as i32),
+                    Arg::Ptr(be.p(&core)),
+                ],
+            )?;
+        }
+        return Ok(core);
+    }
     if let Some(kernels) = split_kernels(&be.state.options, dk, dv) {
         delta_rule_split(be, dims, x, plan, &tp, &kernels, &core)?;
         return Ok(core);

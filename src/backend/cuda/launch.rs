@@ -132,10 +132,12 @@ pub const KERNELS: &[KernelFile] = &[
     },
     KernelFile {
         name: "deltanet",
-        // deltanet_split.cu continues deltanet.cu (it uses its helpers): one compilation unit.
+        // deltanet_split.cu and deltanet_wg.cu continue deltanet.cu (they use its helpers): one
+        // compilation unit.
         source: concat!(
             include_str!("../../../kernels/deltanet.cu"),
-            include_str!("../../../kernels/deltanet_split.cu")
+            include_str!("../../../kernels/deltanet_split.cu"),
+            include_str!("../../../kernels/deltanet_wg.cu")
         ),
         functions: &[
             k("gdn_conv"),
@@ -144,6 +146,12 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gdn_chunk_prep_32", layout::delta_prep_smem_bytes(32)),
             k_smem("gdn_chunk_prep_64", layout::delta_prep_smem_bytes(64)),
             k_smem("gdn_chunk_prep_128", layout::delta_prep_smem_bytes(128)),
+            k_smem("gdn_chunk_prep_rm_32", layout::delta_prep_smem_bytes(32)),
+            k_smem("gdn_chunk_prep_rm_64", layout::delta_prep_smem_bytes(64)),
+            k_smem("gdn_chunk_prep_rm_128", layout::delta_prep_smem_bytes(128)),
+            k_smem("gdn_chunk_scan_wg_32", layout::delta_wg_smem_bytes(32)),
+            k_smem("gdn_chunk_scan_wg_64", layout::delta_wg_smem_bytes(64)),
+            k_smem("gdn_chunk_scan_wg_128", layout::delta_wg_smem_bytes(128)),
             k_smem("gdn_chunk_scan_16", layout::delta_scan_smem_bytes(16)),
             k_smem("gdn_chunk_scan_32", layout::delta_scan_smem_bytes(32)),
             k_smem("gdn_chunk_scan_64", layout::delta_scan_smem_bytes(64)),

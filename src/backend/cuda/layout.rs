@@ -243,6 +243,14 @@ pub const fn delta_tc_pipelined_smem_bytes(dk: usize) -> usize {
     (4 * c * (dk + 4) + 2 * c * 40 + 2 * c * (c + 8) + dk * 40 + c * 40 + 6 * c) * 4
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_wg_<dk>` (kernels/deltanet_wg.cu): 1,024 bytes of
+/// slack to align the swizzled tiles, k and q of two chunks [2][2][64][dk], K^T [dk][64], T and P
+/// [64][64], v [64][72], the gates [2][3][64]. 217,600 bytes at dk 128: one block per SM.
+pub const fn delta_wg_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    1024 + (4 * c * dk + dk * c + 2 * c * c + c * (c + 8) + 6 * c) * 4
+}
+
 /// Dynamic shared memory of `gdn_split_wu_<dk>` (kernels/deltanet_split.cu): T [64][72],
 /// β·e^γ·k [64][max(dk, 32) + 4], β·v [64][132] (value dims up to 128), gamma and beta [64].
 pub const fn delta_split_wu_smem_bytes(dk: usize) -> usize {
@@ -449,6 +457,8 @@ mod tests {
         assert_eq!(tcp, 224_768);
         assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
         assert_eq!(delta_split_state_smem_bytes(128), 187_904);
+        assert_eq!(delta_wg_smem_bytes(128), 217_600);
+        assert!(delta_wg_smem_bytes(128) + 1024 <= 228 * 1024);
         for dk in [16, 32, 64, 128] {
             for b in [
                 delta_split_wu_smem_bytes(dk),

@@ -80,8 +80,8 @@ pub struct CudaOptions {
     /// Which tensor-core chunk scan runs when `gdn_ffma` is off: by launch (default: the pipelined
     /// one for launches with a long sequence, otherwise the plain one or, when its grid would take
     /// more than one wave, the wide one), or one of them always. All give the same bits (the split
-    /// path does not). Default: `IMAJEV_GDN_SCAN=plain-by-length`, `pipelined`, `plain`, `wide` or
-    /// `split` in the environment (read only when this field is left at [`GdnScan::ByLength`]).
+    /// path does not). Default: `IMAJEV_GDN_SCAN=plain-by-length`, `pipelined`, `plain`, `wide`,
+    /// `split` or `warpgroup` in the environment (read only when this field is left at [`GdnScan::ByLength`]).
     pub gdn_scan: GdnScan,
     /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
     /// mantissas, f32 accumulation; the default) rather than 3xTF32 (f32-level, `false`): about a
@@ -203,10 +203,11 @@ impl CudaBackend {
                 Ok("plain") => options.gdn_scan = GdnScan::Plain,
                 Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("wide") => options.gdn_scan = GdnScan::Wide,
+                Ok("warpgroup") => options.gdn_scan = GdnScan::Warpgroup,
                 Ok("plain-by-length") => options.gdn_scan = GdnScan::PlainByLength,
                 Ok("") | Ok("by-length") | Err(_) => {}
                 Ok(other) => bail!(
-                    "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide or split"
+                    "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide, split or warpgroup"
                 ),
             }
         }

@@ -1,0 +1,356 @@
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_scan_wg_<DK> (Hopper, sm_90a; continues deltanet.cu, one compilation unit): the chunk
+// scan with the recurrent state held in registers as a warpgroup-MMA accumulator, FlashInfer's
+// shape (NOTES: "How FlashInfer's SM90 delta-rule prefill gets ~1.6 µs a chunk") with our TF32
+// precision. Why: the mma.sync scans keep S in shared memory and load every operand fragment per
+// warp and k step; at 16K tokens the pipelined one spends ~5.7 µs a chunk on that dependent chain
+// (1.49 ms a layer on the H200, issue 10's target 0.5). Here one warpgroup (128 threads) per
+// (sequence, value head, 64 value columns) walks the chunks; per chunk, with the state transposed
+// (S^T: 64 value columns x DK) as the f32 accumulator of wgmma.m64n{DK}k8:
+//   X  = S^T K^T,  Y = S^T Q^T                  (A = S^T from registers, B = K, Q rows from smem)
+//   R^T = beta (V^T - e^gamma X)                (elementwise, on the accumulators);  Y *= e^gamma
+//   Vn^T = R^T T^T                              (B = T rows, from the prep's row-major T)
+//   O^T = Y + Vn^T P^T                          (B = P rows)
+//   S^T <- e^{gamma_last} S^T + (fac Vn)^T K    (B = K^T rows, written by the prep)
+// Every product is one TF32 wgmma (operands rounded to TF32 by cvt.rna, f32 accumulation), the
+// precision of the default TF32 scans, but not their bits (the tensor cores sum in another order),
+// so GdnScan::Warpgroup runs it for every launch, never per launch.
+//
+// Layout trick: a TF32 A fragment holds columns tg and tg+4 of its 8-column k step, an accumulator
+// columns 2tg and 2tg+1. So an accumulator becomes the next product's A operand without shuffles if
+// its columns are the rows of a chunk in the order sigma within each group of 8:
+// accumulator column n = 8a + 2t + e holds row sigma(n) = 8a + t + 4e. Every B operand whose rows
+// index chunk rows (K, Q, T, P) is copied with its smem row n = row sigma(n) (whole 16-byte rows:
+// cp.async still works), and K^T's rows (key dims) likewise, so the state's accumulator column n
+// is key dim sigma(n); the k index of every product is then in natural order.
+//
+// Shared memory (layout::delta_wg_smem_bytes), operands in the 128-byte-swizzled K-major layout of
+// common.cuh, 1024-byte aligned: K and Q of two chunks (chunk c+1's copied while c computes), K^T,
+// T and P of one chunk (refilled once chunk c's last products are done), V [64][72] f32 (refilled
+// after R), the gates of two chunks. 217,600 bytes at DK 128: one block per SM. cp.async groups,
+// committed by every thread in the same order (empty when nothing is copied):
+//   prologue: {K,Q,V of the first chunk} {K^T,T,P of the first chunk}
+//   chunk c:  wait<1> | bar | {K,Q of c+1} | X, Y | R | bar | {V of c+1} | wait<2> | bar | Vn |
+//             O, S | bar | {K^T,T,P of c+1} | O stores
+// Tables and outputs as gdn_chunk_scan_<DK>; tp holds T and P ROW-MAJOR (gdn_chunk_prep_rm_<DK>)
+// and kt the chunks' K^T [chunk][kh][DK][64]. CPU twin: cpu::deltanet::delta_rule_chunked.
+
+#ifdef IMAJEV_WGMMA
+// D[64 x 32] (+)= A[64 x 8] B[8 x 32], TF32 operands, f32 accumulation: A from registers (each warp's
+// 16 rows as the mma.sync m16n8k8 TF32 A fragment), B from shared memory (K-major descriptor);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db,
+                                              int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 64] (+)= A[64 x 8] B[8 x 64], TF32 operands, f32 accumulation: A from registers (each warp's
+// 16 rows as the mma.sync m16n8k8 TF32 A fragment), B from shared memory (K-major descriptor);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_tf32_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db,
+                                              int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 128] (+)= A[64 x 8] B[8 x 128], TF32 operands, f32 accumulation: A from registers (each warp's
+// 16 rows as the mma.sync m16n8k8 TF32 A fragment), B from shared memory (K-major descriptor);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_tf32_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long db,
+                                              int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// Pins an accumulator's registers at this point of the program: the compiler may move register
+// arithmetic across the wgmma fences and waits (they only clobber memory), so definitions of an
+// accumulator could sink past wgmma_fence (ptxas then serialises the MMAs) and reads rise above
+// wgmma_wait0 (reading values the tensor cores have not written yet). Every accumulator passes
+// through this before the fence and after the wait, as CUTLASS's warpgroup_fence_operand does.
+template <int N>
+__device__ __forceinline__ void wg_fence_acc(float (&acc)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; e++) asm volatile("" : "+f"(acc[e])::"memory");
+}
+
+// sigma: the chunk row (or key dim) whose values sit in accumulator column / smem row n.
+__device__ __forceinline__ int wg_row(int n) { return (n & ~7) | ((n & 1) << 2) | ((n >> 1) & 3); }
+
+// The A fragment of k step kk from a 64-column accumulator (see the layout trick above).
+template <int N>
+__device__ __forceinline__ void wg_a_frag(unsigned (&a)[4], const float (&acc)[N], int kk) {
+  a[0] = f2tf32(acc[4 * kk]);
+  a[1] = f2tf32(acc[4 * kk + 2]);
+  a[2] = f2tf32(acc[4 * kk + 1]);
+  a[3] = f2tf32(acc[4 * kk + 3]);
+}
+
+// cp.async of ROWS rows of W floats into a swizzled K-major tile: smem row n <- src_row(n), zero-
+// filled where !valid(n). 128 threads, each a fixed 16-byte column chunk of every (128 / (W/4))-th
+// row, so consecutive threads read consecutive 16 bytes of a row.
+template <int ROWS, int W, typename Src, typename Valid>
+__device__ __forceinline__ void wg_copy_tile(unsigned char* tile, Src src_row, Valid valid) {
+  constexpr int PER_ROW = W / 4, STEP = 128 / PER_ROW > 0 ? 128 / PER_ROW : 1;
+  static_assert(ROWS * PER_ROW % 128 == 0, "whole passes of 128 threads");
+  const int q = threadIdx.x % PER_ROW, n0 = threadIdx.x / PER_ROW;
+  const int cb = q >> 3, qc = q & 7;
+#pragma unroll
+  for (int u = 0; u < ROWS * PER_ROW / 128; u++) {
+    const int n = n0 + STEP * u;
+    const bool ok = valid(n);
+    const float* s = src_row(n);
+    cp_async16(tile + cb * ROWS * 128 + n * 128 + ((qc ^ (n & 7)) << 4), ok ? s + 4 * q : s, ok);
+  }
+}
+
+// B descriptor of k step kk (8 TF32 = 32 bytes) of a K-major tile of ROWS rows.
+template <int ROWS>
+__device__ __forceinline__ unsigned long long wg_desc(unsigned lo, int kk) {
+  return smem_desc_of(lo + (((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4), 1024);
+}
+
+constexpr int WG_LDV = CHUNK + 8;  // V row stride: a warp's R reads (8 columns x 4 rows) hit 32 banks
+
+template <int DK>
+__device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
+                              const float* tp, const float* ktg, const int* chunks, const i64* segs, int kh, int vh,
+                              int dv, float* out) {
+  extern __shared__ __align__(16) unsigned char smem_wg_raw[];
+  unsigned char* base = (unsigned char*)(((unsigned long long)smem_wg_raw + 1023) & ~1023ull);
+  constexpr int QKB = CHUNK * DK * 4;        // bytes of one chunk's K (or Q)
+  constexpr int NS = DK / 2;                 // state accumulators per thread
+  unsigned char* KQ = base;                  // [2][K | Q]
+  unsigned char* Ktb = KQ + 4 * QKB;         // K^T: DK rows x 64
+  unsigned char* Tb = Ktb + QKB;             // T: 64 rows x 64
+  unsigned char* Pb = Tb + CHUNK * CHUNK * 4;
+  float* V = (float*)(Pb + CHUNK * CHUNK * 4);  // [64][WG_LDV]
+  float* gates = V + CHUNK * WG_LDV;            // [2][3][64]: e^gamma, decay factors, beta
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 64, hk = hv / (vh / kh), tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
+  const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
+  float* state = scan_state_out<DK>(segs, s, hv, dv);
+  const int ncols = min(64, dv - c0);
+  const int cw = 16 * warp + gr;  // this thread's value columns: cw and cw + 8
+  const i64 tstride = (i64)vh * 2 * CHUNK * CHUNK, kstride = (i64)kh * DK * CHUNK;
+  const float* tph = tp + (i64)hv * 2 * CHUNK * CHUNK;
+  const float* kth = ktg + (i64)hk * DK * CHUNK;
+  const unsigned kq_lo = smem_desc_lo(KQ, 16), kt_lo = smem_desc_lo(Ktb, 16), t_lo = smem_desc_lo(Tb, 16),
+                 p_lo = smem_desc_lo(Pb, 16);
+  auto copy_kq = [&](int b, i64 r0, int ln) {
+    const float* kb = kn + (r0 * kh + hk) * DK;
+    const float* qb = qn + (r0 * kh + hk) * DK;
+    const i64 rs = (i64)kh * DK;
+    wg_copy_tile<CHUNK, DK>(
+        KQ + 2 * b * QKB, [&](int n) { return kb + (wg_row(n) < ln ? wg_row(n) * rs : 0); },
+        [&](int n) { return wg_row(n) < ln; });
+    wg_copy_tile<CHUNK, DK>(
+        KQ + (2 * b + 1) * QKB, [&](int n) { return qb + (wg_row(n) < ln ? wg_row(n) * rs : 0); },
+        [&](int n) { return wg_row(n) < ln; });
+  };
+  auto copy_v = [&](i64 r0, int ln) {
+    const int q = tid & 15, i0 = tid >> 4;
+#pragma unroll
+    for (int u = 0; u < CHUNK / 8; u++) {
+      const int i = i0 + 8 * u;
+      const bool ok = i < ln && 4 * q < ncols;
+      cp_async16(V + i * WG_LDV + 4 * q, v + (ok ? ((r0 + i) * vh + hv) * dv + c0 + 4 * q : 0), ok);
+    }
+  };
+  auto copy_tpk = [&](int ck) {
+    const float* t = tph + ck * tstride;
+    const float* kt = kth + ck * kstride;
+    auto all = [](int) { return true; };
+    wg_copy_tile<CHUNK, CHUNK>(Tb, [&](int n) { return t + wg_row(n) * CHUNK; }, all);
+    wg_copy_tile<CHUNK, CHUNK>(Pb, [&](int n) { return t + CHUNK * CHUNK + wg_row(n) * CHUNK; }, all);
+    wg_copy_tile<DK, CHUNK>(Ktb, [&](int n) { return kt + wg_row(n) * CHUNK; }, all);
+  };
+  // The state, transposed: sa[4j + e] is value column cw + 8 (e >> 1), key dim 8j + tg + 4 (e & 1).
+  float sa[NS];
+#pragma unroll
+  for (int j = 0; j < NS / 4; j++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int c = cw + 8 * (e >> 1), d = 8 * j + tg + 4 * (e & 1);
+      sa[4 * j + e] = c < ncols ? state_in[(i64)d * dv + c0 + c] : 0.f;
+    }
+  i64 row0 = 0, nrow0 = 0;
+  int len = 0, nlen = 0;
+  if (nch > 0) {
+    row0 = chunks[2 * first];
+    len = chunks[2 * first + 1];
+    copy_kq(0, row0, len);
+    copy_v(row0, len);
+  }
+  cp_async_commit();
+  if (nch > 0) copy_tpk(first);
+  cp_async_commit();
+  if (nch > 0 && warp == 0) {
+    const float g0 = lane < len ? g[(row0 + lane) * vh + hv] : 0.f;
+    const float g1 = lane + 32 < len ? g[(row0 + lane + 32) * vh + hv] : 0.f;
+    const float b0 = lane < len ? beta[(row0 + lane) * vh + hv] : 0.f;
+    const float b1 = lane + 32 < len ? beta[(row0 + lane + 32) * vh + hv] : 0.f;
+    chunk_gates_warp(gates, g0, g1, b0, b1, lane);
+  }
+  if (nch > 1) {
+    nrow0 = chunks[2 * first + 2];
+    nlen = chunks[2 * first + 3];
+  }
+  float x[32], y[32], vn[32];
+#pragma unroll
+  for (int e = 0; e < 32; e++) x[e] = y[e] = vn[e] = 0.f;
+  for (int ck = first; ck < end; ck++) {
+    const int b = (ck - first) & 1;
+    const float* G = gates + b * 3 * CHUNK;
+    const bool has_next = ck + 1 < end;
+    cp_async_wait_group<1>();  // K, Q, V of this chunk (its K^T, T, P may still fly)
+    fence_proxy_async();
+    __syncthreads();  // ... visible to all; chunk ck-1 is done with buffer b^1 and the gates b^1
+    if (has_next) copy_kq(b ^ 1, nrow0, nlen);
+    cp_async_commit();
+    // X = S^T K^T and Y = S^T Q^T.
+    {
+      unsigned as[DK / 8][4];
+#pragma unroll
+      for (int kk = 0; kk < DK / 8; kk++) wg_a_frag(as[kk], sa, kk);
+      const unsigned klo = kq_lo + ((2 * b * QKB) >> 4), qlo = kq_lo + (((2 * b + 1) * QKB) >> 4);
+      wg_fence_acc(x);
+      wg_fence_acc(y);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DK / 8; kk++) wgmma_tf32_rs(x, as[kk], wg_desc<CHUNK>(klo, kk), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < DK / 8; kk++) wgmma_tf32_rs(y, as[kk], wg_desc<CHUNK>(qlo, kk), kk > 0);
+      wgmma_commit();
+    }
+    // Warp 0: the next chunk's g and beta, into registers, while the tensor cores work.
+    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
+    if (has_next && warp == 0) {
+      g0 = lane < nlen ? g[(nrow0 + lane) * vh + hv] : 0.f;
+      g1 = lane + 32 < nlen ? g[(nrow0 + lane + 32) * vh + hv] : 0.f;
+      b0 = lane < nlen ? beta[(nrow0 + lane) * vh + hv] : 0.f;
+      b1 = lane + 32 < nlen ? beta[(nrow0 + lane + 32) * vh + hv] : 0.f;
+    }
+    i64 n2row0 = 0;
+    int n2len = 0;
+    if (ck + 2 < end) {
+      n2row0 = chunks[2 * ck + 4];
+      n2len = chunks[2 * ck + 5];
+    }
+    wgmma_wait0();
+    wg_fence_acc(x);
+    wg_fence_acc(y);
+    // R^T = beta (V^T - e^gamma X) in place of X; Y *= e^gamma.
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int i = 8 * j + tg + 4 * (e & 1), c = cw + 8 * (e >> 1);
+        x[4 * j + e] = G[2 * CHUNK + i] * (V[i * WG_LDV + c] - G[i] * x[4 * j + e]);
+        y[4 * j + e] *= G[i];
+      }
+    __syncthreads();  // every thread is done with V (and, warp 0, may overwrite the gates b^1)
+    if (has_next) copy_v(nrow0, nlen);
+    cp_async_commit();
+    if (has_next && warp == 0) chunk_gates_warp(gates + (b ^ 1) * 3 * CHUNK, g0, g1, b0, b1, lane);
+    cp_async_wait_group<2>();  // K^T, T, P of this chunk
+    fence_proxy_async();
+    __syncthreads();
+    // Vn^T = R^T T^T.
+    {
+      unsigned ar[8][4];
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) wg_a_frag(ar[kk], x, kk);
+      wg_fence_acc(vn);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) wgmma_tf32_rs(vn, ar[kk], wg_desc<CHUNK>(t_lo, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait0();
+      wg_fence_acc(vn);
+    }
+    // O^T = Y + Vn^T P^T; S^T <- e^{gamma_last} S^T + (fac Vn)^T K. Also after the last chunk of a
+    // state nobody reads: skipping it behind a branch made ptxas serialise every MMA of the stage.
+    {
+      unsigned av[8][4], af[8][4];
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) {
+        wg_a_frag(av[kk], vn, kk);
+        float f[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) f[e] = vn[4 * kk + e] * G[CHUNK + 8 * kk + tg + 4 * (e & 1)];
+        af[kk][0] = f2tf32(f[0]);
+        af[kk][1] = f2tf32(f[2]);
+        af[kk][2] = f2tf32(f[1]);
+        af[kk][3] = f2tf32(f[3]);
+      }
+      const float el = G[CHUNK - 1];
+#pragma unroll
+      for (int e = 0; e < NS; e++) sa[e] *= el;
+      wg_fence_acc(y);
+      wg_fence_acc(sa);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) wgmma_tf32_rs(y, av[kk], wg_desc<CHUNK>(p_lo, kk), 1);
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) wgmma_tf32_rs(sa, af[kk], wg_desc<DK>(kt_lo, kk), 1);
+      wgmma_commit();
+      wgmma_wait0();
+      wg_fence_acc(y);
+      wg_fence_acc(sa);
+    }
+    __syncthreads();  // every warp's products are done with K^T, T and P
+    if (has_next) copy_tpk(ck + 1);
+    cp_async_commit();
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int i = 8 * j + tg + 4 * (e & 1), c = cw + 8 * (e >> 1);
+        if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c0 + c] = y[4 * j + e];
+      }
+    row0 = nrow0;
+    len = nlen;
+    nrow0 = n2row0;
+    nlen = n2len;
+  }
+  cp_async_wait_group<0>();  // nothing may be in flight into shared memory when the block exits
+  if (state != nullptr) {
+#pragma unroll
+    for (int j = 0; j < NS / 4; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int c = cw + 8 * (e >> 1), d = 8 * j + tg + 4 * (e & 1);
+        if (c < ncols) state[(i64)d * dv + c0 + c] = sa[4 * j + e];
+      }
+  }
+}
+#endif  // IMAJEV_WGMMA
+
+// Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
+// nothing, and the host only launches them on sm_90.
+#ifdef IMAJEV_WGMMA
+#define SCAN_WG_BODY(DK) \
+  chunk_scan_wg<DK>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
+#else
+#define SCAN_WG_BODY(DK)
+#endif
+#define SCAN_WG_ENTRY(DK)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(128, 1) gdn_chunk_scan_wg_##DK(                                 \
+      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp,   \
+      const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {              \
+    SCAN_WG_BODY(DK)                                                                                           \
+  }
+SCAN_WG_ENTRY(32)
+SCAN_WG_ENTRY(64)
+SCAN_WG_ENTRY(128)
