@@ -83,35 +83,68 @@ __device__ __forceinline__ void wg_fence_acc(float (&acc)[N]) {
   for (int e = 0; e < N; e++) asm volatile("" : "+f"(acc[e])::"memory");
 }
 
+// The same for A fragments: their conversions must be done before the fence, or ptxas injects a
+// fence before every MMA that reads them.
+template <int K>
+__device__ __forceinline__ void wg_fence_frags(unsigned (&a)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; k++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[k][e])::"memory");
+}
+
 // sigma: the chunk row (or key dim) whose values sit in accumulator column / smem row n.
 __device__ __forceinline__ int wg_row(int n) { return (n & ~7) | ((n & 1) << 2) | ((n >> 1) & 3); }
+
+// The bits of x as a TF32 operand, rounded to nearest (ties away from zero): the tensor cores ignore
+// an operand's low 13 bits, so adding half their range gives cvt.rna's value in one integer add
+// (cvt.rna.tf32.f32 is several instructions on sm_90, and a chunk converts ~200 values a thread).
+__device__ __forceinline__ unsigned tf32_operand(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // The A fragment of k step kk from a 64-column accumulator (see the layout trick above).
 template <int N>
 __device__ __forceinline__ void wg_a_frag(unsigned (&a)[4], const float (&acc)[N], int kk) {
-  a[0] = f2tf32(acc[4 * kk]);
-  a[1] = f2tf32(acc[4 * kk + 2]);
-  a[2] = f2tf32(acc[4 * kk + 1]);
-  a[3] = f2tf32(acc[4 * kk + 3]);
+  a[0] = tf32_operand(acc[4 * kk]);
+  a[1] = tf32_operand(acc[4 * kk + 2]);
+  a[2] = tf32_operand(acc[4 * kk + 1]);
+  a[3] = tf32_operand(acc[4 * kk + 3]);
 }
 
-// cp.async of ROWS rows of W floats into a swizzled K-major tile: smem row n <- src_row(n), zero-
-// filled where !valid(n). 128 threads, each a fixed 16-byte column chunk of every (128 / (W/4))-th
-// row, so consecutive threads read consecutive 16 bytes of a row.
-template <int ROWS, int W, typename Src, typename Valid>
-__device__ __forceinline__ void wg_copy_tile(unsigned char* tile, Src src_row, Valid valid) {
-  constexpr int PER_ROW = W / 4, STEP = 128 / PER_ROW > 0 ? 128 / PER_ROW : 1;
-  static_assert(ROWS * PER_ROW % 128 == 0, "whole passes of 128 threads");
-  const int q = threadIdx.x % PER_ROW, n0 = threadIdx.x / PER_ROW;
-  const int cb = q >> 3, qc = q & 7;
-#pragma unroll
-  for (int u = 0; u < ROWS * PER_ROW / 128; u++) {
-    const int n = n0 + STEP * u;
-    const bool ok = valid(n);
-    const float* s = src_row(n);
-    cp_async16(tile + cb * ROWS * 128 + n * 128 + ((qc ^ (n & 7)) << 4), ok ? s + 4 * q : s, ok);
+// The cp.async copies of a K-major tile of ROWS rows x W floats (W/4 16-byte chunks a row) into the
+// swizzled layout, smem row n holding source row sigma(n). Thread t copies chunks q = q0 + TPR v of
+// rows n = n0 + RP u (n0 = t / TPR, q0 = t % TPR, RP = 128 / TPR rows a pass): RP is a multiple of 8,
+// so sigma(n) = sigma(n0) + RP u and n % 8 = n0 % 8, and every address is a per-thread constant plus
+// compile-time steps (the per-row index arithmetic was most of the first version's instructions).
+// Consecutive threads read consecutive 16 bytes of a row.
+template <int ROWS, int W>
+struct WgTileCopy {
+  static constexpr int PER_ROW = W / 4, TPR = PER_ROW < 16 ? PER_ROW : 16, RP = 128 / TPR;
+  static constexpr int NU = ROWS / RP, NV = PER_ROW / TPR;
+  static_assert(RP % 8 == 0 && ROWS % RP == 0 && PER_ROW % TPR == 0 && TPR % 8 == 0, "copy shape");
+  int src_row;  // sigma(n0): the source row of this thread's first row
+  int src_col;  // 4 q0: its first float in a row
+  unsigned dst;  // byte offset of (row n0, chunk q0) in the tile
+  __device__ __forceinline__ WgTileCopy() {
+    const int n0 = threadIdx.x / TPR, q0 = threadIdx.x % TPR;
+    src_row = wg_row(n0);
+    src_col = 4 * q0;
+    dst = (q0 >> 3) * ROWS * 128 + n0 * 128 + (((q0 & 7) ^ (n0 & 7)) << 4);
   }
-}
+  // Copies rows from src (the tile's source row 0; row r at src + r * stride), zero-filling source
+  // rows from `valid` on (their copies read `fallback`, a mapped address).
+  __device__ __forceinline__ void operator()(unsigned char* tile, const float* src, i64 stride, int valid,
+                                             const float* fallback) const {
+    const float* s0 = src + src_row * stride + src_col;
+#pragma unroll
+    for (int u = 0; u < NU; u++) {
+      const bool ok = src_row + RP * u < valid;
+#pragma unroll
+      for (int v = 0; v < NV; v++)
+        cp_async16(tile + dst + u * RP * 128 + v * (TPR / 8) * ROWS * 128,
+                   ok ? s0 + RP * u * stride + v * 4 * TPR : fallback, ok);
+    }
+  }
+};
 
 // B descriptor of k step kk (8 TF32 = 32 bytes) of a K-major tile of ROWS rows.
 template <int ROWS>
@@ -126,7 +159,10 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
                               const float* tp, const float* ktg, const int* chunks, const i64* segs, int kh, int vh,
                               int dv, float* out) {
   extern __shared__ __align__(16) unsigned char smem_wg_raw[];
-  unsigned char* base = (unsigned char*)(((unsigned long long)smem_wg_raw + 1023) & ~1023ull);
+  // 1024-byte aligned by pointer arithmetic on the shared array, so the compiler keeps knowing
+  // these are shared-memory addresses (LDS, not generic loads).
+  unsigned char* base =
+      smem_wg_raw + ((1024u - ((unsigned)__cvta_generic_to_shared(smem_wg_raw) & 1023u)) & 1023u);
   constexpr int QKB = CHUNK * DK * 4;        // bytes of one chunk's K (or Q)
   constexpr int NS = DK / 2;                 // state accumulators per thread
   unsigned char* KQ = base;                  // [2][K | Q]
@@ -147,33 +183,31 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
   const float* kth = ktg + (i64)hk * DK * CHUNK;
   const unsigned kq_lo = smem_desc_lo(KQ, 16), kt_lo = smem_desc_lo(Ktb, 16), t_lo = smem_desc_lo(Tb, 16),
                  p_lo = smem_desc_lo(Pb, 16);
+  const WgTileCopy<CHUNK, DK> kq_copy;
+  const WgTileCopy<CHUNK, CHUNK> tp_copy;
+  const WgTileCopy<DK, CHUNK> kt_copy;
   auto copy_kq = [&](int b, i64 r0, int ln) {
-    const float* kb = kn + (r0 * kh + hk) * DK;
-    const float* qb = qn + (r0 * kh + hk) * DK;
-    const i64 rs = (i64)kh * DK;
-    wg_copy_tile<CHUNK, DK>(
-        KQ + 2 * b * QKB, [&](int n) { return kb + (wg_row(n) < ln ? wg_row(n) * rs : 0); },
-        [&](int n) { return wg_row(n) < ln; });
-    wg_copy_tile<CHUNK, DK>(
-        KQ + (2 * b + 1) * QKB, [&](int n) { return qb + (wg_row(n) < ln ? wg_row(n) * rs : 0); },
-        [&](int n) { return wg_row(n) < ln; });
+    const i64 off = (r0 * kh + hk) * DK, rs = (i64)kh * DK;
+    kq_copy(KQ + 2 * b * QKB, kn + off, rs, ln, kn + off);
+    kq_copy(KQ + (2 * b + 1) * QKB, qn + off, rs, ln, qn + off);
   };
+  // v rows [64][WG_LDV], natural order: thread t copies chunk t % 16 of rows t / 16 + 8 u.
+  const int vq = 4 * (tid & 15), vi0 = tid >> 4;
+  const i64 vrs = (i64)vh * dv;
   auto copy_v = [&](i64 r0, int ln) {
-    const int q = tid & 15, i0 = tid >> 4;
+    const float* s0 = v + (r0 + vi0) * vrs + hv * dv + c0 + vq;
+    const bool col = vq < ncols;
 #pragma unroll
     for (int u = 0; u < CHUNK / 8; u++) {
-      const int i = i0 + 8 * u;
-      const bool ok = i < ln && 4 * q < ncols;
-      cp_async16(V + i * WG_LDV + 4 * q, v + (ok ? ((r0 + i) * vh + hv) * dv + c0 + 4 * q : 0), ok);
+      const bool ok = col && vi0 + 8 * u < ln;
+      cp_async16(V + (vi0 + 8 * u) * WG_LDV + vq, ok ? s0 + 8 * u * vrs : v, ok);
     }
   };
   auto copy_tpk = [&](int ck) {
     const float* t = tph + ck * tstride;
-    const float* kt = kth + ck * kstride;
-    auto all = [](int) { return true; };
-    wg_copy_tile<CHUNK, CHUNK>(Tb, [&](int n) { return t + wg_row(n) * CHUNK; }, all);
-    wg_copy_tile<CHUNK, CHUNK>(Pb, [&](int n) { return t + CHUNK * CHUNK + wg_row(n) * CHUNK; }, all);
-    wg_copy_tile<DK, CHUNK>(Ktb, [&](int n) { return kt + wg_row(n) * CHUNK; }, all);
+    tp_copy(Tb, t, CHUNK, CHUNK, t);
+    tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, CHUNK, t);
+    kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t);
   };
   // The state, transposed: sa[4j + e] is value column cw + 8 (e >> 1), key dim 8j + tg + 4 (e & 1).
   float sa[NS];
@@ -224,6 +258,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 #pragma unroll
       for (int kk = 0; kk < DK / 8; kk++) wg_a_frag(as[kk], sa, kk);
       const unsigned klo = kq_lo + ((2 * b * QKB) >> 4), qlo = kq_lo + (((2 * b + 1) * QKB) >> 4);
+      wg_fence_frags(as);
       wg_fence_acc(x);
       wg_fence_acc(y);
       wgmma_fence();
@@ -250,14 +285,13 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
     wgmma_wait0();
     wg_fence_acc(x);
     wg_fence_acc(y);
-    // R^T = beta (V^T - e^gamma X) in place of X; Y *= e^gamma.
+    // R^T = beta (V^T - e^gamma X) in place of X (Y is scaled by e^gamma after Vn).
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int i = 8 * j + tg + 4 * (e & 1), c = cw + 8 * (e >> 1);
         x[4 * j + e] = G[2 * CHUNK + i] * (V[i * WG_LDV + c] - G[i] * x[4 * j + e]);
-        y[4 * j + e] *= G[i];
       }
     __syncthreads();  // every thread is done with V (and, warp 0, may overwrite the gates b^1)
     if (has_next) copy_v(nrow0, nlen);
@@ -271,6 +305,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       unsigned ar[8][4];
 #pragma unroll
       for (int kk = 0; kk < 8; kk++) wg_a_frag(ar[kk], x, kk);
+      wg_fence_frags(ar);
       wg_fence_acc(vn);
       wgmma_fence();
 #pragma unroll
@@ -279,6 +314,11 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       wgmma_wait0();
       wg_fence_acc(vn);
     }
+    // Y *= e^gamma.
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) y[4 * j + e] *= G[8 * j + tg + 4 * (e & 1)];
     // O^T = Y + Vn^T P^T; S^T <- e^{gamma_last} S^T + (fac Vn)^T K. Also after the last chunk of a
     // state nobody reads: skipping it behind a branch made ptxas serialise every MMA of the stage.
     {
@@ -289,14 +329,16 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
         float f[4];
 #pragma unroll
         for (int e = 0; e < 4; e++) f[e] = vn[4 * kk + e] * G[CHUNK + 8 * kk + tg + 4 * (e & 1)];
-        af[kk][0] = f2tf32(f[0]);
-        af[kk][1] = f2tf32(f[2]);
-        af[kk][2] = f2tf32(f[1]);
-        af[kk][3] = f2tf32(f[3]);
+        af[kk][0] = tf32_operand(f[0]);
+        af[kk][1] = tf32_operand(f[2]);
+        af[kk][2] = tf32_operand(f[1]);
+        af[kk][3] = tf32_operand(f[3]);
       }
       const float el = G[CHUNK - 1];
 #pragma unroll
       for (int e = 0; e < NS; e++) sa[e] *= el;
+      wg_fence_frags(av);
+      wg_fence_frags(af);
       wg_fence_acc(y);
       wg_fence_acc(sa);
       wgmma_fence();
@@ -312,13 +354,18 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
     __syncthreads();  // every warp's products are done with K^T, T and P
     if (has_next) copy_tpk(ck + 1);
     cp_async_commit();
+    {
+      // Row i = 8j + tg + 4 (e & 1), column cw + 8 (e >> 1): a per-thread base plus steps.
+      float* o0 = out + (row0 + tg) * vrs + hv * dv + c0 + cw;
+      const bool c_in0 = cw < ncols, c_in1 = cw + 8 < ncols;
 #pragma unroll
-    for (int j = 0; j < 8; j++)
+      for (int j = 0; j < 8; j++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int i = 8 * j + tg + 4 * (e & 1), c = cw + 8 * (e >> 1);
-        if (i < len && c < ncols) out[((row0 + i) * vh + hv) * dv + c0 + c] = y[4 * j + e];
-      }
+        for (int e = 0; e < 4; e++) {
+          const int di = 8 * j + 4 * (e & 1);
+          if (tg + di < len && (e >> 1 ? c_in1 : c_in0)) o0[di * vrs + 8 * (e >> 1)] = y[4 * j + e];
+        }
+    }
     row0 = nrow0;
     len = nlen;
     nrow0 = n2row0;
