@@ -1048,50 +1048,6 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
 // tiles in order: a row's arithmetic depends only on its own query, its keys and the tile size,
 // never on the other rows of the batch. CPU twin: as attn_fwd.
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(b))
-               : "memory");
-}
-// Arrives on the barrier once every cp.async this thread issued so far has landed, without waiting
-// for them (.noinc: the arrival is one of the counted ones, the barrier's count is not raised).
-__device__ __forceinline__ void mbar_arrive_on_copies(unsigned long long* b) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(b)) : "memory");
-}
-// Waits until the phase with the given parity (0, 1, 0, ...: the use count of the stage, mod 2)
-// has completed.
-__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-// Keeps the compiler from moving reads or writes of accumulator registers across this point
-// while an MMA that owns them is in flight.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) asm volatile("" : "+r"(r[i][e])::"memory");
-}
-
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile (issue_tile_sw's layout and
 // rows), spread over `n` threads of which this is `t`.
 template <int HDP>

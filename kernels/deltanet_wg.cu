@@ -25,13 +25,15 @@
 // is key dim sigma(n); the k index of every product is then in natural order.
 //
 // Shared memory (layout::delta_wg_smem_bytes), operands in the 128-byte-swizzled K-major layout of
-// common.cuh, 1024-byte aligned: K and Q of two chunks (chunk c+1's copied while c computes), K^T,
-// T and P of one chunk (refilled once chunk c's last products are done), V [64][72] f32 (refilled
-// after R), the gates of two chunks. 217,600 bytes at DK 128: one block per SM. cp.async groups,
-// committed by every thread in the same order (empty when nothing is copied):
-//   prologue: {K,Q,V of the first chunk} {K^T,T,P of the first chunk}
-//   chunk c:  wait<1> | bar | {K,Q of c+1} | X, Y | R | bar | {V of c+1} | wait<2> | bar | Vn |
-//             O, S | bar | {K^T,T,P of c+1} | O stores
+// common.cuh, 1024-byte aligned: K, Q and the gates of two chunks, K^T, T and P of one chunk, V
+// [64][72] f32 of one chunk, 8 mbarriers. 217,664 bytes at DK 128: one block per SM.
+// Warp-specialised (FlashAttention-3's hand-over, as attn_fwd_ws): warpgroup 0 issues every copy
+// and computes the gates (its warp 0), running ahead of the consumers (K, Q, gates two chunks, V
+// and K^T/T/P one); a stage is "full" when its copies have landed (cp.async.mbarrier.arrive, the
+// producer never waits for its own copies) and "empty" when each consumer warp has released it.
+// Warpgroup 1 does the products above and writes O. (A first version without the producer spent
+// ~2,900 instructions a warp and chunk, most of them copy addressing, and ran at the pipelined
+// scan's 1.45 ms a call at 16K on the H100.)
 // Tables and outputs as gdn_chunk_scan_<DK>; tp holds T and P ROW-MAJOR (gdn_chunk_prep_rm_<DK>)
 // and kt the chunks' K^T [chunk][kh][DK][64]. CPU twin: cpu::deltanet::delta_rule_chunked.
 
@@ -72,26 +74,9 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[64], const unsigned (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-// Pins an accumulator's registers at this point of the program: the compiler may move register
-// arithmetic across the wgmma fences and waits (they only clobber memory), so definitions of an
-// accumulator could sink past wgmma_fence (ptxas then serialises the MMAs) and reads rise above
-// wgmma_wait0 (reading values the tensor cores have not written yet). Every accumulator passes
-// through this before the fence and after the wait, as CUTLASS's warpgroup_fence_operand does.
-template <int N>
-__device__ __forceinline__ void wg_fence_acc(float (&acc)[N]) {
-#pragma unroll
-  for (int e = 0; e < N; e++) asm volatile("" : "+f"(acc[e])::"memory");
-}
-
-// The same for A fragments: their conversions must be done before the fence, or ptxas injects a
-// fence before every MMA that reads them.
-template <int K>
-__device__ __forceinline__ void wg_fence_frags(unsigned (&a)[K][4]) {
-#pragma unroll
-  for (int k = 0; k < K; k++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[k][e])::"memory");
-}
+// Accumulators and A fragments pass through fence_regs (common.cuh) before each wgmma_fence and
+// after each wait: the compiler may otherwise sink their definitions past the fence (ptxas then
+// serialises the MMAs or fences each one) or hoist reads above the wait.
 
 // sigma: the chunk row (or key dim) whose values sit in accumulator column / smem row n.
 __device__ __forceinline__ int wg_row(int n) { return (n & ~7) | ((n & 1) << 2) | ((n >> 1) & 3); }
@@ -171,43 +156,89 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
   unsigned char* Pb = Tb + CHUNK * CHUNK * 4;
   float* V = (float*)(Pb + CHUNK * CHUNK * 4);  // [64][WG_LDV]
   float* gates = V + CHUNK * WG_LDV;            // [2][3][64]: e^gamma, decay factors, beta
-  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 64, hk = hv / (vh / kh), tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+  unsigned long long* bars = (unsigned long long*)(gates + 6 * CHUNK);
+  unsigned long long *full_a = bars, *empty_a = bars + 2;  // [2] each: K, Q and the gates of a chunk
+  unsigned long long *full_v = bars + 4, *empty_v = bars + 5, *full_b = bars + 6, *empty_b = bars + 7;
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 64, hk = hv / (vh / kh);
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
+  const int ncols = min(64, dv - c0);
+  const i64 vrs = (i64)vh * dv;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; i++) {
+      mbar_init(full_a + i, 128 + 32);  // every producer thread's copies, and warp 0's gates
+      mbar_init(empty_a + i, 4);        // one arrival per consumer warp
+    }
+    mbar_init(full_v, 128);
+    mbar_init(empty_v, 4);
+    mbar_init(full_b, 128);
+    mbar_init(empty_b, 4);
+  }
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+  const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+
+  if (wg == 0) {
+    // ---- producer: every copy, and the gates (warp 0), one chunk ahead of the consumers (K and Q
+    // two: they have two buffers); a stage is announced by its copies landing
+    // (mbar_arrive_on_copies) and refilled once every consumer warp has released it.
+    const WgTileCopy<CHUNK, DK> kq_copy;
+    const WgTileCopy<CHUNK, CHUNK> tp_copy;
+    const WgTileCopy<DK, CHUNK> kt_copy;
+    const int vq = 4 * (tid & 15), vi0 = tid >> 4;
+    const i64 tstride = (i64)vh * 2 * CHUNK * CHUNK, kstride = (i64)kh * DK * CHUNK;
+    const float* tph = tp + (i64)hv * 2 * CHUNK * CHUNK;
+    const float* kth = ktg + (i64)hk * DK * CHUNK;
+    for (int ck = first; ck < end; ck++) {
+      const int n = ck - first, b = n & 1;
+      const i64 r0 = chunks[2 * ck];
+      const int ln = chunks[2 * ck + 1];
+      if (n >= 2) mbar_wait(empty_a + b, ((n >> 1) - 1) & 1);
+      const i64 off = (r0 * kh + hk) * DK, rs = (i64)kh * DK;
+      kq_copy(KQ + 2 * b * QKB, kn + off, rs, ln, kn + off);
+      kq_copy(KQ + (2 * b + 1) * QKB, qn + off, rs, ln, qn + off);
+      mbar_arrive_on_copies(full_a + b);
+      if (warp == 0) {
+        const float g0 = lane < ln ? g[(r0 + lane) * vh + hv] : 0.f;
+        const float g1 = lane + 32 < ln ? g[(r0 + lane + 32) * vh + hv] : 0.f;
+        const float b0 = lane < ln ? beta[(r0 + lane) * vh + hv] : 0.f;
+        const float b1 = lane + 32 < ln ? beta[(r0 + lane + 32) * vh + hv] : 0.f;
+        chunk_gates_warp(gates + b * 3 * CHUNK, g0, g1, b0, b1, lane);
+        mbar_arrive(full_a + b);
+      }
+      // v rows [64][WG_LDV], natural order: thread t copies chunk t % 16 of rows t / 16 + 8 u.
+      if (n >= 1) mbar_wait(empty_v, (n - 1) & 1);
+      {
+        const float* s0 = v + (r0 + vi0) * vrs + hv * dv + c0 + vq;
+        const bool col = vq < ncols;
+#pragma unroll
+        for (int u = 0; u < CHUNK / 8; u++) {
+          const bool ok = col && vi0 + 8 * u < ln;
+          cp_async16(V + (vi0 + 8 * u) * WG_LDV + vq, ok ? s0 + 8 * u * vrs : v, ok);
+        }
+      }
+      mbar_arrive_on_copies(full_v);
+      if (n >= 1) mbar_wait(empty_b, (n - 1) & 1);
+      const float* t = tph + ck * tstride;
+      tp_copy(Tb, t, CHUNK, CHUNK, t);
+      tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, CHUNK, t);
+      kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t);
+      mbar_arrive_on_copies(full_b);
+    }
+    // No thread may exit with copies in flight into shared memory that others read.
+    cp_async_wait_all();
+    return;
+  }
+
+  // ---- consumers: the products and the outputs, one warpgroup.
+  const int gr = lane >> 2, tg = lane & 3;
   const float* state_in = (const float*)segs[4 * s + 2] + (i64)hv * DK * dv;
   float* state = scan_state_out<DK>(segs, s, hv, dv);
-  const int ncols = min(64, dv - c0);
   const int cw = 16 * warp + gr;  // this thread's value columns: cw and cw + 8
-  const i64 tstride = (i64)vh * 2 * CHUNK * CHUNK, kstride = (i64)kh * DK * CHUNK;
-  const float* tph = tp + (i64)hv * 2 * CHUNK * CHUNK;
-  const float* kth = ktg + (i64)hk * DK * CHUNK;
   const unsigned kq_lo = smem_desc_lo(KQ, 16), kt_lo = smem_desc_lo(Ktb, 16), t_lo = smem_desc_lo(Tb, 16),
                  p_lo = smem_desc_lo(Pb, 16);
-  const WgTileCopy<CHUNK, DK> kq_copy;
-  const WgTileCopy<CHUNK, CHUNK> tp_copy;
-  const WgTileCopy<DK, CHUNK> kt_copy;
-  auto copy_kq = [&](int b, i64 r0, int ln) {
-    const i64 off = (r0 * kh + hk) * DK, rs = (i64)kh * DK;
-    kq_copy(KQ + 2 * b * QKB, kn + off, rs, ln, kn + off);
-    kq_copy(KQ + (2 * b + 1) * QKB, qn + off, rs, ln, qn + off);
-  };
-  // v rows [64][WG_LDV], natural order: thread t copies chunk t % 16 of rows t / 16 + 8 u.
-  const int vq = 4 * (tid & 15), vi0 = tid >> 4;
-  const i64 vrs = (i64)vh * dv;
-  auto copy_v = [&](i64 r0, int ln) {
-    const float* s0 = v + (r0 + vi0) * vrs + hv * dv + c0 + vq;
-    const bool col = vq < ncols;
-#pragma unroll
-    for (int u = 0; u < CHUNK / 8; u++) {
-      const bool ok = col && vi0 + 8 * u < ln;
-      cp_async16(V + (vi0 + 8 * u) * WG_LDV + vq, ok ? s0 + 8 * u * vrs : v, ok);
-    }
-  };
-  auto copy_tpk = [&](int ck) {
-    const float* t = tph + ck * tstride;
-    tp_copy(Tb, t, CHUNK, CHUNK, t);
-    tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, CHUNK, t);
-    kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t);
+  auto release = [&](unsigned long long* bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
   };
   // The state, transposed: sa[4j + e] is value column cw + 8 (e >> 1), key dim 8j + tg + 4 (e & 1).
   float sa[NS];
@@ -218,74 +249,37 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       const int c = cw + 8 * (e >> 1), d = 8 * j + tg + 4 * (e & 1);
       sa[4 * j + e] = c < ncols ? state_in[(i64)d * dv + c0 + c] : 0.f;
     }
-  i64 row0 = 0, nrow0 = 0;
-  int len = 0, nlen = 0;
-  if (nch > 0) {
-    row0 = chunks[2 * first];
-    len = chunks[2 * first + 1];
-    copy_kq(0, row0, len);
-    copy_v(row0, len);
-  }
-  cp_async_commit();
-  if (nch > 0) copy_tpk(first);
-  cp_async_commit();
-  if (nch > 0 && warp == 0) {
-    const float g0 = lane < len ? g[(row0 + lane) * vh + hv] : 0.f;
-    const float g1 = lane + 32 < len ? g[(row0 + lane + 32) * vh + hv] : 0.f;
-    const float b0 = lane < len ? beta[(row0 + lane) * vh + hv] : 0.f;
-    const float b1 = lane + 32 < len ? beta[(row0 + lane + 32) * vh + hv] : 0.f;
-    chunk_gates_warp(gates, g0, g1, b0, b1, lane);
-  }
-  if (nch > 1) {
-    nrow0 = chunks[2 * first + 2];
-    nlen = chunks[2 * first + 3];
-  }
   float x[32], y[32], vn[32];
 #pragma unroll
   for (int e = 0; e < 32; e++) x[e] = y[e] = vn[e] = 0.f;
   for (int ck = first; ck < end; ck++) {
-    const int b = (ck - first) & 1;
+    const int n = ck - first, b = n & 1;
+    const i64 row0 = chunks[2 * ck];
+    const int len = chunks[2 * ck + 1];
     const float* G = gates + b * 3 * CHUNK;
-    const bool has_next = ck + 1 < end;
-    cp_async_wait_group<1>();  // K, Q, V of this chunk (its K^T, T, P may still fly)
+    mbar_wait(full_a + b, (n >> 1) & 1);  // K, Q and the gates of this chunk
     fence_proxy_async();
-    __syncthreads();  // ... visible to all; chunk ck-1 is done with buffer b^1 and the gates b^1
-    if (has_next) copy_kq(b ^ 1, nrow0, nlen);
-    cp_async_commit();
     // X = S^T K^T and Y = S^T Q^T.
     {
       unsigned as[DK / 8][4];
 #pragma unroll
       for (int kk = 0; kk < DK / 8; kk++) wg_a_frag(as[kk], sa, kk);
       const unsigned klo = kq_lo + ((2 * b * QKB) >> 4), qlo = kq_lo + (((2 * b + 1) * QKB) >> 4);
-      wg_fence_frags(as);
-      wg_fence_acc(x);
-      wg_fence_acc(y);
+      fence_regs(as);
+      fence_regs(x);
+      fence_regs(y);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < DK / 8; kk++) wgmma_tf32_rs(x, as[kk], wg_desc<CHUNK>(klo, kk), kk > 0);
 #pragma unroll
       for (int kk = 0; kk < DK / 8; kk++) wgmma_tf32_rs(y, as[kk], wg_desc<CHUNK>(qlo, kk), kk > 0);
       wgmma_commit();
+      wgmma_wait0();
+      fence_regs(x);
+      fence_regs(y);
     }
-    // Warp 0: the next chunk's g and beta, into registers, while the tensor cores work.
-    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
-    if (has_next && warp == 0) {
-      g0 = lane < nlen ? g[(nrow0 + lane) * vh + hv] : 0.f;
-      g1 = lane + 32 < nlen ? g[(nrow0 + lane + 32) * vh + hv] : 0.f;
-      b0 = lane < nlen ? beta[(nrow0 + lane) * vh + hv] : 0.f;
-      b1 = lane + 32 < nlen ? beta[(nrow0 + lane + 32) * vh + hv] : 0.f;
-    }
-    i64 n2row0 = 0;
-    int n2len = 0;
-    if (ck + 2 < end) {
-      n2row0 = chunks[2 * ck + 4];
-      n2len = chunks[2 * ck + 5];
-    }
-    wgmma_wait0();
-    wg_fence_acc(x);
-    wg_fence_acc(y);
     // R^T = beta (V^T - e^gamma X) in place of X (Y is scaled by e^gamma after Vn).
+    mbar_wait(full_v, n & 1);
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -293,26 +287,22 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
         const int i = 8 * j + tg + 4 * (e & 1), c = cw + 8 * (e >> 1);
         x[4 * j + e] = G[2 * CHUNK + i] * (V[i * WG_LDV + c] - G[i] * x[4 * j + e]);
       }
-    __syncthreads();  // every thread is done with V (and, warp 0, may overwrite the gates b^1)
-    if (has_next) copy_v(nrow0, nlen);
-    cp_async_commit();
-    if (has_next && warp == 0) chunk_gates_warp(gates + (b ^ 1) * 3 * CHUNK, g0, g1, b0, b1, lane);
-    cp_async_wait_group<2>();  // K^T, T, P of this chunk
+    release(empty_v);
+    mbar_wait(full_b, n & 1);  // K^T, T and P of this chunk
     fence_proxy_async();
-    __syncthreads();
     // Vn^T = R^T T^T.
     {
       unsigned ar[8][4];
 #pragma unroll
       for (int kk = 0; kk < 8; kk++) wg_a_frag(ar[kk], x, kk);
-      wg_fence_frags(ar);
-      wg_fence_acc(vn);
+      fence_regs(ar);
+      fence_regs(vn);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 8; kk++) wgmma_tf32_rs(vn, ar[kk], wg_desc<CHUNK>(t_lo, kk), kk > 0);
       wgmma_commit();
       wgmma_wait0();
-      wg_fence_acc(vn);
+      fence_regs(vn);
     }
     // Y *= e^gamma.
 #pragma unroll
@@ -337,10 +327,10 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       const float el = G[CHUNK - 1];
 #pragma unroll
       for (int e = 0; e < NS; e++) sa[e] *= el;
-      wg_fence_frags(av);
-      wg_fence_frags(af);
-      wg_fence_acc(y);
-      wg_fence_acc(sa);
+      fence_regs(av);
+      fence_regs(af);
+      fence_regs(y);
+      fence_regs(sa);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 8; kk++) wgmma_tf32_rs(y, av[kk], wg_desc<CHUNK>(p_lo, kk), 1);
@@ -348,12 +338,11 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       for (int kk = 0; kk < 8; kk++) wgmma_tf32_rs(sa, af[kk], wg_desc<DK>(kt_lo, kk), 1);
       wgmma_commit();
       wgmma_wait0();
-      wg_fence_acc(y);
-      wg_fence_acc(sa);
+      fence_regs(y);
+      fence_regs(sa);
     }
-    __syncthreads();  // every warp's products are done with K^T, T and P
-    if (has_next) copy_tpk(ck + 1);
-    cp_async_commit();
+    release(empty_b);
+    release(empty_a + b);  // K and Q were read by the first products, the gates up to here
     {
       // Row i = 8j + tg + 4 (e & 1), column cw + 8 (e >> 1): a per-thread base plus steps.
       float* o0 = out + (row0 + tg) * vrs + hv * dv + c0 + cw;
@@ -366,12 +355,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
           if (tg + di < len && (e >> 1 ? c_in1 : c_in0)) o0[di * vrs + 8 * (e >> 1)] = y[4 * j + e];
         }
     }
-    row0 = nrow0;
-    len = nlen;
-    nrow0 = n2row0;
-    nlen = n2len;
   }
-  cp_async_wait_group<0>();  // nothing may be in flight into shared memory when the block exits
   if (state != nullptr) {
 #pragma unroll
     for (int j = 0; j < NS / 4; j++)
@@ -393,7 +377,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 #define SCAN_WG_BODY(DK)
 #endif
 #define SCAN_WG_ENTRY(DK)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(128, 1) gdn_chunk_scan_wg_##DK(                                 \
+  extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan_wg_##DK(                                 \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp,   \
       const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {              \
     SCAN_WG_BODY(DK)                                                                                           \

@@ -245,10 +245,10 @@ pub const fn delta_tc_pipelined_smem_bytes(dk: usize) -> usize {
 
 /// Dynamic shared memory of `gdn_chunk_scan_wg_<dk>` (kernels/deltanet_wg.cu): 1,024 bytes of
 /// slack to align the swizzled tiles, k and q of two chunks [2][2][64][dk], K^T [dk][64], T and P
-/// [64][64], v [64][72], the gates [2][3][64]. 217,600 bytes at dk 128: one block per SM.
+/// [64][64], v [64][72], the gates [2][3][64], 8 mbarriers. 217,664 bytes at dk 128: one block per SM.
 pub const fn delta_wg_smem_bytes(dk: usize) -> usize {
     let c = DELTA_CHUNK;
-    1024 + (4 * c * dk + dk * c + 2 * c * c + c * (c + 8) + 6 * c) * 4
+    1024 + (4 * c * dk + dk * c + 2 * c * c + c * (c + 8) + 6 * c) * 4 + 8 * 8
 }
 
 /// Dynamic shared memory of `gdn_split_wu_<dk>` (kernels/deltanet_split.cu): T [64][72],
@@ -457,7 +457,7 @@ mod tests {
         assert_eq!(tcp, 224_768);
         assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
         assert_eq!(delta_split_state_smem_bytes(128), 187_904);
-        assert_eq!(delta_wg_smem_bytes(128), 217_600);
+        assert_eq!(delta_wg_smem_bytes(128), 217_664);
         assert!(delta_wg_smem_bytes(128) + 1024 <= 228 * 1024);
         for dk in [16, 32, 64, 128] {
             for b in [
