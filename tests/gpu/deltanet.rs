@@ -201,7 +201,7 @@ pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
     let be = tc_scan(g, GdnScan::Warpgroup, Some(true))?;
     let dims = DELTANET_4B;
     let hopper = be.info().compute_capability == (9, 0);
-    if warpgroup_kernel(be.options(), dims.key_dim, hopper).is_none() {
+    if warpgroup_kernel(be.options(), dims.key_dim, dims.value_dim, hopper).is_none() {
         rep.flag(
             "gdn",
             "warpgroup scan",

@@ -198,12 +198,21 @@ pub fn split_kernels(options: &CudaOptions, dk: usize, dv: usize) -> Option<[(St
 /// The warpgroup scan (`GdnScan::Warpgroup`) with its dynamic shared memory, or `None` where it does
 /// not run: another scan chosen, the FMA scan, a GPU other than sm_90 (`hopper`), key dims other
 /// than 32, 64 and 128 (its operand rows are whole 128-byte swizzle blocks).
-pub fn warpgroup_kernel(options: &CudaOptions, dk: usize, hopper: bool) -> Option<(String, usize)> {
+pub fn warpgroup_kernel(options: &CudaOptions, dk: usize, dv: usize, hopper: bool) -> Option<ScanKernel> {
     if options.gdn_ffma || options.gdn_scan != GdnScan::Warpgroup || !hopper || ![32, 64, 128].contains(&dk) {
         return None;
     }
-    Some((format!("gdn_chunk_scan_wg_{dk}"), layout::delta_wg_smem_bytes(dk)))
+    Some(ScanKernel {
+        name: format!("gdn_chunk_scan_wg_{dk}"),
+        smem: layout::delta_wg_smem_bytes(dk),
+        threads: WARPGROUP_SCAN_THREADS,
+        column_blocks: dv.div_ceil(64) as u32,
+    })
 }
+
+/// Threads of a `gdn_chunk_scan_wg_<dk>` block: the producer warpgroup and the consumer warpgroup
+/// (its `__launch_bounds__`; with fewer, no consumer runs and the producer waits forever).
+pub const WARPGROUP_SCAN_THREADS: u32 = 256;
 
 /// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
 /// one DeltaNet layer of one sequence, f32, copy-on-write: `clone()` (a fork) shares the buffers,
@@ -582,7 +591,7 @@ fn delta_rule(
     let chunk = layout::DELTA_CHUNK;
     let tp = be.alloc_f32(plan.chunk_count * vh * 2 * chunk * chunk)?;
     let hopper = be.state.info.compute_capability == (9, 0);
-    let warpgroup = warpgroup_kernel(&be.state.options, dk, hopper);
+    let warpgroup = warpgroup_kernel(&be.state.options, dk, dv, hopper);
     // The warpgroup scan reads T and P row-major and each chunk's K^T, which its prep writes.
     let kt = match warpgroup {
         Some(_) => Some(be.alloc_f32(plan.chunk_count * kh * dk * chunk)?),
@@ -603,15 +612,15 @@ fn delta_rule(
             Arg::Ptr(kt.as_ref().map_or(0, |kt| be.p(kt))),
         ],
     )?;
-    if let (Some((name, smem)), Some(kt)) = (&warpgroup, &kt) {
+    if let (Some(scan), Some(kt)) = (&warpgroup, &kt) {
         for range in [0..plan.roots, plan.roots..plan.sequences] {
             let (meta, count) = plan.entries(be, &plan.scan_meta, range);
             if count == 0 {
                 continue;
             }
             be.launch(
-                name,
-                launch_config((count as u32, vh as u32, dv.div_ceil(64) as u32), 128, *smem),
+                &scan.name,
+                launch_config((count as u32, vh as u32, scan.column_blocks), scan.threads, scan.smem),
                 &[
                     Arg::Ptr(be.p(&x.q)),
                     Arg::Ptr(be.p(&x.k)),
@@ -746,6 +755,26 @@ fn delta_rule_split(
 mod tests {
     use super::*;
     use crate::backend::cuda::launch::KERNELS;
+
+    #[test]
+    fn the_warpgroup_scan_is_launched_with_the_threads_its_kernel_is_built_for() {
+        let src = KERNELS.iter().find(|f| f.name == "deltanet").expect("deltanet unit").source;
+        let bounds = format!("__launch_bounds__({WARPGROUP_SCAN_THREADS}, 1) gdn_chunk_scan_wg_");
+        assert!(src.contains(&bounds), "kernels/deltanet_wg.cu must declare {bounds}");
+        let opts = CudaOptions { gdn_scan: GdnScan::Warpgroup, gdn_ffma: false, ..CudaOptions::default() };
+        let k = warpgroup_kernel(&opts, 128, 128, true).expect("dk 128 on Hopper");
+        assert_eq!(
+            (k.threads, k.column_blocks, k.smem),
+            (WARPGROUP_SCAN_THREADS, 2, layout::delta_wg_smem_bytes(128))
+        );
+        assert_eq!(warpgroup_kernel(&opts, 128, 24, true).map(|k| k.column_blocks), Some(1));
+        assert!(
+            warpgroup_kernel(&opts, 16, 128, true).is_none()
+                && warpgroup_kernel(&opts, 128, 128, false).is_none()
+        );
+        let other = CudaOptions { gdn_scan: GdnScan::ByLength, ..opts.clone() };
+        assert!(warpgroup_kernel(&other, 128, 128, true).is_none());
+    }
 
     #[test]
     fn the_conv_row_table_is_sorted_disjoint_and_has_no_empty_sequences() {
