@@ -78,7 +78,8 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[64], const unsigned (&a
 // after each wait: the compiler may otherwise sink their definitions past the fence (ptxas then
 // serialises the MMAs or fences each one) or hoist reads above the wait.
 
-// sigma: the chunk row (or key dim) whose values sit in accumulator column / smem row n.
+// sigma: the chunk row (or key dim) whose values sit in accumulator column / smem row n. Twin:
+// layout::wg_row (unit-tested to turn accumulators into A fragments in natural k order).
 __device__ __forceinline__ int wg_row(int n) { return (n & ~7) | ((n & 1) << 2) | ((n >> 1) & 3); }
 
 // The bits of x as a TF32 operand, rounded to nearest (ties away from zero): the tensor cores ignore

@@ -251,6 +251,15 @@ pub const fn delta_wg_smem_bytes(dk: usize) -> usize {
     1024 + (4 * c * dk + dk * c + 2 * c * c + c * (c + 8) + 6 * c) * 4 + 8 * 8
 }
 
+/// The row of a chunk (or the key dim) whose values `gdn_chunk_scan_wg_<dk>` keeps in accumulator
+/// column / shared row `n` (`wg_row` in kernels/deltanet_wg.cu, the same arithmetic): within each
+/// group of 8, `n = 8a + 2t + e` holds `8a + t + 4e`. A TF32 A fragment's lane holds the k columns
+/// `tg` and `tg + 4` of its 8-column step where an accumulator's holds `2tg` and `2tg + 1`; with this
+/// order an accumulator is the next product's A operand with its k index in natural order.
+pub const fn wg_row(n: usize) -> usize {
+    (n & !7) | ((n & 1) << 2) | ((n >> 1) & 3)
+}
+
 /// Dynamic shared memory of `gdn_split_wu_<dk>` (kernels/deltanet_split.cu): T [64][72],
 /// β·e^γ·k [64][max(dk, 32) + 4], β·v [64][132] (value dims up to 128), gamma and beta [64].
 pub const fn delta_split_wu_smem_bytes(dk: usize) -> usize {
@@ -472,6 +481,27 @@ mod tests {
             delta_tc_pipelined_smem_bytes(16),
             (4 * 64 * 20 + 3 * 64 * 40 + 2 * 64 * 72 + 16 * 40 + 6 * 64) * 4
         );
+    }
+
+    #[test]
+    fn the_warpgroup_scan_row_order_turns_accumulators_into_a_fragments_in_natural_k_order() {
+        // A permutation of each group of 8 rows.
+        for a in 0..16 {
+            let mut seen: Vec<usize> = (0..8).map(|r| wg_row(8 * a + r)).collect();
+            seen.sort();
+            assert_eq!(seen, (8 * a..8 * a + 8).collect::<Vec<_>>());
+        }
+        // Lane (gr, tg) of k step kk: A fragment registers a0..a3 take accumulators 4kk + {0, 2, 1, 3}
+        // (wg_a_frag); accumulator 4kk + e sits in column 8kk + 2tg + (e & 1). The A fragment's k
+        // index is tg for a0/a1 and tg + 4 for a2/a3: that must be the row the column holds, minus 8kk.
+        for kk in 0..8 {
+            for tg in 0..4 {
+                for (slot, e) in [0usize, 2, 1, 3].into_iter().enumerate() {
+                    let k = if slot < 2 { tg } else { tg + 4 };
+                    assert_eq!(wg_row(8 * kk + 2 * tg + (e & 1)), 8 * kk + k, "kk {kk} tg {tg} slot {slot}");
+                }
+            }
+        }
     }
 
     #[test]
