@@ -179,17 +179,31 @@ pub fn split_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
             rep.flag("gdn", "split delta rule", false, "IMAJEV_GDN_FFMA=1 forces the FMA scan: unset it");
             return Ok(());
         }
-        let tag = if tf32 { "split TF32" } else { "split 3xTF32" };
-        let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
-        delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &[])?;
-        let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
-        let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
-        delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &tree)?;
-        let alt = DELTANET_SMALL_VALUE_DIM;
-        delta_case(&be, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5, 700], &[1, 70, 64]], &[])?;
-        alone_and_beside(&be, rep, rng, tag)?;
+        other_order_cases(&be, c, rep, rng, if tf32 { "split TF32" } else { "split 3xTF32" })?;
     }
     Ok(())
+}
+
+/// A scan that sums in another order than the tensor-core scans (so no bitwise twin): against the
+/// CPU twin at 1, 63, 64, 65, 127, 4,097 and 16,384 rows, in a tree (children start from their
+/// parents' new states), at the small value dim; and a sequence's bits alone and beside a
+/// 16,384-token one.
+fn other_order_cases(
+    be: &CudaBackend,
+    c: &CpuBackend,
+    rep: &mut Report,
+    rng: &mut SplitMix,
+    tag: &str,
+) -> Result<()> {
+    let dims = DELTANET_4B;
+    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
+    delta_case(be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &[])?;
+    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
+    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
+    delta_case(be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &tree)?;
+    let alt = DELTANET_SMALL_VALUE_DIM;
+    delta_case(be, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5, 700], &[1, 70, 64]], &[])?;
+    alone_and_beside(be, rep, rng, tag)
 }
 
 /// The warpgroup scan (`GdnScan::Warpgroup`, kernels/deltanet_wg.cu; Hopper): against the CPU twin
@@ -210,15 +224,7 @@ pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
         );
         return Ok(());
     }
-    let tag = "warpgroup scan";
-    let lens: &[&[usize]] = &[&[1, 63, 64, 65, 127, 4097, 16384], &[2, 64, 1, 70, 65, 3, 130]];
-    delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &[])?;
-    let tree = [None, Some(0), Some(0), None, Some(3), Some(3), Some(3), None];
-    let lens: &[&[usize]] = &[&[2, 70, 5, 4097, 73, 1, 600, 65], &[3, 64, 65, 1, 2, 9, 130, 1]];
-    delta_case(&be, c, rep, rng, &format!("4B, {tag}"), dims, lens, &tree)?;
-    let alt = DELTANET_SMALL_VALUE_DIM;
-    delta_case(&be, c, rep, rng, &format!("alt, {tag}"), alt, &[&[100, 5, 700], &[1, 70, 64]], &[])?;
-    alone_and_beside(&be, rep, rng, tag)
+    other_order_cases(&be, c, rep, rng, "warpgroup scan")
 }
 
 /// Final states that are not kept (`keep` false, as for read-out-only passes), under each scan:

@@ -612,34 +612,7 @@ fn delta_rule(
             Arg::Ptr(kt.as_ref().map_or(0, |kt| be.p(kt))),
         ],
     )?;
-    if let (Some(scan), Some(kt)) = (&warpgroup, &kt) {
-        for range in [0..plan.roots, plan.roots..plan.sequences] {
-            let (meta, count) = plan.entries(be, &plan.scan_meta, range);
-            if count == 0 {
-                continue;
-            }
-            be.launch(
-                &scan.name,
-                launch_config((count as u32, vh as u32, scan.column_blocks), scan.threads, scan.smem),
-                &[
-                    Arg::Ptr(be.p(&x.q)),
-                    Arg::Ptr(be.p(&x.k)),
-                    Arg::Ptr(be.p(&x.v)),
-                    Arg::Ptr(be.p(&x.beta)),
-                    Arg::Ptr(be.p(&x.g)),
-                    Arg::Ptr(be.p(&tp)),
-                    Arg::Ptr(be.p(kt)),
-                    Arg::Ptr(be.p(&plan.chunks)),
-                    Arg::Ptr(meta),
-                    Arg::I32(kh as i32),
-                    Arg::I32(vh as i32),
-                    Arg::I32(dv as i32),
-                    Arg::Ptr(be.p(&core)),
-                ],
-            )?;
-        }
-        return Ok(core);
-    }
+    // (The split path and the warpgroup scan are two values of `gdn_scan`: never both.)
     if let Some(kernels) = split_kernels(&be.state.options, dk, dv) {
         delta_rule_split(be, dims, x, plan, &tp, &kernels, &core)?;
         return Ok(core);
@@ -650,24 +623,32 @@ fn delta_rule(
         if count == 0 {
             continue;
         }
-        let scan = be.chunk_scan_kernel(dims, longest, count)?;
+        let scan = match &warpgroup {
+            Some(wg) => wg.clone(),
+            None => be.chunk_scan_kernel(dims, longest, count)?,
+        };
+        // The warpgroup scan also reads the chunks' K^T, after T and P.
+        let mut args = vec![
+            Arg::Ptr(be.p(&x.q)),
+            Arg::Ptr(be.p(&x.k)),
+            Arg::Ptr(be.p(&x.v)),
+            Arg::Ptr(be.p(&x.beta)),
+            Arg::Ptr(be.p(&x.g)),
+            Arg::Ptr(be.p(&tp)),
+        ];
+        args.extend(kt.as_ref().map(|kt| Arg::Ptr(be.p(kt))));
+        args.extend([
+            Arg::Ptr(be.p(&plan.chunks)),
+            Arg::Ptr(meta),
+            Arg::I32(kh as i32),
+            Arg::I32(vh as i32),
+            Arg::I32(dv as i32),
+            Arg::Ptr(be.p(&core)),
+        ]);
         be.launch(
             &scan.name,
             launch_config((count as u32, vh as u32, scan.column_blocks), scan.threads, scan.smem),
-            &[
-                Arg::Ptr(be.p(&x.q)),
-                Arg::Ptr(be.p(&x.k)),
-                Arg::Ptr(be.p(&x.v)),
-                Arg::Ptr(be.p(&x.beta)),
-                Arg::Ptr(be.p(&x.g)),
-                Arg::Ptr(be.p(&tp)),
-                Arg::Ptr(be.p(&plan.chunks)),
-                Arg::Ptr(meta),
-                Arg::I32(kh as i32),
-                Arg::I32(vh as i32),
-                Arg::I32(dv as i32),
-                Arg::Ptr(be.p(&core)),
-            ],
+            &args,
         )?;
     }
     Ok(core)
