@@ -738,6 +738,12 @@ fn main() -> Result<()> {
     // The warpgroup scan (its own prep and scan) beside the default by-length scans.
     let (default, warpgroup) = (scan(GdnScan::ByLength, true)?, scan(GdnScan::Warpgroup, true)?);
     let wg_pair = [("default scans", &default), ("warpgroup scan", &warpgroup)];
+    // Its two kernels (the same bits), each forced.
+    let wg_kernel = |producer| {
+        CudaBackend::new(0, CudaOptions { gdn_wg_producer: Some(producer), ..warpgroup.options().clone() })
+    };
+    let (wg_one, wg_producer) = (wg_kernel(false)?, wg_kernel(true)?);
+    let wg_kernels = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, producer", &wg_producer)];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;
         for pair in &tf32 {
@@ -746,6 +752,7 @@ fn main() -> Result<()> {
     }
     for &m in lengths.iter().filter(|_| run("deltanet") || run("deltanet-wg")) {
         b.deltanet(&wg_pair, delta, m, m == 2048)?;
+        b.deltanet(&wg_kernels, delta, m, m == 2048)?;
     }
     println!(
         "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",

@@ -31,7 +31,10 @@
 // and computes the gates (its warp 0), running ahead of the consumers (K, Q, gates two chunks, V
 // and K^T/T/P one); a stage is "full" when its copies have landed (cp.async.mbarrier.arrive, the
 // producer never waits for its own copies) and "empty" when each consumer warp has released it.
-// Warpgroup 1 does the products above and writes O. (A first version without the producer spent
+// Warpgroup 1 does the products above and writes O. gdn_chunk_scan_wg1_<DK> is the same kernel
+// without the producer: one warpgroup copies between its products (cp.async groups and block
+// barriers), for short launches where a producer has nothing to run ahead of; the same products
+// in the same order on the same values, so the same bits. (A first version without the producer spent
 // ~2,900 instructions a warp and chunk, most of them copy addressing, and ran at the pipelined
 // scan's 1.45 ms a call at 16K on the H100.)
 // Tables and outputs as gdn_chunk_scan_<DK>; tp holds T and P ROW-MAJOR (gdn_chunk_prep_rm_<DK>)
@@ -140,7 +143,7 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned lo, int kk) {
 
 constexpr int WG_LDV = CHUNK + 8;  // V row stride: a warp's R reads (8 columns x 4 rows) hit 32 banks
 
-template <int DK>
+template <int DK, bool WS>
 __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                               const float* tp, const float* ktg, const int* chunks, const i64* segs, int kh, int vh,
                               int dv, float* out) {
@@ -164,70 +167,100 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
   const int ncols = min(64, dv - c0);
   const i64 vrs = (i64)vh * dv;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; i++) {
-      mbar_init(full_a + i, 128 + 32);  // every producer thread's copies, and warp 0's gates
-      mbar_init(empty_a + i, 4);        // one arrival per consumer warp
-    }
-    mbar_init(full_v, 128);
-    mbar_init(empty_v, 4);
-    mbar_init(full_b, 128);
-    mbar_init(empty_b, 4);
-  }
-  __syncthreads();
-  const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
   const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-
-  if (wg == 0) {
-    // ---- producer: every copy, and the gates (warp 0), one chunk ahead of the consumers (K and Q
-    // two: they have two buffers); a stage is announced by its copies landing
-    // (mbar_arrive_on_copies) and refilled once every consumer warp has released it.
-    const WgTileCopy<CHUNK, DK> kq_copy;
-    const WgTileCopy<CHUNK, CHUNK> tp_copy;
-    const WgTileCopy<DK, CHUNK> kt_copy;
-    const int vq = 4 * (tid & 15), vi0 = tid >> 4;
-    const i64 tstride = (i64)vh * 2 * CHUNK * CHUNK, kstride = (i64)kh * DK * CHUNK;
-    const float* tph = tp + (i64)hv * 2 * CHUNK * CHUNK;
-    const float* kth = ktg + (i64)hk * DK * CHUNK;
-    for (int ck = first; ck < end; ck++) {
-      const int n = ck - first, b = n & 1;
-      const i64 r0 = chunks[2 * ck];
-      const int ln = chunks[2 * ck + 1];
-      if (n >= 2) mbar_wait(empty_a + b, ((n >> 1) - 1) & 1);
-      const i64 off = (r0 * kh + hk) * DK, rs = (i64)kh * DK;
-      kq_copy(KQ + 2 * b * QKB, kn + off, rs, ln, kn + off);
-      kq_copy(KQ + (2 * b + 1) * QKB, qn + off, rs, ln, qn + off);
-      mbar_arrive_on_copies(full_a + b);
-      if (warp == 0) {
-        const float g0 = lane < ln ? g[(r0 + lane) * vh + hv] : 0.f;
-        const float g1 = lane + 32 < ln ? g[(r0 + lane + 32) * vh + hv] : 0.f;
-        const float b0 = lane < ln ? beta[(r0 + lane) * vh + hv] : 0.f;
-        const float b1 = lane + 32 < ln ? beta[(r0 + lane + 32) * vh + hv] : 0.f;
-        chunk_gates_warp(gates + b * 3 * CHUNK, g0, g1, b0, b1, lane);
-        mbar_arrive(full_a + b);
-      }
-      // v rows [64][WG_LDV], natural order: thread t copies chunk t % 16 of rows t / 16 + 8 u.
-      if (n >= 1) mbar_wait(empty_v, (n - 1) & 1);
-      {
-        const float* s0 = v + (r0 + vi0) * vrs + hv * dv + c0 + vq;
-        const bool col = vq < ncols;
+  // The copies and the gates of one chunk, by the 128 threads of one warpgroup (the producer with
+  // WS, else the consumers themselves between their products).
+  const WgTileCopy<CHUNK, DK> kq_copy;
+  const WgTileCopy<CHUNK, CHUNK> tp_copy;
+  const WgTileCopy<DK, CHUNK> kt_copy;
+  const int vq = 4 * (tid & 15), vi0 = tid >> 4;
+  const i64 tstride = (i64)vh * 2 * CHUNK * CHUNK, kstride = (i64)kh * DK * CHUNK;
+  const float* tph = tp + (i64)hv * 2 * CHUNK * CHUNK;
+  const float* kth = ktg + (i64)hk * DK * CHUNK;
+  auto copy_kq = [&](int b, int ck) {
+    const i64 r0 = chunks[2 * ck];
+    const int ln = chunks[2 * ck + 1];
+    const i64 off = (r0 * kh + hk) * DK, rs = (i64)kh * DK;
+    kq_copy(KQ + 2 * b * QKB, kn + off, rs, ln, kn + off);
+    kq_copy(KQ + (2 * b + 1) * QKB, qn + off, rs, ln, qn + off);
+  };
+  // Warp 0 of the copying warpgroup only.
+  auto write_gates = [&](int b, int ck) {
+    const i64 r0 = chunks[2 * ck];
+    const int ln = chunks[2 * ck + 1];
+    const float g0 = lane < ln ? g[(r0 + lane) * vh + hv] : 0.f;
+    const float g1 = lane + 32 < ln ? g[(r0 + lane + 32) * vh + hv] : 0.f;
+    const float b0 = lane < ln ? beta[(r0 + lane) * vh + hv] : 0.f;
+    const float b1 = lane + 32 < ln ? beta[(r0 + lane + 32) * vh + hv] : 0.f;
+    chunk_gates_warp(gates + b * 3 * CHUNK, g0, g1, b0, b1, lane);
+  };
+  // v rows [64][WG_LDV], natural order: thread t copies chunk t % 16 of rows t / 16 + 8 u.
+  auto copy_v = [&](int ck) {
+    const i64 r0 = chunks[2 * ck];
+    const int ln = chunks[2 * ck + 1];
+    const float* s0 = v + (r0 + vi0) * vrs + hv * dv + c0 + vq;
+    const bool col = vq < ncols;
 #pragma unroll
-        for (int u = 0; u < CHUNK / 8; u++) {
-          const bool ok = col && vi0 + 8 * u < ln;
-          cp_async16(V + (vi0 + 8 * u) * WG_LDV + vq, ok ? s0 + 8 * u * vrs : v, ok);
-        }
-      }
-      mbar_arrive_on_copies(full_v);
-      if (n >= 1) mbar_wait(empty_b, (n - 1) & 1);
-      const float* t = tph + ck * tstride;
-      tp_copy(Tb, t, CHUNK, CHUNK, t);
-      tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, CHUNK, t);
-      kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t);
-      mbar_arrive_on_copies(full_b);
+    for (int u = 0; u < CHUNK / 8; u++) {
+      const bool ok = col && vi0 + 8 * u < ln;
+      cp_async16(V + (vi0 + 8 * u) * WG_LDV + vq, ok ? s0 + 8 * u * vrs : v, ok);
     }
-    // No thread may exit with copies in flight into shared memory that others read.
-    cp_async_wait_all();
-    return;
+  };
+  auto copy_tpk = [&](int ck) {
+    const float* t = tph + ck * tstride;
+    tp_copy(Tb, t, CHUNK, CHUNK, t);
+    tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, CHUNK, t);
+    kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t);
+  };
+  if constexpr (WS) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < 2; i++) {
+        mbar_init(full_a + i, 128 + 32);  // every producer thread's copies, and warp 0's gates
+        mbar_init(empty_a + i, 4);        // one arrival per consumer warp
+      }
+      mbar_init(full_v, 128);
+      mbar_init(empty_v, 4);
+      mbar_init(full_b, 128);
+      mbar_init(empty_b, 4);
+    }
+    __syncthreads();
+    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+    if (wg == 0) {
+      // ---- producer: every copy, and the gates (warp 0), one chunk ahead of the consumers (K, Q
+      // and the gates two: they have two buffers); a stage is announced by its copies landing
+      // (mbar_arrive_on_copies) and refilled once every consumer warp has released it.
+      for (int ck = first; ck < end; ck++) {
+        const int n = ck - first, b = n & 1;
+        if (n >= 2) mbar_wait(empty_a + b, ((n >> 1) - 1) & 1);
+        copy_kq(b, ck);
+        mbar_arrive_on_copies(full_a + b);
+        if (warp == 0) {
+          write_gates(b, ck);
+          mbar_arrive(full_a + b);
+        }
+        if (n >= 1) mbar_wait(empty_v, (n - 1) & 1);
+        copy_v(ck);
+        mbar_arrive_on_copies(full_v);
+        if (n >= 1) mbar_wait(empty_b, (n - 1) & 1);
+        copy_tpk(ck);
+        mbar_arrive_on_copies(full_b);
+      }
+      // No thread may exit with copies in flight into shared memory that others read.
+      cp_async_wait_all();
+      return;
+    }
+  } else {
+    // One warpgroup copies between its products, cp.async groups committed by every thread in the
+    // same order (empty when nothing is copied): {K,Q,V of the first chunk} {K^T,T,P of it}, then
+    // per chunk c {K,Q of c+1} {V of c+1} {K^T,T,P of c+1}.
+    if (nch > 0) {
+      copy_kq(0, first);
+      copy_v(first);
+    }
+    cp_async_commit();
+    if (nch > 0) copy_tpk(first);
+    cp_async_commit();
+    if (nch > 0 && warp == 0) write_gates(0, first);
   }
 
   // ---- consumers: the products and the outputs, one warpgroup.
@@ -258,8 +291,17 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
     const float* G = gates + b * 3 * CHUNK;
-    mbar_wait(full_a + b, (n >> 1) & 1);  // K, Q and the gates of this chunk
-    fence_proxy_async();
+    const bool has_next = ck + 1 < end;
+    if constexpr (WS) {
+      mbar_wait(full_a + b, (n >> 1) & 1);  // K, Q and the gates of this chunk
+      fence_proxy_async();
+    } else {
+      cp_async_wait_group<1>();  // K, Q, V of this chunk (its K^T, T, P may still fly)
+      fence_proxy_async();
+      __syncthreads();  // ... visible to all; chunk ck-1 is done with buffer b^1 and the gates b^1
+      if (has_next) copy_kq(b ^ 1, ck + 1);
+      cp_async_commit();
+    }
     // X = S^T K^T and Y = S^T Q^T.
     {
       unsigned as[DK / 8][4];
@@ -280,7 +322,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       fence_regs(y);
     }
     // R^T = beta (V^T - e^gamma X) in place of X (Y is scaled by e^gamma after Vn).
-    mbar_wait(full_v, n & 1);
+    if constexpr (WS) mbar_wait(full_v, n & 1);
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -288,9 +330,19 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
         const int i = 8 * j + tg + 4 * (e & 1), c = cw + 8 * (e >> 1);
         x[4 * j + e] = G[2 * CHUNK + i] * (V[i * WG_LDV + c] - G[i] * x[4 * j + e]);
       }
-    release(empty_v);
-    mbar_wait(full_b, n & 1);  // K^T, T and P of this chunk
-    fence_proxy_async();
+    if constexpr (WS) {
+      release(empty_v);
+      mbar_wait(full_b, n & 1);  // K^T, T and P of this chunk
+      fence_proxy_async();
+    } else {
+      __syncthreads();  // every thread is done with V (and warp 0 may overwrite the gates b^1)
+      if (has_next) copy_v(ck + 1);
+      cp_async_commit();
+      if (has_next && warp == 0) write_gates(b ^ 1, ck + 1);
+      cp_async_wait_group<2>();  // K^T, T, P of this chunk
+      fence_proxy_async();
+      __syncthreads();
+    }
     // Vn^T = R^T T^T.
     {
       unsigned ar[8][4];
@@ -342,8 +394,14 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       fence_regs(y);
       fence_regs(sa);
     }
-    release(empty_b);
-    release(empty_a + b);  // K and Q were read by the first products, the gates up to here
+    if constexpr (WS) {
+      release(empty_b);
+      release(empty_a + b);  // K and Q were read by the first products, the gates up to here
+    } else {
+      __syncthreads();  // every warp's products are done with K^T, T and P
+      if (has_next) copy_tpk(ck + 1);
+      cp_async_commit();
+    }
     {
       // Row i = 8j + tg + 4 (e & 1), column cw + 8 (e >> 1): a per-thread base plus steps.
       float* o0 = out + (row0 + tg) * vrs + hv * dv + c0 + cw;
@@ -357,6 +415,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
         }
     }
   }
+  if constexpr (!WS) cp_async_wait_group<0>();  // nothing may be in flight into shared memory at exit
   if (state != nullptr) {
 #pragma unroll
     for (int j = 0; j < NS / 4; j++)
@@ -372,17 +431,24 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define SCAN_WG_BODY(DK) \
-  chunk_scan_wg<DK>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
+#define SCAN_WG_BODY(DK, WS) \
+  chunk_scan_wg<DK, WS>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
 #else
-#define SCAN_WG_BODY(DK)
+#define SCAN_WG_BODY(DK, WS)
 #endif
-#define SCAN_WG_ENTRY(DK)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan_wg_##DK(                                 \
-      const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp,   \
-      const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {              \
-    SCAN_WG_BODY(DK)                                                                                           \
+// gdn_chunk_scan_wg_<DK>: the producer warpgroup and the consumer warpgroup (256 threads);
+// gdn_chunk_scan_wg1_<DK>: one warpgroup that copies between its products (128 threads), for short
+// launches (the same products in the same order on the same values: the same bits).
+#define SCAN_WG_ENTRY(NAME, DK, WS, THREADS)                                                                    \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                   \
+      NAME(const float* qn, const float* kn, const float* v, const float* beta, const float* g,              \
+           const float* tp, const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv,     \
+           float* out) {                                                                                     \
+    SCAN_WG_BODY(DK, WS)                                                                                     \
   }
-SCAN_WG_ENTRY(32)
-SCAN_WG_ENTRY(64)
-SCAN_WG_ENTRY(128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_64, 64, true, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_128, 128, true, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_32, 32, false, 128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_64, 64, false, 128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_128, 128, false, 128)

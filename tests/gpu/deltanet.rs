@@ -210,12 +210,13 @@ fn other_order_cases(
 /// where chunks and the copy pipeline change shape (1, 63, 64, 65, 127, 4,097 and 16,384 rows), in a
 /// tree (children start from their parents' new states), at key dim 32 with a value dim of 24 (40
 /// of the block's 64 value columns padding); states kept and not kept give the same outputs; and a
-/// sequence's bits alone and beside a 16,384-token one.
+/// sequence's bits alone and beside a 16,384-token one; then its one-warpgroup kernel bitwise
+/// against its producer kernel (both forced).
 pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let be = tc_scan(g, GdnScan::Warpgroup, Some(true))?;
     let dims = DELTANET_4B;
     let hopper = be.info().compute_capability == (9, 0);
-    if warpgroup_kernel(be.options(), dims.key_dim, dims.value_dim, hopper).is_none() {
+    if warpgroup_kernel(be.options(), dims.key_dim, dims.value_dim, 1, hopper).is_none() {
         rep.flag(
             "gdn",
             "warpgroup scan",
@@ -224,7 +225,20 @@ pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
         );
         return Ok(());
     }
-    other_order_cases(&be, c, rep, rng, "warpgroup scan")
+    other_order_cases(&be, c, rep, rng, "warpgroup scan")?;
+    // Its two kernels, each forced: the one-warpgroup kernel BITWISE against the producer one.
+    let forced = |producer| {
+        variant(&be, |o| {
+            o.gdn_scan = GdnScan::Warpgroup;
+            o.gdn_wg_producer = Some(producer);
+        })
+    };
+    let (one, producer) = (forced(false)?, forced(true)?);
+    if one.options().gdn_wg_producer != Some(false) || producer.options().gdn_wg_producer != Some(true) {
+        rep.flag("gdn", "warpgroup scan kernels", false, "IMAJEV_GDN_WG forces one: unset it");
+        return Ok(());
+    }
+    twin_cases(&one, ("producer warpgroup scan", &producer), c, rep, rng, "one-warpgroup scan")
 }
 
 /// Final states that are not kept (`keep` false, as for read-out-only passes), under each scan:

@@ -49,10 +49,11 @@ pub enum GdnScan {
     /// per head, a quarter of the blocks). The plain scan's bits. Value dims over 128 run the plain
     /// scan.
     Wide,
-    /// `gdn_chunk_scan_wg_<dk>` (kernels/deltanet_wg.cu, Hopper): one warpgroup per (sequence,
-    /// value head, 64 value columns) holding the state as a wgmma accumulator, after
+    /// `gdn_chunk_scan_wg_<dk>` / `gdn_chunk_scan_wg1_<dk>` (kernels/deltanet_wg.cu, Hopper; the
+    /// same bits, chosen per launch by [`warpgroup_kernel`]): one warpgroup per (sequence, value
+    /// head, 64 value columns) holding the state as a wgmma accumulator, after
     /// `gdn_chunk_prep_rm_<dk>`. TF32 products like the default scans, but summed by the tensor
-    /// cores in another order, so not their bits: chosen for every launch, never per launch. Key
+    /// cores in another order, so not their bits: chosen for every launch, never mixed with them. Key
     /// dims other than 32, 64 and 128, the FMA scan and other GPUs fall back to
     /// [`GdnScan::PlainByLength`]. Opt-in while measured.
     Warpgroup,
@@ -198,20 +199,36 @@ pub fn split_kernels(options: &CudaOptions, dk: usize, dv: usize) -> Option<[(St
 /// The warpgroup scan (`GdnScan::Warpgroup`) with its dynamic shared memory, or `None` where it does
 /// not run: another scan chosen, the FMA scan, a GPU other than sm_90 (`hopper`), key dims other
 /// than 32, 64 and 128 (its operand rows are whole 128-byte swizzle blocks).
-pub fn warpgroup_kernel(options: &CudaOptions, dk: usize, dv: usize, hopper: bool) -> Option<ScanKernel> {
+///
+/// Of its two kernels (the same bits), `gdn_chunk_scan_wg_<dk>` (a producer warpgroup copies ahead
+/// of the consumer warpgroup) for launches whose longest sequence has at least
+/// [`PIPELINED_MIN_CHUNKS`] chunks, `gdn_chunk_scan_wg1_<dk>` (one warpgroup copying between its
+/// products) below, unless `gdn_wg_producer` forces one: with two chunks a sequence there is nothing
+/// for a producer to run ahead of (11 passes of 73 tokens: mixer 0.229 ms with one warpgroup, 0.272
+/// with the producer on the H100, NOTES).
+pub fn warpgroup_kernel(
+    options: &CudaOptions,
+    dk: usize,
+    dv: usize,
+    longest_chunks: usize,
+    hopper: bool,
+) -> Option<ScanKernel> {
     if options.gdn_ffma || options.gdn_scan != GdnScan::Warpgroup || !hopper || ![32, 64, 128].contains(&dk) {
         return None;
     }
+    let producer = options.gdn_wg_producer.unwrap_or(longest_chunks >= PIPELINED_MIN_CHUNKS);
+    let (kind, threads) = if producer { ("wg", WARPGROUP_SCAN_THREADS) } else { ("wg1", 128) };
     Some(ScanKernel {
-        name: format!("gdn_chunk_scan_wg_{dk}"),
+        name: format!("gdn_chunk_scan_{kind}_{dk}"),
         smem: layout::delta_wg_smem_bytes(dk),
-        threads: WARPGROUP_SCAN_THREADS,
+        threads,
         column_blocks: dv.div_ceil(64) as u32,
     })
 }
 
 /// Threads of a `gdn_chunk_scan_wg_<dk>` block: the producer warpgroup and the consumer warpgroup
 /// (its `__launch_bounds__`; with fewer, no consumer runs and the producer waits forever).
+/// `gdn_chunk_scan_wg1_<dk>` is one warpgroup, 128.
 pub const WARPGROUP_SCAN_THREADS: u32 = 256;
 
 /// Conv history `[kernel−1, channels]` and recurrent state `[value_heads, key_dim, value_dim]` of
@@ -591,12 +608,10 @@ fn delta_rule(
     let chunk = layout::DELTA_CHUNK;
     let tp = be.alloc_f32(plan.chunk_count * vh * 2 * chunk * chunk)?;
     let hopper = be.state.info.compute_capability == (9, 0);
-    let warpgroup = warpgroup_kernel(&be.state.options, dk, dv, hopper);
+    // Whether the warpgroup scan runs (its kernel is chosen per launch below).
+    let warpgroup = warpgroup_kernel(&be.state.options, dk, dv, 0, hopper).is_some();
     // The warpgroup scan reads T and P row-major and each chunk's K^T, which its prep writes.
-    let kt = match warpgroup {
-        Some(_) => Some(be.alloc_f32(plan.chunk_count * kh * dk * chunk)?),
-        None => None,
-    };
+    let kt = if warpgroup { Some(be.alloc_f32(plan.chunk_count * kh * dk * chunk)?) } else { None };
     be.launch(
         &format!("gdn_chunk_prep_{}{dk}", if kt.is_some() { "rm_" } else { "" }),
         launch_config((plan.chunk_count as u32, kh as u32, 1), 256, layout::delta_prep_smem_bytes(dk)),
@@ -623,8 +638,8 @@ fn delta_rule(
         if count == 0 {
             continue;
         }
-        let scan = match &warpgroup {
-            Some(wg) => wg.clone(),
+        let scan = match warpgroup_kernel(&be.state.options, dk, dv, longest, hopper) {
+            Some(wg) => wg,
             None => be.chunk_scan_kernel(dims, longest, count)?,
         };
         // The warpgroup scan also reads the chunks' K^T, after T and P.
@@ -739,22 +754,35 @@ mod tests {
 
     #[test]
     fn the_warpgroup_scan_is_launched_with_the_threads_its_kernel_is_built_for() {
+        // kernels/deltanet_wg.cu: SCAN_WG_ENTRY(name, dk, producer, launch-bounds threads).
         let src = KERNELS.iter().find(|f| f.name == "deltanet").expect("deltanet unit").source;
-        let bounds = format!("__launch_bounds__({WARPGROUP_SCAN_THREADS}, 1) gdn_chunk_scan_wg_");
-        assert!(src.contains(&bounds), "kernels/deltanet_wg.cu must declare {bounds}");
+        assert!(src.contains("__launch_bounds__(THREADS, 1)"));
+        for dk in [32, 64, 128] {
+            for (producer, threads) in [(true, WARPGROUP_SCAN_THREADS), (false, 128)] {
+                let kind = if producer { "wg" } else { "wg1" };
+                let entry = format!("SCAN_WG_ENTRY(gdn_chunk_scan_{kind}_{dk}, {dk}, {producer}, {threads})");
+                assert!(src.contains(&entry), "kernels/deltanet_wg.cu must declare {entry}");
+            }
+        }
         let opts = CudaOptions { gdn_scan: GdnScan::Warpgroup, gdn_ffma: false, ..CudaOptions::default() };
-        let k = warpgroup_kernel(&opts, 128, 128, true).expect("dk 128 on Hopper");
+        let long = PIPELINED_MIN_CHUNKS;
+        let k = warpgroup_kernel(&opts, 128, 128, long, true).expect("dk 128 on Hopper");
         assert_eq!(
-            (k.threads, k.column_blocks, k.smem),
-            (WARPGROUP_SCAN_THREADS, 2, layout::delta_wg_smem_bytes(128))
+            (k.name.as_str(), k.threads, k.column_blocks, k.smem),
+            ("gdn_chunk_scan_wg_128", WARPGROUP_SCAN_THREADS, 2, layout::delta_wg_smem_bytes(128))
         );
-        assert_eq!(warpgroup_kernel(&opts, 128, 24, true).map(|k| k.column_blocks), Some(1));
-        assert!(
-            warpgroup_kernel(&opts, 16, 128, true).is_none()
-                && warpgroup_kernel(&opts, 128, 128, false).is_none()
+        let short = warpgroup_kernel(&opts, 128, 128, long - 1, true).expect("short launch");
+        assert_eq!((short.name.as_str(), short.threads), ("gdn_chunk_scan_wg1_128", 128));
+        let forced = CudaOptions { gdn_wg_producer: Some(true), ..opts.clone() };
+        assert_eq!(
+            warpgroup_kernel(&forced, 64, 128, 1, true).map(|k| k.name),
+            Some("gdn_chunk_scan_wg_64".into())
         );
+        assert_eq!(warpgroup_kernel(&opts, 128, 24, long, true).map(|k| k.column_blocks), Some(1));
+        assert!(warpgroup_kernel(&opts, 16, 128, long, true).is_none());
+        assert!(warpgroup_kernel(&opts, 128, 128, long, false).is_none());
         let other = CudaOptions { gdn_scan: GdnScan::ByLength, ..opts.clone() };
-        assert!(warpgroup_kernel(&other, 128, 128, true).is_none());
+        assert!(warpgroup_kernel(&other, 128, 128, long, true).is_none());
     }
 
     #[test]

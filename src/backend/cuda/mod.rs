@@ -89,6 +89,12 @@ pub struct CudaOptions {
     /// decisions within median |Δp| 1.4e-5 of 3xTF32 (bench/NOTES.md); plain and pipelined give
     /// the same bits as each other either way. `IMAJEV_GDN_TF32=0` in the environment turns it off.
     pub gdn_tf32: bool,
+    /// Which warpgroup scan runs with [`GdnScan::Warpgroup`]: `None` by the launch (the producer
+    /// version `gdn_chunk_scan_wg_<dk>` when its longest sequence has at least
+    /// [`deltanet::PIPELINED_MIN_CHUNKS`] chunks, else the one-warpgroup `gdn_chunk_scan_wg1_<dk>`),
+    /// `Some(true)` / `Some(false)` always one of them. Both give the same bits. Default:
+    /// `IMAJEV_GDN_WG=producer|one` in the environment (read only when left at `None`).
+    pub gdn_wg_producer: Option<bool>,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
@@ -124,6 +130,7 @@ impl Default for CudaOptions {
             gdn_ffma: false,
             gdn_scan: GdnScan::default(),
             gdn_tf32: true,
+            gdn_wg_producer: None,
             unfused_act_quant: false,
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
@@ -209,6 +216,14 @@ impl CudaBackend {
                 Ok(other) => bail!(
                     "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide, split or warpgroup"
                 ),
+            }
+        }
+        if options.gdn_wg_producer.is_none() {
+            match std::env::var("IMAJEV_GDN_WG").as_deref() {
+                Ok("producer") => options.gdn_wg_producer = Some(true),
+                Ok("one") => options.gdn_wg_producer = Some(false),
+                Ok("") | Ok("by-length") | Err(_) => {}
+                Ok(other) => bail!("IMAJEV_GDN_WG={other}: expected by-length, producer or one"),
             }
         }
         match std::env::var("IMAJEV_GDN_TF32").as_deref() {
