@@ -664,7 +664,7 @@ fn main() -> Result<()> {
         None => &[2048],
     };
     let q64 = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows64, ..g.options().clone() })?;
-    let hopper = g.info().compute_capability == (9, 0);
+    let hopper = g.info().hopper();
     let q128 =
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Rows128, ..g.options().clone() })?;
     let wg = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Wgmma, ..g.options().clone() })?;

@@ -86,8 +86,8 @@ __device__ __forceinline__ void wgmma_tf32_rs(float (&d)[64], const unsigned (&a
 __device__ __forceinline__ int wg_row(int n) { return (n & ~7) | ((n & 1) << 2) | ((n >> 1) & 3); }
 
 // The bits of x as a TF32 operand, rounded to nearest (ties away from zero): the tensor cores ignore
-// an operand's low 13 bits, so adding half their range gives cvt.rna's value in one integer add
-// (cvt.rna.tf32.f32 is several instructions on sm_90, and a chunk converts ~200 values a thread).
+// an operand's low 13 bits, so adding half their range gives cvt.rna's value in one integer add (a
+// chunk converts ~200 values a thread, all on the scan's chain).
 __device__ __forceinline__ unsigned tf32_operand(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // The A fragment of k step kk from a 64-column accumulator (see the layout trick above).

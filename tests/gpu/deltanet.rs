@@ -7,7 +7,7 @@
 use super::harness::{bit_diff, cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::backend::cuda::deltanet::{split_kernels, warpgroup_kernel, PIPELINED_MIN_CHUNKS};
+use imajev_serve::backend::cuda::deltanet::{split_kernels, warpgroup_scan_runs, PIPELINED_MIN_CHUNKS};
 use imajev_serve::backend::cuda::{CudaBackend, CudaTensor, GdnScan};
 use imajev_serve::backend::{Backend, DeltaNetDims, DeltaNetInputs};
 use imajev_serve::synth::memory::MemoryTensor;
@@ -215,8 +215,7 @@ fn other_order_cases(
 pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let be = tc_scan(g, GdnScan::Warpgroup, Some(true))?;
     let dims = DELTANET_4B;
-    let hopper = be.info().compute_capability == (9, 0);
-    if warpgroup_kernel(be.options(), dims.key_dim, dims.value_dim, 1, hopper).is_none() {
+    if !warpgroup_scan_runs(be.options(), dims.key_dim, be.info().hopper()) {
         rep.flag(
             "gdn",
             "warpgroup scan",

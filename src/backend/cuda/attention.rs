@@ -190,7 +190,7 @@ impl CudaBackend {
         // The kernel depends on the head dim and the options only, never on the batch, so a row's
         // arithmetic is the same whatever shares the call.
         let kernel = self.state.options.attention;
-        let hopper = self.state.info.compute_capability == (9, 0) && matches!(hdp, 64 | 256);
+        let hopper = self.state.info.hopper() && matches!(hdp, 64 | 256);
         if !layout::attention_q128_serves(hd) || kernel == AttentionKernel::Rows64 {
             let all: Vec<usize> = (0..segments.len()).collect();
             let grid = (longest(&all).div_ceil(64) as u32, heads as u32, segments.len() as u32);

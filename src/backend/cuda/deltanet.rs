@@ -213,7 +213,7 @@ pub fn warpgroup_kernel(
     longest_chunks: usize,
     hopper: bool,
 ) -> Option<ScanKernel> {
-    if options.gdn_ffma || options.gdn_scan != GdnScan::Warpgroup || !hopper || ![32, 64, 128].contains(&dk) {
+    if !warpgroup_scan_runs(options, dk, hopper) {
         return None;
     }
     let producer = options.gdn_wg_producer.unwrap_or(longest_chunks >= PIPELINED_MIN_CHUNKS);
@@ -224,6 +224,12 @@ pub fn warpgroup_kernel(
         threads,
         column_blocks: dv.div_ceil(64) as u32,
     })
+}
+
+/// Whether [`warpgroup_kernel`] gives a kernel (whatever the launch): the warpgroup scan chosen, not
+/// the FMA scan, an sm_90 GPU, key dim 32, 64 or 128.
+pub fn warpgroup_scan_runs(options: &CudaOptions, dk: usize, hopper: bool) -> bool {
+    !options.gdn_ffma && options.gdn_scan == GdnScan::Warpgroup && hopper && [32, 64, 128].contains(&dk)
 }
 
 /// Threads of a `gdn_chunk_scan_wg_<dk>` block: the producer warpgroup and the consumer warpgroup
@@ -590,9 +596,9 @@ fn conv(
 /// The chunked gated delta rule: `gdn_chunk_prep_<dk>` (per chunk and key head, the chunk's
 /// triangular systems), then a chunk scan ([`scan_kernel`], chosen per launch) walking each
 /// sequence's chunks from its state, the roots first and then the children from their parents'
-/// new states. With [`GdnScan::Warpgroup`] (where [`warpgroup_kernel`] allows it) the prep is
-/// `gdn_chunk_prep_rm_<dk>` and the scan `gdn_chunk_scan_wg_<dk>` for every launch. Returns the f32
-/// output `[n·vh, dv]`.
+/// new states. With [`GdnScan::Warpgroup`] (where [`warpgroup_scan_runs`]) the prep is
+/// `gdn_chunk_prep_rm_<dk>` and every launch runs one of the warpgroup scan's two kernels
+/// ([`warpgroup_kernel`]). Returns the f32 output `[n·vh, dv]`.
 fn delta_rule(
     be: &CudaBackend,
     dims: &DeltaNetDims,
@@ -607,9 +613,9 @@ fn delta_rule(
     }
     let chunk = layout::DELTA_CHUNK;
     let tp = be.alloc_f32(plan.chunk_count * vh * 2 * chunk * chunk)?;
-    let hopper = be.state.info.compute_capability == (9, 0);
+    let hopper = be.state.info.hopper();
     // Whether the warpgroup scan runs (its kernel is chosen per launch below).
-    let warpgroup = warpgroup_kernel(&be.state.options, dk, dv, 0, hopper).is_some();
+    let warpgroup = warpgroup_scan_runs(&be.state.options, dk, hopper);
     // The warpgroup scan reads T and P row-major and each chunk's K^T, which its prep writes.
     let kt = if warpgroup { Some(be.alloc_f32(plan.chunk_count * kh * dk * chunk)?) } else { None };
     be.launch(

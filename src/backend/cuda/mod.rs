@@ -159,6 +159,13 @@ pub struct DeviceInfo {
     pub kernel_seconds: f64,
 }
 
+impl DeviceInfo {
+    /// Hopper (sm_90): where the wgmma kernels (attention, the warpgroup DeltaNet scan) run.
+    pub fn hopper(&self) -> bool {
+        self.compute_capability == (9, 0)
+    }
+}
+
 /// The CUDA backend (cheap to clone: clones share the context, stream, kernels and GEMM plans).
 #[derive(Clone)]
 pub struct CudaBackend {
