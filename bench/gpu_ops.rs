@@ -671,6 +671,10 @@ fn main() -> Result<()> {
     let ov = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Overlap, ..g.options().clone() })?;
     let k128 =
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::WgmmaK128, ..g.options().clone() })?;
+    let tsum = CudaBackend::new(
+        0,
+        CudaOptions { attention: AttentionKernel::WgmmaTensorSums, ..g.options().clone() },
+    )?;
     // The warp-specialised kernel (measured slower than wgmma, NOTES) is left out of the side by
     // side; `IMAJEV_ATTENTION=ws` still selects it for a profile.
     for &m in lengths.iter().filter(|_| run("attention")) {
@@ -688,6 +692,7 @@ fn main() -> Result<()> {
             b.vision(&wg, "wgmma", m)?;
             b.vision(&ov, "wgmma, softmax overlapped", m)?;
             b.vision(&k128, "wgmma, 128-key tiles", m)?;
+            b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", m)?;
         }
     }
     // One 4096² photo: 65,536 patches, the vision attention of the long requests.
@@ -695,6 +700,7 @@ fn main() -> Result<()> {
         b.vision(&wg, "wgmma", 65_536)?;
         b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
         b.vision(&k128, "wgmma, 128-key tiles", 65_536)?;
+        b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", 65_536)?;
     }
     if run("narrow") {
         let side = |narrow_gemm, narrow_whole_rows| {

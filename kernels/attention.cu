@@ -651,6 +651,17 @@ __device__ __forceinline__ void wgmma_rs_m64n64(float (&d)[32], const unsigned (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+// D[64 x 8] += A[64 x 16] B[16 x 8], A from registers (as wgmma_rs_m64n64), B from shared memory,
+// N-major. With B all ones, D's columns are the rows' sums of A: attn_fwd_wgmma_tsum_64's row
+// sums of P.
+__device__ __forceinline__ void wgmma_rs_m64n8(float (&d)[4], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
 // D[64 x 256] += A[64 x 16] B[16 x 256], A from registers (the mma.sync m16n8k16 A fragment of
 // each warp's 16 rows), B from shared memory, N-major (transposed).
 __device__ __forceinline__ void wgmma_rs_m64n256(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
@@ -668,6 +679,9 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+
+// A BF16 pair of ones (attn_fwd_wgmma_tsum_64's shared ones).
+constexpr unsigned ONES2 = 0x3F803F80u;
 
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile at dst (see above), zero-
 // filling rows past `valid` and columns past hd; rows as issue_tile's.
@@ -793,10 +807,14 @@ struct WgmmaDescs {
 // s. Updates the running max m and sum l per row and returns in c the factors by which O must be
 // rescaled. At head dim 64 the softmax is what limits these kernels (issue-bound: ncu, NOTES), so
 // every instruction per score counts.
+//
+// wgmma_tile_max is its first half, shared with wgmma_softmax_tile_tsum: the masking, the rows'
+// new maxima (m updated), the exponents' offsets b = max·scale (0 for a row that has seen no key)
+// and the rescale factors c.
 template <int NS>
-__device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
-                                                   int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
-                                                   float& m1, float& l0, float& l1, float& c0, float& c1) {
+__device__ __forceinline__ void wgmma_tile_max(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
+                                               int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
+                                               float& m1, float& b0, float& b1, float& c0, float& c1) {
   float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
   for (int j = 0; j < NS / 4; j++) {
@@ -817,16 +835,36 @@ __device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, 
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
   const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-  const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
+  b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2;
+  b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
   c0 = ex2_ftz(fmaf(m0, scale_log2, -b0));
   c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
-  float ps0 = 0.f, ps1 = 0.f;
+  m0 = mn0;
+  m1 = mn1;
+}
+
+// p = 2^(s·scale − b) in place, b0 for row qi0's scores and b1 for qi1's (the S layout).
+template <int NS>
+__device__ __forceinline__ void wgmma_exponentials(float (&s)[NS], float b0, float b1, float scale_log2) {
 #pragma unroll
   for (int j = 0; j < NS / 4; j++) {
     s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
     s[4 * j + 1] = ex2_ftz(fmaf(s[4 * j + 1], scale_log2, -b0));
     s[4 * j + 2] = ex2_ftz(fmaf(s[4 * j + 2], scale_log2, -b1));
     s[4 * j + 3] = ex2_ftz(fmaf(s[4 * j + 3], scale_log2, -b1));
+  }
+}
+
+template <int NS>
+__device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
+                                                   int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
+                                                   float& m1, float& l0, float& l1, float& c0, float& c1) {
+  float b0, b1;
+  wgmma_tile_max(s, masked, kcol0, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, b0, b1, c0, c1);
+  wgmma_exponentials(s, b0, b1, scale_log2);
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < NS / 4; j++) {
     ps0 += s[4 * j + 0] + s[4 * j + 1];
     ps1 += s[4 * j + 2] + s[4 * j + 3];
   }
@@ -836,8 +874,18 @@ __device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, 
   ps1 += __shfl_xor_sync(0xffffffffu, ps1, 2);
   l0 = l0 * c0 + ps0;
   l1 = l1 * c1 + ps1;
-  m0 = mn0;
-  m1 = mn1;
+}
+
+// Accumulators in the S/O layout (a[4j + e]: row qi0 for e < 2, qi1 otherwise) times c0 or c1.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&a)[N], float c0, float c1) {
+#pragma unroll
+  for (int j = 0; j < N / 4; j++) {
+    a[4 * j + 0] *= c0;
+    a[4 * j + 1] *= c0;
+    a[4 * j + 2] *= c1;
+    a[4 * j + 3] *= c1;
+  }
 }
 
 // O *= c per row, only when some row of the warp saw a new max: multiplying by 1 changes no bit,
@@ -845,15 +893,7 @@ __device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, 
 // rescale is 128 multiplies per thread against 32 scores).
 template <int NO>
 __device__ __forceinline__ void wgmma_rescale_o(float (&o)[NO], float c0, float c1) {
-  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-    for (int j = 0; j < NO / 4; j++) {
-      o[4 * j + 0] *= c0;
-      o[4 * j + 1] *= c0;
-      o[4 * j + 2] *= c1;
-      o[4 * j + 3] *= c1;
-    }
-  }
+  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) scale_rows(o, c0, c1);
 }
 
 // P's k16 slices as BF16 A fragments of the P V MMA (the S accumulator layout is the A layout).
@@ -868,6 +908,23 @@ __device__ __forceinline__ void wgmma_pack_p(const float (&s)[NS], unsigned (&pa
   }
 }
 
+// The online softmax of attn_fwd_wgmma_tsum_64: wgmma_softmax_tile without the rows' sums, P
+// packed straight into pa (wgmma_pack_p). The sums are taken by the tensor cores from the same
+// BF16 P the numerator multiplies (wgmma_row_sums), which saves the add per score (and the
+// shuffles per tile) of a kernel that is issue-bound at head dim 64; the softmax is then an FMA, a
+// MUFU instruction, a max and half a pack per score. Not wgmma_softmax_tile's bits: its sums are
+// of the f32 P before rounding.
+template <int NS>
+__device__ __forceinline__ void wgmma_softmax_tile_tsum(float (&s)[NS], unsigned (&pa)[NS / 8][4], bool masked,
+                                                        int kcol0, int kvlen, int causal, int offset, int qi0, int qi1,
+                                                        int tg, float scale_log2, float& m0, float& m1, float& c0,
+                                                        float& c1) {
+  float b0, b1;
+  wgmma_tile_max(s, masked, kcol0, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, b0, b1, c0, c1);
+  wgmma_exponentials(s, b0, b1, scale_log2);
+  wgmma_pack_p(s, pa);
+}
+
 // The P V MMAs of one key tile of 16·KT keys: O += P V_t (V_t N-major in the swizzled layout;
 // vlo is smem_desc_lo(V_t, 16·KT · 128)).
 template <int HDP, int NO, int KT>
@@ -878,6 +935,17 @@ __device__ __forceinline__ void wgmma_pv_tile(float (&o)[NO], const unsigned (&p
     if constexpr (HDP == 64) wgmma_rs_m64n64(o, pa[kk], db);
     else wgmma_rs_m64n256(o, pa[kk], db);
   }
+}
+
+// The rows' sums of P of one key tile of 16·KT keys on the tensor cores: ls += P · ones, one
+// wgmma_rs_m64n8 per k16 slice. ones_db describes shared memory holding nothing but BF16 ones, so
+// whatever bytes its layout names, B is all ones and ls[0] (= ls[1]) is row qi0's sum, ls[2] (=
+// ls[3]) row qi1's: the sum of the BF16 P the P V MMAs multiply, accumulated in f32.
+template <int KT>
+__device__ __forceinline__ void wgmma_row_sums(float (&ls)[4], const unsigned (&pa)[KT][4],
+                                               unsigned long long ones_db) {
+#pragma unroll
+  for (int kk = 0; kk < KT; kk++) wgmma_rs_m64n8(ls, pa[kk], ones_db);
 }
 
 // The S MMAs of one key tile of 2·NS keys (64 or 128): s = Q_w K_t^T (the warpgroup's 64 rows
@@ -949,25 +1017,39 @@ __device__ __forceinline__ bool wgmma_block(WgmmaBlock& b, const i64* segs, int 
   return true;
 }
 
+// The start of key tile kt of a block's walk from tile kt0 (attn_fwd_wgmma's loops): waits for
+// its copies (and Q's, before the first), makes them visible to the tensor cores, and starts tile
+// kt + 1's copies into the other buffer. Returns tile kt's buffer.
+template <int HDP, int BK>
+__device__ __forceinline__ int wgmma_tile_begin(const KvTileCopies<HDP, BK>& kv, int kt, int kt0, int ntiles,
+                                                int kvlen, int hd) {
+  cp_async_wait_group<0>();
+  fence_proxy_async();
+  __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
+  const int buf = (kt - kt0) & 1;
+  if (kt + 1 < ntiles) {
+    const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+    kv.issue_both(nb, j0, kvlen - j0, hd);
+  }
+  cp_async_commit();
+  return buf;
+}
+
 // The key tiles kt0..ntiles of one block of attn_fwd_wgmma (and attn_fwd_wgmma_split, over one key
 // range): tile kt0 (and Q) already in flight into buffer 0; per tile: wait for it, start the next
 // tile's copies into the other buffer, S = Q K^T, the online softmax, O += P V. Updates this
-// thread's O accumulators and its two rows' running max and sum.
-template <int HDP, int BQ, int BK, int NO>
+// thread's O accumulators and its two rows' running max and sum. With TSUM
+// (attn_fwd_wgmma_tsum_64) the softmax is wgmma_softmax_tile_tsum and the rows' sums are
+// accumulators of the tensor cores beside O (wgmma_row_sums over the BF16 ones at ones_lo, a
+// descriptor's low word), rescaled with it.
+template <int HDP, int BQ, int BK, int NO, bool TSUM = false>
 __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv, const WgmmaDescs<HDP, BK>& desc,
                                                 int kt0, int ntiles, int clean, int kvlen, int causal, int offset,
                                                 int qi0, int qi1, int tg, float scale_log2, int hd, float (&o)[NO],
-                                                float& m0, float& m1, float& l0, float& l1) {
+                                                float& m0, float& m1, float& l0, float& l1, unsigned ones_lo = 0) {
+  float ls[4] = {l0, l0, l1, l1};  // TSUM: wgmma_row_sums' layout
   for (int kt = kt0; kt < ntiles; kt++) {
-    cp_async_wait_group<0>();
-    fence_proxy_async();
-    __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
-    const int buf = (kt - kt0) & 1;
-    if (kt + 1 < ntiles) {
-      const int nb = buf ^ 1, j0 = (kt + 1) * BK;
-      kv.issue_both(nb, j0, kvlen - j0, hd);
-    }
-    cp_async_commit();
+    const int buf = wgmma_tile_begin(kv, kt, kt0, ntiles, kvlen, hd);
 
     // S = Q K^T (64 rows x BK keys per warpgroup).
     float s[BK / 2];
@@ -978,20 +1060,39 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
 
     const bool masked = (kt + 1) * BK > clean;
     float c0, c1;
-    wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
-    wgmma_rescale_o(o, c0, c1);
     // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
     // fence, so no register the MMAs read changes between them).
     unsigned pa[BK / 16][4];
-    wgmma_pack_p(s, pa);
+    if constexpr (TSUM) {
+      wgmma_softmax_tile_tsum(s, pa, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, c0,
+                              c1);
+      // The rows' sums with O, under the same test (unconditional multiplies were scheduled after
+      // the fence, where ptxas must then add a warpgroup.arrive).
+      if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+        scale_rows(o, c0, c1);
+        scale_rows(ls, c0, c1);
+      }
+    } else {
+      wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
+      wgmma_rescale_o(o, c0, c1);
+      wgmma_pack_p(s, pa);
+    }
     wgmma_fence();
     wgmma_pv_tile<HDP>(o, pa, desc.v(buf));
+    if constexpr (TSUM) wgmma_row_sums(ls, pa, smem_desc_of(ones_lo, 1024));
     wgmma_commit();
     wgmma_wait0();
   }
+  if constexpr (TSUM) {
+    l0 = ls[0];
+    l1 = ls[2];
+  }
 }
 
-template <int HDP, int BK>
+// TSUM (attn_fwd_wgmma_tsum_64): the softmax of wgmma_softmax_tile_tsum, and after the
+// K and V buffers 4 KB of BF16 ones (1024-aligned: every buffer before it is a multiple of 1 KB),
+// the B of the rows' sums.
+template <int HDP, int BK, bool TSUM = false>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   constexpr int BQ = 128, NO = HDP / 2;
@@ -999,9 +1100,12 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   unsigned char* Qs = smem_1024(smem_raw);      // BQ x HDP
   unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
+  unsigned char* ones = Vs + 2 * BK * HDP * 2;  // TSUM: 4 KB of BF16 ones
   const int h = blockIdx.x;
   WgmmaBlock B;
   if (!wgmma_block<BQ, BK>(B, segs, heads, kvh, hd, causal)) return;
+  // 256 threads x 16 bytes; the first tile's fence and barrier make them visible to the MMAs.
+  if constexpr (TSUM) reinterpret_cast<uint4*>(ones)[threadIdx.x] = make_uint4(ONES2, ONES2, ONES2, ONES2);
   const i64 q_start = B.q_start;
   const int nq = B.nq, shared_len = B.shared_len, kvlen = B.kvlen, qbase = B.qbase, offset = B.offset;
   const int clean = B.clean, ntiles = B.ntiles;
@@ -1023,8 +1127,9 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
   const WgmmaDescs<HDP, BK> desc(Qs + wg * 64 * 128, Ks, Vs);
 
-  wgmma_key_tiles<HDP, BQ, BK>(kv, desc, 0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg, scale_log2, hd, o,
-                               m0, m1, l0, l1);
+  wgmma_key_tiles<HDP, BQ, BK, NO, TSUM>(kv, desc, 0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg,
+                                         scale_log2, hd, o, m0, m1, l0, l1,
+                                         TSUM ? kept_u32(smem_desc_lo(ones, 1024)) : 0u);
   cp_async_wait_group<0>();
   wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }
@@ -1217,13 +1322,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
                        l1, c0, c1);
   };
   auto rescale_and_pack = [&](float c0, float c1) {
-#pragma unroll
-    for (int jj = 0; jj < NO / 4; jj++) {
-      o[4 * jj + 0] *= c0;
-      o[4 * jj + 1] *= c0;
-      o[4 * jj + 2] *= c1;
-      o[4 * jj + 3] *= c1;
-    }
+    scale_rows(o, c0, c1);
     wgmma_pack_p(s, pa);
   };
 
@@ -1305,22 +1404,25 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define ATTN_WGMMA_BODY(HDP, BK) \
-  attn_fwd_wgmma<HDP, BK>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#define ATTN_WGMMA_BODY(HDP, BK, TSUM) \
+  attn_fwd_wgmma<HDP, BK, TSUM>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
 #else
-#define ATTN_WGMMA_BODY(HDP, BK)
+#define ATTN_WGMMA_BODY(HDP, BK, TSUM)
 #endif
-#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS)                                                         \
+#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS, TSUM)                                                \
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                      \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    ATTN_WGMMA_BODY(HDP, BK)                                                                               \
+    ATTN_WGMMA_BODY(HDP, BK, TSUM)                                                                      \
   }
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1)
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1, false)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1, false)
 // 128-key tiles at head dim 64 (the vision tower): half the per-tile bookkeeping per score, held to
 // 128 registers so that two blocks share an SM as attn_fwd_wgmma_64's do.
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false)
+// attn_fwd_wgmma_k128_64 with the rows' sums on the tensor cores (wgmma_softmax_tile_tsum): one
+// instruction fewer per score; opt-in until measured.
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true)
 
 #ifdef IMAJEV_WGMMA
 #define ATTN_WS_BODY(HDP) attn_fwd_ws<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);

@@ -80,6 +80,7 @@ pub fn hopper_cases(
         AttentionKernel::WarpSpecialized => "4B ws",
         AttentionKernel::Overlap => "4B ov",
         AttentionKernel::WgmmaK128 => "4B wgmma-k128",
+        AttentionKernel::WgmmaTensorSums => "4B wgmma-tsum",
         _ => "4B wgmma",
     };
     if g.info().compute_capability != (9, 0) {

@@ -130,6 +130,21 @@ fn wgmma_k128_attention_matches_cpu_and_ws_bitwise() {
     rep.finish("attention (wgmma-k128)");
 }
 
+/// The 128-key warpgroup-MMA attention with its rows' sums on the tensor cores (opt-in
+/// `AttentionKernel::WgmmaTensorSums`, Hopper only; head dim 256 runs the 64-key kernel): against
+/// the CPU at the tolerance of the other kernels, on the inputs of
+/// `wgmma_k128_attention_matches_cpu_and_ws_bitwise` (the same seed), so the two reports' errors
+/// compare case by case.
+#[test]
+fn wgmma_tsum_attention_matches_cpu() {
+    let Some(d) = gpu("attention (wgmma-tsum)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(15));
+    rep.guard("attn", "attention (wgmma-tsum)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::WgmmaTensorSums)
+    });
+    rep.finish("attention (wgmma-tsum)");
+}
+
 #[test]
 fn deltanet_matches_cpu_with_both_scans() {
     let Some(d) = gpu("deltanet") else { return };

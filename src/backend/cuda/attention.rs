@@ -32,6 +32,11 @@ pub enum AttentionKernel {
     /// tower; the same bits as `WarpSpecialized`, whose tiles are 128 keys there too; 1.23x the
     /// 64-key kernel at 16K patches, bench/NOTES.md), 64-key tiles at 256.
     WgmmaK128,
+    /// `WgmmaK128` with the rows' softmax sums taken by the tensor cores from the BF16 P the P·V
+    /// MMAs multiply (`attn_fwd_wgmma_tsum_64`: a `wgmma m64n8k16` against ones per 16 keys instead
+    /// of an add per score, where the kernel is issue-bound; not `WgmmaK128`'s bits, whose sums are
+    /// of the f32 P). Opt-in until measured (bench/NOTES.md).
+    WgmmaTensorSums,
     /// `attn_fwd_wgmma_ov`: `attn_fwd_wgmma` with each tile's softmax overlapped with the previous
     /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
     /// runs: bench/NOTES.md), where the GPU and head dim allow it.
@@ -46,12 +51,14 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// From `IMAJEV_ATTENTION` (`auto`, `ov`, `ws`, `wgmma`, `wgmma-k128`, `q128`, `q64`).
+    /// From `IMAJEV_ATTENTION` (`auto`, `ov`, `ws`, `wgmma`, `wgmma-k128`, `wgmma-tsum`, `q128`,
+    /// `q64`).
     pub fn parse(v: &str) -> Option<Self> {
         Some(match v {
             "auto" => AttentionKernel::Auto,
             "wgmma" => AttentionKernel::Wgmma,
             "wgmma-k128" => AttentionKernel::WgmmaK128,
+            "wgmma-tsum" => AttentionKernel::WgmmaTensorSums,
             "ov" => AttentionKernel::Overlap,
             "ws" => AttentionKernel::WarpSpecialized,
             "q128" => AttentionKernel::Rows128,
@@ -224,6 +231,9 @@ impl CudaBackend {
             } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
+            } else if hopper && kernel == AttentionKernel::WgmmaTensorSums && hdp == 64 {
+                let cfg = launch_config(grid, 256, layout::attention_wgmma_tsum_smem_bytes());
+                self.launch("attn_fwd_wgmma_tsum_64", cfg, &args(tp))?;
             } else if hopper
                 && matches!(kernel, AttentionKernel::Auto | AttentionKernel::WgmmaK128)
                 && hdp == 64
@@ -233,7 +243,10 @@ impl CudaBackend {
             } else if hopper
                 && matches!(
                     kernel,
-                    AttentionKernel::Auto | AttentionKernel::Wgmma | AttentionKernel::WgmmaK128
+                    AttentionKernel::Auto
+                        | AttentionKernel::Wgmma
+                        | AttentionKernel::WgmmaK128
+                        | AttentionKernel::WgmmaTensorSums
                 )
             {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));

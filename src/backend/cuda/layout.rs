@@ -175,6 +175,15 @@ pub const fn attention_wgmma_smem_bytes_tiles(hdp: usize, bk: usize) -> usize {
     1024 + (128 + 4 * bk) * hdp * 2
 }
 
+/// Bytes of BF16 ones after `attn_fwd_wgmma_tsum_64`'s K and V buffers: the B operand of its rows'
+/// sums (4 KB: any layout a descriptor names from its start stays inside).
+pub const ATTENTION_TSUM_ONES_BYTES: usize = 4096;
+
+/// Dynamic shared memory of `attn_fwd_wgmma_tsum_64`: `attn_fwd_wgmma_k128_64`'s and the ones.
+pub const fn attention_wgmma_tsum_smem_bytes() -> usize {
+    attention_wgmma_smem_bytes_tiles(64, 128) + ATTENTION_TSUM_ONES_BYTES
+}
+
 /// Key tile and ring stages of `attn_fwd_ws_<hdp>` (`WsTiles` in kernels/attention.cu): 128 keys
 /// and 3 stages at head dim 64, 64 keys and 2 stages at 256.
 pub const fn attention_ws_tiles(hdp: usize) -> (usize, usize) {
@@ -443,6 +452,9 @@ mod tests {
         assert!(attention_wgmma_smem_bytes(256) + 1024 <= 228 * 1024);
         // Two blocks of the 128-key head-dim-64 kernel per SM (each block also reserves 1 KB).
         assert!(2 * (attention_wgmma_smem_bytes_tiles(64, 128) + 1024) <= 228 * 1024);
+        // And of the tensor-core-sums variant, whose ones are one 16-byte store per thread of 256.
+        assert!(2 * (attention_wgmma_tsum_smem_bytes() + 1024) <= 228 * 1024);
+        assert_eq!(ATTENTION_TSUM_ONES_BYTES, 256 * 16);
         assert_eq!(attention_ws_smem_bytes(64), 115_808);
         assert_eq!(attention_ws_smem_bytes(256), 197_696);
         assert!(attention_ws_smem_bytes(256) + 1024 <= 228 * 1024);
