@@ -1039,15 +1039,14 @@ __device__ __forceinline__ int wgmma_tile_begin(const KvTileCopies<HDP, BK>& kv,
 // range): tile kt0 (and Q) already in flight into buffer 0; per tile: wait for it, start the next
 // tile's copies into the other buffer, S = Q K^T, the online softmax, O += P V. Updates this
 // thread's O accumulators and its two rows' running max and sum. With TSUM
-// (attn_fwd_wgmma_tsum_64) the softmax is wgmma_softmax_tile_tsum and the rows' sums are
-// accumulators of the tensor cores beside O (wgmma_row_sums over the BF16 ones at ones_lo, a
-// descriptor's low word), rescaled with it.
+// (attn_fwd_wgmma_tsum_64) the softmax is wgmma_softmax_tile_tsum and each tile's row sums come
+// from the tensor cores (wgmma_row_sums over the BF16 ones at ones_lo, a descriptor's low word,
+// into accumulators live only during the P V MMAs), added to the running sums after the wait.
 template <int HDP, int BQ, int BK, int NO, bool TSUM = false>
 __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv, const WgmmaDescs<HDP, BK>& desc,
                                                 int kt0, int ntiles, int clean, int kvlen, int causal, int offset,
                                                 int qi0, int qi1, int tg, float scale_log2, int hd, float (&o)[NO],
                                                 float& m0, float& m1, float& l0, float& l1, unsigned ones_lo = 0) {
-  float ls[4] = {l0, l0, l1, l1};  // TSUM: wgmma_row_sums' layout
   for (int kt = kt0; kt < ntiles; kt++) {
     const int buf = wgmma_tile_begin(kv, kt, kt0, ntiles, kvlen, hd);
 
@@ -1066,26 +1065,22 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
     if constexpr (TSUM) {
       wgmma_softmax_tile_tsum(s, pa, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, c0,
                               c1);
-      // The rows' sums with O, under the same test (unconditional multiplies were scheduled after
-      // the fence, where ptxas must then add a warpgroup.arrive).
-      if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-        scale_rows(o, c0, c1);
-        scale_rows(ls, c0, c1);
-      }
+      wgmma_rescale_o(o, c0, c1);
     } else {
       wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
       wgmma_rescale_o(o, c0, c1);
       wgmma_pack_p(s, pa);
     }
+    float ts[4] = {0.f, 0.f, 0.f, 0.f};  // TSUM: this tile's row sums (wgmma_row_sums' layout)
     wgmma_fence();
     wgmma_pv_tile<HDP>(o, pa, desc.v(buf));
-    if constexpr (TSUM) wgmma_row_sums(ls, pa, smem_desc_of(ones_lo, 1024));
+    if constexpr (TSUM) wgmma_row_sums(ts, pa, smem_desc_of(ones_lo, 1024));
     wgmma_commit();
     wgmma_wait0();
-  }
-  if constexpr (TSUM) {
-    l0 = ls[0];
-    l1 = ls[2];
+    if constexpr (TSUM) {
+      l0 = l0 * c0 + ts[0];
+      l1 = l1 * c1 + ts[2];
+    }
   }
 }
 
