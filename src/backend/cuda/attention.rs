@@ -51,20 +51,28 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// From `IMAJEV_ATTENTION` (`auto`, `ov`, `ws`, `wgmma`, `wgmma-k128`, `wgmma-tsum`, `q128`,
-    /// `q64`).
+    /// Every kernel by its `IMAJEV_ATTENTION` name, in the order the error message lists them.
+    pub const NAMED: [(&'static str, AttentionKernel); 8] = [
+        ("auto", AttentionKernel::Auto),
+        ("ov", AttentionKernel::Overlap),
+        ("ws", AttentionKernel::WarpSpecialized),
+        ("wgmma", AttentionKernel::Wgmma),
+        ("wgmma-k128", AttentionKernel::WgmmaK128),
+        ("wgmma-tsum", AttentionKernel::WgmmaTensorSums),
+        ("q128", AttentionKernel::Rows128),
+        ("q64", AttentionKernel::Rows64),
+    ];
+
+    /// From `IMAJEV_ATTENTION` (a name of [`AttentionKernel::NAMED`]).
     pub fn parse(v: &str) -> Option<Self> {
-        Some(match v {
-            "auto" => AttentionKernel::Auto,
-            "wgmma" => AttentionKernel::Wgmma,
-            "wgmma-k128" => AttentionKernel::WgmmaK128,
-            "wgmma-tsum" => AttentionKernel::WgmmaTensorSums,
-            "ov" => AttentionKernel::Overlap,
-            "ws" => AttentionKernel::WarpSpecialized,
-            "q128" => AttentionKernel::Rows128,
-            "q64" => AttentionKernel::Rows64,
-            _ => return None,
-        })
+        Self::NAMED.iter().find(|(name, _)| *name == v).map(|&(_, kernel)| kernel)
+    }
+
+    /// The names [`AttentionKernel::parse`] accepts, for an error message: "auto, ov, …or q64".
+    pub fn expected() -> String {
+        let names: Vec<&str> = Self::NAMED.iter().map(|(name, _)| *name).collect();
+        let (last, rest) = names.split_last().expect("kernels have names");
+        format!("{} or {last}", rest.join(", "))
     }
 }
 
@@ -579,4 +587,19 @@ pub(super) fn vision_attention(
     let out = be.alloc_bf16(n * d)?;
     be.attention_core(&q, &meta_host, &meta, segments, heads, heads, hd, false, None, &out)?;
     Ok(be.bf16_tensor(out, &[n, d]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AttentionKernel;
+
+    #[test]
+    fn every_attention_kernel_has_one_name_and_the_error_lists_them_all() {
+        for (name, kernel) in AttentionKernel::NAMED {
+            assert_eq!(AttentionKernel::parse(name), Some(kernel), "{name}");
+            assert_eq!(AttentionKernel::NAMED.iter().filter(|(_, k)| *k == kernel).count(), 1, "{kernel:?}");
+        }
+        assert_eq!(AttentionKernel::parse("wgmma-k64"), None);
+        assert_eq!(AttentionKernel::expected(), "auto, ov, ws, wgmma, wgmma-k128, wgmma-tsum, q128 or q64");
+    }
 }

@@ -206,7 +206,7 @@ impl CudaBackend {
                 Ok("") | Err(_) => {}
                 Ok(v) => {
                     options.attention = AttentionKernel::parse(v).ok_or_else(|| {
-                        anyhow!("IMAJEV_ATTENTION={v}: expected auto, ov, ws, wgmma, wgmma-k128, wgmma-tsum, q128 or q64")
+                        anyhow!("IMAJEV_ATTENTION={v}: expected {}", AttentionKernel::expected())
                     })?
                 }
             }
