@@ -808,13 +808,14 @@ struct WgmmaDescs {
 // rescaled. At head dim 64 the softmax is what limits these kernels (issue-bound: ncu, NOTES), so
 // every instruction per score counts.
 //
-// wgmma_tile_max is its first half, shared with wgmma_softmax_tile_tsum: the masking, the rows'
-// new maxima (m updated), the exponents' offsets b = max·scale (0 for a row that has seen no key)
-// and the rescale factors c.
+// wgmma_softmax_p is all of it but the sums (m updated, P left in s, c returned): the softmax of
+// attn_fwd_wgmma_tsum_64, whose sums the tensor cores take (wgmma_row_sums) from the BF16 P the
+// numerator multiplies, saving the add per score and the shuffles per tile; not
+// wgmma_softmax_tile's bits, whose sums are of the f32 P before rounding.
 template <int NS>
-__device__ __forceinline__ void wgmma_tile_max(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
-                                               int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
-                                               float& m1, float& b0, float& b1, float& c0, float& c1) {
+__device__ __forceinline__ void wgmma_softmax_p(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
+                                                int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
+                                                float& m1, float& c0, float& c1) {
   float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
   for (int j = 0; j < NS / 4; j++) {
@@ -835,17 +836,11 @@ __device__ __forceinline__ void wgmma_tile_max(float (&s)[NS], bool masked, int 
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
   const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-  b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2;
-  b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
+  const float b0 = mn0 == NEG_INF ? 0.f : mn0 * scale_log2, b1 = mn1 == NEG_INF ? 0.f : mn1 * scale_log2;
   c0 = ex2_ftz(fmaf(m0, scale_log2, -b0));
   c1 = ex2_ftz(fmaf(m1, scale_log2, -b1));
   m0 = mn0;
   m1 = mn1;
-}
-
-// p = 2^(s·scale − b) in place, b0 for row qi0's scores and b1 for qi1's (the S layout).
-template <int NS>
-__device__ __forceinline__ void wgmma_exponentials(float (&s)[NS], float b0, float b1, float scale_log2) {
 #pragma unroll
   for (int j = 0; j < NS / 4; j++) {
     s[4 * j + 0] = ex2_ftz(fmaf(s[4 * j + 0], scale_log2, -b0));
@@ -859,9 +854,7 @@ template <int NS>
 __device__ __forceinline__ void wgmma_softmax_tile(float (&s)[NS], bool masked, int kcol0, int kvlen, int causal,
                                                    int offset, int qi0, int qi1, int tg, float scale_log2, float& m0,
                                                    float& m1, float& l0, float& l1, float& c0, float& c1) {
-  float b0, b1;
-  wgmma_tile_max(s, masked, kcol0, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, b0, b1, c0, c1);
-  wgmma_exponentials(s, b0, b1, scale_log2);
+  wgmma_softmax_p(s, masked, kcol0, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, c0, c1);
   float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
   for (int j = 0; j < NS / 4; j++) {
@@ -906,23 +899,6 @@ __device__ __forceinline__ void wgmma_pack_p(const float (&s)[NS], unsigned (&pa
     pa[kk][2] = pack_f32(s[8 * kk + 4], s[8 * kk + 5]);
     pa[kk][3] = pack_f32(s[8 * kk + 6], s[8 * kk + 7]);
   }
-}
-
-// The online softmax of attn_fwd_wgmma_tsum_64: wgmma_softmax_tile without the rows' sums, P
-// packed straight into pa (wgmma_pack_p). The sums are taken by the tensor cores from the same
-// BF16 P the numerator multiplies (wgmma_row_sums), which saves the add per score (and the
-// shuffles per tile) of a kernel that is issue-bound at head dim 64; the softmax is then an FMA, a
-// MUFU instruction, a max and half a pack per score. Not wgmma_softmax_tile's bits: its sums are
-// of the f32 P before rounding.
-template <int NS>
-__device__ __forceinline__ void wgmma_softmax_tile_tsum(float (&s)[NS], unsigned (&pa)[NS / 8][4], bool masked,
-                                                        int kcol0, int kvlen, int causal, int offset, int qi0, int qi1,
-                                                        int tg, float scale_log2, float& m0, float& m1, float& c0,
-                                                        float& c1) {
-  float b0, b1;
-  wgmma_tile_max(s, masked, kcol0, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, b0, b1, c0, c1);
-  wgmma_exponentials(s, b0, b1, scale_log2);
-  wgmma_pack_p(s, pa);
 }
 
 // The P V MMAs of one key tile of 16·KT keys: O += P V_t (V_t N-major in the swizzled layout;
@@ -1039,7 +1015,7 @@ __device__ __forceinline__ int wgmma_tile_begin(const KvTileCopies<HDP, BK>& kv,
 // range): tile kt0 (and Q) already in flight into buffer 0; per tile: wait for it, start the next
 // tile's copies into the other buffer, S = Q K^T, the online softmax, O += P V. Updates this
 // thread's O accumulators and its two rows' running max and sum. With TSUM
-// (attn_fwd_wgmma_tsum_64) the softmax is wgmma_softmax_tile_tsum and each tile's row sums come
+// (attn_fwd_wgmma_tsum_64) the softmax is wgmma_softmax_p and each tile's row sums come
 // from the tensor cores (wgmma_row_sums over the BF16 ones at ones_lo, a descriptor's low word,
 // into accumulators live only during the P V MMAs), added to the running sums after the wait.
 template <int HDP, int BQ, int BK, int NO, bool TSUM = false>
@@ -1059,18 +1035,15 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
 
     const bool masked = (kt + 1) * BK > clean;
     float c0, c1;
+    if constexpr (TSUM)
+      wgmma_softmax_p(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, c0, c1);
+    else
+      wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
+    wgmma_rescale_o(o, c0, c1);
     // O += P V: P's k16 slices are the A fragments of the S accumulators (all packed before the
     // fence, so no register the MMAs read changes between them).
     unsigned pa[BK / 16][4];
-    if constexpr (TSUM) {
-      wgmma_softmax_tile_tsum(s, pa, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, c0,
-                              c1);
-      wgmma_rescale_o(o, c0, c1);
-    } else {
-      wgmma_softmax_tile(s, masked, kt * BK, kvlen, causal, offset, qi0, qi1, tg, scale_log2, m0, m1, l0, l1, c0, c1);
-      wgmma_rescale_o(o, c0, c1);
-      wgmma_pack_p(s, pa);
-    }
+    wgmma_pack_p(s, pa);
     float ts[4] = {0.f, 0.f, 0.f, 0.f};  // TSUM: this tile's row sums (wgmma_row_sums' layout)
     wgmma_fence();
     wgmma_pv_tile<HDP>(o, pa, desc.v(buf));
@@ -1084,7 +1057,7 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
   }
 }
 
-// TSUM (attn_fwd_wgmma_tsum_64): the softmax of wgmma_softmax_tile_tsum, and after the
+// TSUM (attn_fwd_wgmma_tsum_64): the softmax of wgmma_softmax_p, and after the
 // K and V buffers 4 KB of BF16 ones (1024-aligned: every buffer before it is a multiple of 1 KB),
 // the B of the rows' sums.
 template <int HDP, int BK, bool TSUM = false>
@@ -1415,7 +1388,7 @@ ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1, false)
 // 128-key tiles at head dim 64 (the vision tower): half the per-tile bookkeeping per score, held to
 // 128 registers so that two blocks share an SM as attn_fwd_wgmma_64's do.
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false)
-// attn_fwd_wgmma_k128_64 with the rows' sums on the tensor cores (wgmma_softmax_tile_tsum): one
+// attn_fwd_wgmma_k128_64 with the rows' sums on the tensor cores (wgmma_softmax_p, wgmma_row_sums): one
 // instruction fewer per score; opt-in until measured.
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true)
 

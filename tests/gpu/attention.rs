@@ -83,7 +83,7 @@ pub fn hopper_cases(
         AttentionKernel::WgmmaTensorSums => "4B wgmma-tsum",
         _ => "4B wgmma",
     };
-    if g.info().compute_capability != (9, 0) {
+    if !g.info().hopper() {
         rep.flag(
             "attn",
             format!("{label} attention: not a Hopper GPU, never launched, not checked"),
@@ -277,7 +277,7 @@ pub fn same_bits(
     a: AttentionKernel,
     b: AttentionKernel,
 ) -> Result<()> {
-    if g.info().compute_capability != (9, 0) {
+    if !g.info().hopper() {
         rep.flag("attn", format!("{a:?} vs {b:?}: not a Hopper GPU, never launched, not checked"), true, "");
         return Ok(());
     }
