@@ -675,8 +675,13 @@ fn main() -> Result<()> {
         0,
         CudaOptions { attention: AttentionKernel::WgmmaTensorSums, ..g.options().clone() },
     )?;
-    // The warp-specialised kernel (measured slower than wgmma, NOTES) is left out of the side by
-    // side; `IMAJEV_ATTENTION=ws` still selects it for a profile.
+    let ws3 = CudaBackend::new(
+        0,
+        CudaOptions { attention: AttentionKernel::WarpSpecialized3, ..g.options().clone() },
+    )?;
+    // The two-consumer warp-specialised kernel (measured slower than wgmma, NOTES) is left out of
+    // the side by side; `IMAJEV_ATTENTION=ws` still selects it for a profile. Its three-consumer
+    // form (192 query rows, vision only) is in.
     for &m in lengths.iter().filter(|_| run("attention")) {
         b.attention(&q128, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
@@ -693,6 +698,7 @@ fn main() -> Result<()> {
             b.vision(&ov, "wgmma, softmax overlapped", m)?;
             b.vision(&k128, "wgmma, 128-key tiles", m)?;
             b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", m)?;
+            b.vision(&ws3, "warp-specialised, 3 consumers", m)?;
         }
     }
     // One 4096² photo: 65,536 patches, the vision attention of the long requests.
@@ -701,6 +707,7 @@ fn main() -> Result<()> {
         b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
         b.vision(&k128, "wgmma, 128-key tiles", 65_536)?;
         b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", 65_536)?;
+        b.vision(&ws3, "warp-specialised, 3 consumers", 65_536)?;
     }
     if run("narrow") {
         let side = |narrow_gemm, narrow_whole_rows| {

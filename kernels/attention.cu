@@ -683,19 +683,27 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // A BF16 pair of ones (attn_fwd_wgmma_tsum_64's shared ones).
 constexpr unsigned ONES2 = 0x3F803F80u;
 
+// Issues the copy of 16-byte chunk i (row i / (HDP/8)) of a tile of `rows` rows x HDP columns into
+// a swizzled tile at dst (see above), zero-filled when its row is past `valid` or its columns past
+// hd; row r is row j0 + r of a sequence stored as `alen` rows at `a` followed by rows at `b`.
+template <int HDP>
+__device__ __forceinline__ void issue_chunk_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b, i64 stride,
+                                               int j0, int valid, int hd, int rows, int i) {
+  constexpr int V = HDP / 8;  // 16-byte chunks per row
+  const int r = i / V, c = i % V, col = c * 8, j = j0 + r;
+  const bool ok = r < valid && col < hd;
+  const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + col : b + (i64)(j - alen) * stride + col;
+  unsigned char* d = dst + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  cp_async16(d, src, ok);
+}
+
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile at dst (see above), zero-
 // filling rows past `valid` and columns past hd; rows as issue_tile's.
 template <int HDP>
 __device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a, int alen, const bf16* b, i64 stride,
                                               int j0, int valid, int hd, int rows) {
-  constexpr int V = HDP / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < rows * V; i += blockDim.x) {
-    const int r = i / V, c = i % V, col = c * 8, j = j0 + r;
-    const bool ok = r < valid && col < hd;
-    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + col : b + (i64)(j - alen) * stride + col;
-    unsigned char* d = dst + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-    cp_async16(d, src, ok);
-  }
+  for (int i = threadIdx.x; i < rows * (HDP / 8); i += blockDim.x)
+    issue_chunk_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, rows, i);
 }
 
 // The K and V tile copies of attn_fwd_wgmma(_ov): issue_tile_sw for one 64-row tile by the 256
@@ -1104,52 +1112,63 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
 // ---------------------------------------------------------------------------------------------
 // attn_fwd_ws_<HDP> (Hopper, sm_90a): attn_fwd_wgmma's attention, warp-specialised as
 // FlashAttention-3 does, so that loads, tensor-core MMAs and the softmax overlap instead of taking
-// turns. A block is three warpgroups over 128 query rows of one head:
-// - warpgroup 0 (the producer, 56 registers per thread after setmaxnreg) copies Q and the K and V
-//   tiles into ST-stage rings with cp.async; a stage is handed over through mbarriers: "full"
-//   when its bytes have landed (the producer waits for its own copies, makes them visible to the
-//   tensor cores' async proxy, then arrives), "empty" when both consumers' MMAs have read it. K
-//   and V have separate rings, so K of tile j+1 can load while V of tile j is still in use.
-// - warpgroups 1 and 2 (the consumers, 224 registers) own 64 query rows each. Per key tile j they
-//   issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then run the softmax of S_j while
-//   P_{j-1} V_{j-1} is still on the tensor cores (FA3's intra-warpgroup pipelining), and a pair
-//   of named barriers makes the two consumers issue their MMAs in turn, so one's softmax runs
-//   under the other's MMAs (FA3's ping-pong).
-// Tiles: HDP 64: 128 keys, 3 stages; HDP 256: 64 keys, 2 stages (Q 64 KB + rings 128 KB). Same
-// swizzled layout and descriptors as attn_fwd_wgmma. The softmax folds the scale into one FMA
-// before ex2 (p = 2^(s·scale − max·scale)); otherwise it is attn_fwd_wgmma's, per row, over key
-// tiles in order: a row's arithmetic depends only on its own query, its keys and the tile size,
-// never on the other rows of the batch. CPU twin: as attn_fwd.
+// turns. A block is 1 + NC warpgroups over 64·NC query rows of one head (NC = 2; attn_fwd_ws3_64:
+// 3, FA3's 192 x 128 tiles at head dim 64):
+// - warpgroup 0 (the producer, 56 registers per thread after setmaxnreg; 32 at NC = 3) copies Q
+//   and the K and V tiles into ST-stage rings with cp.async; a stage is handed over through
+//   mbarriers: "full" when its bytes have landed (the copies themselves arrive), "empty" when
+//   every consumer's MMAs have read it. K and V have separate rings, so K of tile j+1 can load
+//   while V of tile j is still in use.
+// - warpgroups 1 .. NC (the consumers, 224 registers; 160 at NC = 3) own 64 query rows each. Per
+//   key tile j they issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then run the softmax of
+//   S_j while P_{j-1} V_{j-1} is still on the tensor cores (FA3's intra-warpgroup pipelining), and
+//   named barriers make the consumers issue their MMAs in turn, in a ring, so one's softmax runs
+//   under the others' MMAs (FA3's ping-pong at NC = 2).
+// Tiles: HDP 64: 128 keys, 3 stages (4 at NC = 3); HDP 256: 64 keys, 2 stages (Q 64 KB + rings
+// 128 KB). Same swizzled layout and descriptors as attn_fwd_wgmma. The softmax folds the scale into
+// one FMA before ex2 (p = 2^(s·scale − max·scale)); otherwise it is attn_fwd_wgmma's, per row, over
+// key tiles in order: a row's arithmetic depends only on its own query, its keys and the tile size,
+// never on NC or the other rows of the batch (attn_fwd_ws3_64 gives attn_fwd_wgmma_k128_64's
+// bits). CPU twin: as attn_fwd.
 
 // Issues the copies of `rows` rows x HDP columns into a swizzled tile (issue_tile_sw's layout and
-// rows), spread over `n` threads of which this is `t`.
-template <int HDP>
+// rows), spread over `n` threads of which this is `t`. LEAN keeps the loop rolled, one copy's
+// addresses live at a time: attn_fwd_ws3_64's producer has 32 registers a thread (unrolled, it
+// spills).
+template <int HDP, bool LEAN = false>
 __device__ __forceinline__ void issue_tile_sw_by(unsigned char* dst, const bf16* a, int alen, const bf16* b,
                                                  i64 stride, int j0, int valid, int hd, int rows, int t, int n) {
-  constexpr int V = HDP / 8;
-  for (int i = t; i < rows * V; i += n) {
-    const int r = i / V, c = i % V, col = c * 8, j = j0 + r;
-    const bool ok = r < valid && col < hd;
-    const bf16* src = !ok ? b : j < alen ? a + (i64)j * stride + col : b + (i64)(j - alen) * stride + col;
-    unsigned char* d = dst + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-    cp_async16(d, src, ok);
+  if constexpr (LEAN) {
+#pragma unroll 1
+    for (int i = t; i < rows * (HDP / 8); i += n) issue_chunk_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, rows, i);
+  } else {
+#pragma unroll 4
+    for (int i = t; i < rows * (HDP / 8); i += n) issue_chunk_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, rows, i);
   }
 }
 
-template <int HDP>
+// NC consumer warpgroups (2, or 3 at head dim 64: attn_fwd_ws3_64) of 64 query rows each.
+// Registers per thread after setmaxnreg: the producer's and the consumers' (128·P + 128·NC·C =
+// 65,536, all of the SM's, for the one block an SM).
+template <int HDP, int NC = 2>
 struct WsTiles {
-  static constexpr int BQ = 128;
+  static_assert(NC == 2 || (NC == 3 && HDP == 64), "three consumers only at head dim 64");
+  static constexpr int BQ = 64 * NC;
   static constexpr int BK = HDP == 64 ? 128 : 64;
-  static constexpr int ST = HDP == 64 ? 3 : 2;
+  static constexpr int ST = HDP == 64 ? (NC == 3 ? 4 : 3) : 2;
   static constexpr int NS = BK / 2;   // S accumulators per thread (64 rows x BK keys per warpgroup)
   static constexpr int NO = HDP / 2;  // O accumulators per thread
   static constexpr int TILE = BK * HDP * 2;
+  static constexpr int PRODUCER_REGS = NC == 2 ? 56 : 32, CONSUMER_REGS = NC == 2 ? 224 : 160;
+  static constexpr bool LEAN_PRODUCER = NC == 3;
+  static_assert(128 * PRODUCER_REGS + 128 * NC * CONSUMER_REGS <= 65536, "one block's registers");
 };
 
-// S = Q K^T for the warpgroup's 64 rows and BK keys.
-template <int HDP>
-__device__ __forceinline__ void ws_qk(float (&s)[WsTiles<HDP>::NS], const unsigned char* Qw, const unsigned char* Kt) {
-  constexpr int BQ = WsTiles<HDP>::BQ, BK = WsTiles<HDP>::BK;
+// S = Q K^T for the warpgroup's 64 rows and BK keys (Q's column blocks are BQ rows apart).
+template <int HDP, int NC>
+__device__ __forceinline__ void ws_qk(float (&s)[WsTiles<HDP, NC>::NS], const unsigned char* Qw,
+                                      const unsigned char* Kt) {
+  constexpr int BQ = WsTiles<HDP, NC>::BQ, BK = WsTiles<HDP, NC>::BK;
 #pragma unroll
   for (int ks = 0; ks < HDP / 16; ks++) {
     const int cb = ks >> 2, off = (ks & 3) * 32;
@@ -1164,7 +1183,7 @@ __device__ __forceinline__ void ws_qk(float (&s)[WsTiles<HDP>::NS], const unsign
 template <int HDP>
 __device__ __forceinline__ void ws_pv(float (&o)[WsTiles<HDP>::NO], const unsigned (&pa)[WsTiles<HDP>::BK / 16][4],
                                       const unsigned char* Vt) {
-  constexpr int BK = WsTiles<HDP>::BK;
+  constexpr int BK = WsTiles<HDP>::BK;  // the same for every NC
 #pragma unroll
   for (int kk = 0; kk < BK / 16; kk++) {
     const unsigned long long db = smem_desc(Vt + kk * 16 * 128, BK * 128, 1024);
@@ -1173,10 +1192,10 @@ __device__ __forceinline__ void ws_pv(float (&o)[WsTiles<HDP>::NO], const unsign
   }
 }
 
-template <int HDP>
+template <int HDP, int NC = 2>
 __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,
                             const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
-  using T = WsTiles<HDP>;
+  using T = WsTiles<HDP, NC>;
   constexpr int BQ = T::BQ, BK = T::BK, ST = T::ST, NS = T::NS, NO = T::NO;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* base = smem_1024(smem_raw);
@@ -1213,8 +1232,8 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     for (int i = 0; i < ST; i++) {
       mbar_init(full_k + i, 128);  // every producer thread arrives once its copies landed
       mbar_init(full_v + i, 128);
-      mbar_init(empty_k + i, 8);  // one arrival per consumer warp
-      mbar_init(empty_v + i, 8);
+      mbar_init(empty_k + i, 4 * NC);  // one arrival per consumer warp
+      mbar_init(empty_v + i, 4 * NC);
     }
   }
   __syncthreads();
@@ -1222,7 +1241,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
 
   if (wg == 0) {
     // ---- producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(T::PRODUCER_REGS));
     const int t = threadIdx.x;
     const i64 kstride = (i64)kvh * hd;
     const bf16* ks_ = (const bf16*)sg[2] + (i64)g * hd;
@@ -1238,12 +1257,12 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
       const int s = j % ST, use = j / ST, j0 = j * BK;
       if (j >= ST) mbar_wait(empty_k + s, (use - 1) & 1);
       if (j == 0)
-        issue_tile_sw_by<HDP>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0,
+        issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0,
                               nq - qbase, hd, BQ, t, 128);
-      issue_tile_sw_by<HDP>(Ks + s * T::TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK, t, 128);
+      issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Ks + s * T::TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK, t, 128);
       mbar_arrive_on_copies(full_k + s);
       if (j >= ST) mbar_wait(empty_v + s, (use - 1) & 1);
-      issue_tile_sw_by<HDP>(Vs + s * T::TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK, t, 128);
+      issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Vs + s * T::TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK, t, 128);
       mbar_arrive_on_copies(full_v + s);
     }
     // A thread may not exit with copies in flight into shared memory that others read (wait_all
@@ -1253,24 +1272,25 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   }
 
   // ---- consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
-  const int cw = wg - 1;  // 0 or 1
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::CONSUMER_REGS));
+  const int cw = wg - 1;  // 0 .. NC - 1
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tg = lane & 3;
   const int r0 = cw * 64 + warp * 16 + gr;
   const int qi0 = qbase + r0, qi1 = qi0 + 8;
   const unsigned char* Qw = Qs + cw * 64 * 128;
-  // Ping-pong: consumer cw issues its MMAs after bar.sync on barrier 1 + cw and then lets the other
-  // one go (bar.arrive on 2 - cw). Consumer 1 opens the first turn for consumer 0; it skips its
-  // last arrive, so no barrier is left half-arrived when the block ends.
-  const int my_bar = 1 + cw, other_bar = 2 - cw;
-  if (cw == 1) named_bar_arrive(other_bar, 256);
+  // Turns in a ring (ping-pong at NC = 2): consumer cw issues its MMAs after bar.sync on barrier
+  // 1 + cw and then lets the next one go (bar.arrive on its barrier). The last consumer opens the
+  // first turn for consumer 0; it skips its last arrive, so no barrier is left half-arrived when
+  // the block ends.
+  const int my_bar = 1 + cw, next_bar = cw == NC - 1 ? 1 : cw + 2;
+  if (cw == NC - 1) named_bar_arrive(next_bar, 256);
   const int turns = ntiles + 1;
   int turn = 0;
   auto begin_turn = [&]() { named_bar_sync(my_bar, 256); };
   auto end_turn = [&]() {
     turn++;
-    if (cw == 0 || turn < turns) named_bar_arrive(other_bar, 256);
+    if (cw != NC - 1 || turn < turns) named_bar_arrive(next_bar, 256);
   };
   auto release = [&](unsigned long long* b) {
     if (lane == 0) mbar_arrive(b);
@@ -1302,7 +1322,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   fence_proxy_async();
   begin_turn();
   wgmma_fence();
-  ws_qk<HDP>(s, Qw, Ks);
+  ws_qk<HDP, NC>(s, Qw, Ks);
   wgmma_commit();
   end_turn();
   wgmma_wait0();
@@ -1322,7 +1342,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
-    ws_qk<HDP>(s, Qw, Ks + sk * T::TILE);
+    ws_qk<HDP, NC>(s, Qw, Ks + sk * T::TILE);
     wgmma_commit();
     ws_pv<HDP>(o, pa, Vs + sv * T::TILE);
     wgmma_commit();
@@ -1393,15 +1413,21 @@ ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false)
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true)
 
 #ifdef IMAJEV_WGMMA
-#define ATTN_WS_BODY(HDP) attn_fwd_ws<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#define ATTN_WS_BODY(HDP, NC) \
+  attn_fwd_ws<HDP, NC>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
 #else
-#define ATTN_WS_BODY(HDP)
+#define ATTN_WS_BODY(HDP, NC)
 #endif
-#define ATTN_WS_ENTRY(HDP)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(384, 1) attn_fwd_ws_##HDP(                                  \
+#define ATTN_WS_ENTRY(NAME, HDP, NC)                                                                       \
+  extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(                                    \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    ATTN_WS_BODY(HDP)                                                                                      \
+    ATTN_WS_BODY(HDP, NC)                                                                                  \
   }
-ATTN_WS_ENTRY(64)
-ATTN_WS_ENTRY(256)
+ATTN_WS_ENTRY(attn_fwd_ws_64, 64, 2)
+ATTN_WS_ENTRY(attn_fwd_ws_256, 256, 2)
+// FlashAttention-3's shape at head dim 64 (the vision tower): three consumers over 192 query rows,
+// so one block per SM keeps three warpgroups on the MMAs and the softmax (attn_fwd_ws_64 has two,
+// where attn_fwd_wgmma_k128_64's two blocks have four); each K/V tile serves 192 rows. Opt-in until
+// measured (bench/NOTES.md).
+ATTN_WS_ENTRY(attn_fwd_ws3_64, 64, 3)

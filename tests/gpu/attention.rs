@@ -78,6 +78,7 @@ pub fn hopper_cases(
 ) -> Result<()> {
     let label = match kernel {
         AttentionKernel::WarpSpecialized => "4B ws",
+        AttentionKernel::WarpSpecialized3 => "4B ws3",
         AttentionKernel::Overlap => "4B ov",
         AttentionKernel::WgmmaK128 => "4B wgmma-k128",
         AttentionKernel::WgmmaTensorSums => "4B wgmma-tsum",
@@ -110,6 +111,10 @@ pub fn hopper_cases(
     vision_case(&w, c, rep, rng, 16, 64, &[100, 64, 256])?;
     vision_case(&w, c, rep, rng, 16, 64, &[1, 127, 4097])?;
     vision_case(&w, c, rep, rng, 16, 64, &[128, 129, 385, 640, 1000])?;
+    if kernel == AttentionKernel::WarpSpecialized3 {
+        // Around its 192-row query tiles.
+        vision_case(&w, c, rep, rng, 16, 64, &[191, 192, 193, 383, 384, 577])?;
+    }
     Ok(())
 }
 

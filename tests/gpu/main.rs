@@ -145,6 +145,30 @@ fn wgmma_tsum_attention_matches_cpu() {
     rep.finish("attention (wgmma-tsum)");
 }
 
+/// The warp-specialised attention with three consumers over 192 query rows at head dim 64 (opt-in
+/// `AttentionKernel::WarpSpecialized3`, Hopper only; head dim 256 runs the default kernel): against
+/// the CPU on the inputs of `wgmma_k128_attention_matches_cpu_and_ws_bitwise` (the same seed), and
+/// bitwise against `WgmmaK128`, whose 128-key tiles, softmax and MMA order it shares: only the rows
+/// per block differ, and a row never depends on the others.
+#[test]
+fn ws3_attention_matches_cpu_and_k128_bitwise() {
+    let Some(d) = gpu("attention (ws3)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(15));
+    rep.guard("attn", "attention (ws3)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::WarpSpecialized3)
+    });
+    rep.guard("attn", "attention (ws3 vs wgmma-k128)", |rep| {
+        attention::same_bits(
+            &d.g,
+            rep,
+            &mut rng,
+            AttentionKernel::WgmmaK128,
+            AttentionKernel::WarpSpecialized3,
+        )
+    });
+    rep.finish("attention (ws3)");
+}
+
 #[test]
 fn deltanet_matches_cpu_with_both_scans() {
     let Some(d) = gpu("deltanet") else { return };

@@ -44,6 +44,10 @@ pub enum AttentionKernel {
     /// `attn_fwd_ws`: warpgroup MMAs, warp-specialised (a producer warpgroup, two consumers that
     /// overlap the softmax with the MMAs) where the GPU and head dim allow it.
     WarpSpecialized,
+    /// `attn_fwd_ws3_64` at head dim 64 (the vision tower): `WarpSpecialized` with three consumers
+    /// over 192 query rows, FlashAttention-3's tiles there (`WgmmaK128`'s bits); other head dims
+    /// as `Auto`. Opt-in until measured (bench/NOTES.md).
+    WarpSpecialized3,
     /// `attn_fwd_q128` (mma.sync, 128 query rows per block).
     Rows128,
     /// `attn_fwd` (mma.sync, 64 query rows per block): the first kernel, kept as a reference.
@@ -52,10 +56,11 @@ pub enum AttentionKernel {
 
 impl AttentionKernel {
     /// Every kernel by its `IMAJEV_ATTENTION` name, in the order the error message lists them.
-    pub const NAMED: [(&'static str, AttentionKernel); 8] = [
+    pub const NAMED: [(&'static str, AttentionKernel); 9] = [
         ("auto", AttentionKernel::Auto),
         ("ov", AttentionKernel::Overlap),
         ("ws", AttentionKernel::WarpSpecialized),
+        ("ws3", AttentionKernel::WarpSpecialized3),
         ("wgmma", AttentionKernel::Wgmma),
         ("wgmma-k128", AttentionKernel::WgmmaK128),
         ("wgmma-tsum", AttentionKernel::WgmmaTensorSums),
@@ -234,8 +239,17 @@ impl CudaBackend {
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
             if hopper && kernel == AttentionKernel::WarpSpecialized {
-                let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp));
+                let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp, 2));
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
+            } else if hopper && kernel == AttentionKernel::WarpSpecialized3 && hdp == 64 {
+                let rows = layout::attention_ws_query_rows(3);
+                let grid = (grid.0, longest(&whole).div_ceil(rows) as u32, grid.2);
+                let cfg = launch_config(
+                    grid,
+                    layout::attention_ws_threads(3),
+                    layout::attention_ws_smem_bytes(hdp, 3),
+                );
+                self.launch("attn_fwd_ws3_64", cfg, &args(tp))?;
             } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
@@ -255,6 +269,7 @@ impl CudaBackend {
                         | AttentionKernel::Wgmma
                         | AttentionKernel::WgmmaK128
                         | AttentionKernel::WgmmaTensorSums
+                        | AttentionKernel::WarpSpecialized3
                 )
             {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
@@ -600,6 +615,9 @@ mod tests {
             assert_eq!(AttentionKernel::NAMED.iter().filter(|(_, k)| *k == kernel).count(), 1, "{kernel:?}");
         }
         assert_eq!(AttentionKernel::parse("wgmma-k64"), None);
-        assert_eq!(AttentionKernel::expected(), "auto, ov, ws, wgmma, wgmma-k128, wgmma-tsum, q128 or q64");
+        assert_eq!(
+            AttentionKernel::expected(),
+            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-tsum, q128 or q64"
+        );
     }
 }

@@ -184,22 +184,34 @@ pub const fn attention_wgmma_tsum_smem_bytes() -> usize {
     attention_wgmma_smem_bytes_tiles(64, 128) + ATTENTION_TSUM_ONES_BYTES
 }
 
-/// Key tile and ring stages of `attn_fwd_ws_<hdp>` (`WsTiles` in kernels/attention.cu): 128 keys
-/// and 3 stages at head dim 64, 64 keys and 2 stages at 256.
-pub const fn attention_ws_tiles(hdp: usize) -> (usize, usize) {
-    if hdp == 64 {
-        (128, 3)
-    } else {
-        (64, 2)
+/// Key tile and ring stages of `attn_fwd_ws_<hdp>` (`consumers` = 2) and `attn_fwd_ws3_64` (3)
+/// (`WsTiles` in kernels/attention.cu): 128 keys and 3 stages at head dim 64 (4 with three
+/// consumers), 64 keys and 2 stages at 256.
+pub const fn attention_ws_tiles(hdp: usize, consumers: usize) -> (usize, usize) {
+    match (hdp, consumers) {
+        (64, 3) => (128, 4),
+        (64, _) => (128, 3),
+        _ => (64, 2),
     }
 }
 
-/// Dynamic shared memory of `attn_fwd_ws_<hdp>` (head dims 64 and 256): 1024 bytes of slack to
-/// align the swizzled tiles, a Q tile of 128 rows, the K and V rings, and four mbarriers (full and
-/// empty, K and V) per stage.
-pub const fn attention_ws_smem_bytes(hdp: usize) -> usize {
-    let (bk, stages) = attention_ws_tiles(hdp);
-    1024 + (128 + 2 * stages * bk) * hdp * 2 + 4 * stages * 8
+/// Query rows of one block of the warp-specialised attention: 64 per consumer warpgroup.
+pub const fn attention_ws_query_rows(consumers: usize) -> usize {
+    64 * consumers
+}
+
+/// Threads of one block of the warp-specialised attention: the producer warpgroup and the
+/// consumers.
+pub const fn attention_ws_threads(consumers: usize) -> u32 {
+    128 * (consumers as u32 + 1)
+}
+
+/// Dynamic shared memory of `attn_fwd_ws_<hdp>` (head dims 64 and 256) and `attn_fwd_ws3_64`:
+/// 1024 bytes of slack to align the swizzled tiles, the Q tile, the K and V rings, and four
+/// mbarriers (full and empty, K and V) per stage.
+pub const fn attention_ws_smem_bytes(hdp: usize, consumers: usize) -> usize {
+    let (bk, stages) = attention_ws_tiles(hdp, consumers);
+    1024 + (attention_ws_query_rows(consumers) + 2 * stages * bk) * hdp * 2 + 4 * stages * 8
 }
 
 /// Threads of `attn_fwd_q128_<hdp>`: 8 warps of 16 rows (`MT` = 1 in kernels/attention.cu).
@@ -455,9 +467,12 @@ mod tests {
         // And of the tensor-core-sums variant, whose ones are one 16-byte store per thread of 256.
         assert!(2 * (attention_wgmma_tsum_smem_bytes() + 1024) <= 228 * 1024);
         assert_eq!(ATTENTION_TSUM_ONES_BYTES, 256 * 16);
-        assert_eq!(attention_ws_smem_bytes(64), 115_808);
-        assert_eq!(attention_ws_smem_bytes(256), 197_696);
-        assert!(attention_ws_smem_bytes(256) + 1024 <= 228 * 1024);
+        assert_eq!(attention_ws_smem_bytes(64, 2), 115_808);
+        assert_eq!(attention_ws_smem_bytes(256, 2), 197_696);
+        assert!(attention_ws_smem_bytes(256, 2) + 1024 <= 228 * 1024);
+        // Q 192 x 64, 4 stages of K and V 128 x 64, 16 mbarriers.
+        assert_eq!(attention_ws_smem_bytes(64, 3), 1024 + 24_576 + 131_072 + 128);
+        assert!(attention_ws_smem_bytes(64, 3) + 1024 <= 228 * 1024);
         assert_eq!(attention_key_ranges(73, 16_457), 5);
         assert_eq!(attention_key_ranges(73, 4096), 1);
         assert_eq!(attention_key_ranges(129, 50_000), 1);
