@@ -1192,6 +1192,23 @@ __device__ __forceinline__ void ws_pv(float (&o)[WsTiles<HDP>::NO], const unsign
   }
 }
 
+// The copies of one whole K or V tile of ROWS rows (all valid, all in one of a sequence's two row
+// ranges, hd = HDP) by the 128 producer threads of attn_fwd_ws3_64: thread t copies chunk t % V of
+// rows t / V + u·(128 / V), so its swizzle phase and its place in a row block never change and each
+// further copy is two additions (issue_tile_sw_by's per-copy index arithmetic is ~15 instructions;
+// the producer shares the SM's issue slots with the consumers). The same bytes land in the same
+// places as issue_tile_sw_by's.
+template <int HDP, int ROWS>
+__device__ __forceinline__ void issue_whole_tile_by128(unsigned char* dst, const bf16* rows, i64 stride, int t) {
+  constexpr int V = HDP / 8, RS = 128 / V;  // chunks per row, rows per step
+  static_assert(RS % 8 == 0 && ROWS % RS == 0, "the row step must keep the swizzle phase");
+  const int c = t % V, r0 = t / V;
+  const char* src = (const char*)(rows + (i64)r0 * stride + c * 8);
+  unsigned char* d = dst + (c >> 3) * ROWS * 128 + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+#pragma unroll 1
+  for (int u = 0; u < ROWS / RS; u++, src += (i64)RS * stride * 2, d += RS * 128) cp_async16(d, src, true);
+}
+
 template <int HDP, int NC = 2>
 __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,
                             const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
@@ -1253,16 +1270,28 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     // copies, only for a stage to be released: it runs ST tiles ahead of the consumers for K and V
     // independently. (Its first version waited for each group one behind and announced K_j only
     // after issuing V_j, which sat behind the release of V_{j-ST}: measured slower than attn_fwd_wgmma.)
+    // Rows j0 .. j0 + BK of K or V (the shared prefix's rows `sh`, then the own rows `own`) into
+    // tile buffer dst; with the lean producer, whole tiles take issue_whole_tile_by128.
+    auto issue_kv = [&](unsigned char* dst, const bf16* sh, const bf16* own, int j0) {
+      if constexpr (T::LEAN_PRODUCER) {
+        if (hd == HDP && kvlen - j0 >= BK && (j0 + BK <= shared_len || j0 >= shared_len)) {
+          const bf16* rows = j0 >= shared_len ? own + (i64)(j0 - shared_len) * kstride : sh + (i64)j0 * kstride;
+          issue_whole_tile_by128<HDP, BK>(dst, rows, kstride, t);
+          return;
+        }
+      }
+      issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(dst, sh, shared_len, own, kstride, j0, kvlen - j0, hd, BK, t, 128);
+    };
     for (int j = 0; j < ntiles; j++) {
       const int s = j % ST, use = j / ST, j0 = j * BK;
       if (j >= ST) mbar_wait(empty_k + s, (use - 1) & 1);
       if (j == 0)
-        issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q, (i64)heads * hd, 0,
-                              nq - qbase, hd, BQ, t, 128);
-      issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Ks + s * T::TILE, ks_, shared_len, ko_, kstride, j0, kvlen - j0, hd, BK, t, 128);
+        issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q,
+                                                (i64)heads * hd, 0, nq - qbase, hd, BQ, t, 128);
+      issue_kv(Ks + s * T::TILE, ks_, ko_, j0);
       mbar_arrive_on_copies(full_k + s);
       if (j >= ST) mbar_wait(empty_v + s, (use - 1) & 1);
-      issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Vs + s * T::TILE, vs_, shared_len, vo_, kstride, j0, kvlen - j0, hd, BK, t, 128);
+      issue_kv(Vs + s * T::TILE, vs_, vo_, j0);
       mbar_arrive_on_copies(full_v + s);
     }
     // A thread may not exit with copies in flight into shared memory that others read (wait_all
