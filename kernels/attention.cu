@@ -1401,20 +1401,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     wgmma_wait0();
     fence_regs(o);
   }
-
-#pragma unroll
-  for (int hr = 0; hr < 2; hr++) {
-    const int qi = hr == 0 ? qi0 : qi1;
-    const float l = hr == 0 ? l0 : l1;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-    for (int jj = 0; jj < NO / 4; jj++) {
-      const int col = 8 * jj + 2 * tg;
-      if (qi >= nq || col >= hd) continue;
-      store_gated(out, gate, gate_row, gate_head, q_start + qi, heads, h, hd, col, o[4 * jj + 2 * hr] * inv,
-                  o[4 * jj + 2 * hr + 1] * inv);
-    }
-  }
+  wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }
 #endif  // IMAJEV_WGMMA
 

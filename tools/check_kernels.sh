@@ -23,6 +23,6 @@ for n in "${names[@]}"; do
   } >"$out/$n.cu"
   echo "== $n"
   "$CU/bin/nvcc" -arch=sm_90a -cubin -std=c++17 -I"$CU/include" -I"$CCCL" -Xptxas -v -o "$out/$n.cubin" "$out/$n.cu" 2>&1 \
-    | grep -E "error|warning|Compiling entry|registers|spill" | sed -E 's/ptxas info *: //' | paste - - - 2>/dev/null || true
+    | grep -E "error|warning|Compiling entry|registers|spill|Performance Loss" | sed -E 's/ptxas info *: //' | paste - - - 2>/dev/null || true
 done
 rm -rf "$out"
