@@ -27,7 +27,7 @@
 //!   kept, and not kept as the server runs passes), once with each tensor-core chunk scan
 //!   (plain, pipelined and the wide plain one: the same bits, the rest of the mixer the same
 //!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
-//!   own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper) beside the default scans
+//!   own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper's default) beside the by-length scans
 //!   (alone with `--only deltanet-wg`);
 //! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
 //!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
@@ -748,9 +748,10 @@ fn main() -> Result<()> {
         [("pipelined tc scan", &piped), ("split 3xTF32", &split3)],
         [("pipelined TF32 scan", &piped1), ("split TF32", &split1)],
     ];
-    // The warpgroup scan (its own prep and scan) beside the default by-length scans.
-    let (default, warpgroup) = (scan(GdnScan::ByLength, true)?, scan(GdnScan::Warpgroup, true)?);
-    let wg_pair = [("default scans", &default), ("warpgroup scan", &warpgroup)];
+    // The warpgroup scan (its own prep and scan; the default on Hopper) beside the by-length scans
+    // (the default elsewhere).
+    let (by_length, warpgroup) = (scan(GdnScan::ByLength, true)?, scan(GdnScan::Warpgroup, true)?);
+    let wg_pair = [("by-length scans", &by_length), ("warpgroup scan", &warpgroup)];
     // Its two kernels (the same bits), each forced.
     let wg_kernel = |producer| {
         CudaBackend::new(0, CudaOptions { gdn_wg_producer: Some(producer), ..warpgroup.options().clone() })

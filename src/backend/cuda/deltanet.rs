@@ -26,11 +26,18 @@ use std::sync::Arc;
 /// keeps a sequence's result independent of the batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GdnScan {
+    /// [`GdnScan::Warpgroup`] where it runs with one TF32 MMA per product (an sm_90 GPU, key dim
+    /// 32, 64 or 128, `gdn_tf32` on, not the FMA scan), else [`GdnScan::ByLength`]. Decided by the
+    /// GPU, the model and the options only, never by the batch, so a sequence's bits do not depend
+    /// on what runs beside it. The warpgroup scan made whole requests 6–7% faster on the H100
+    /// (bench/NOTES.md, session of 2026-12-05, fourteenth).
+    #[default]
+    Auto,
     /// By the launch: `gdn_chunk_scan_{tc,tf32}_pipelined_<dk>` when its longest sequence has at
     /// least [`PIPELINED_MIN_CHUNKS`] chunks or its grid runs in one wave (a lone sequence);
     /// otherwise the plain scan `gdn_chunk_scan_{tc,tf32}_<dk>` when its grid runs in one wave, the
     /// wide one `gdn_chunk_scan_{tc,tf32}_wide_<dk>` when it would take more (see [`scan_kernel`]).
-    #[default]
+    /// The default off Hopper (the default before 2026-12-05 everywhere).
     ByLength,
     /// [`GdnScan::ByLength`] without the wide scan (the default before 2026-12-04), to compare.
     PlainByLength,
@@ -55,13 +62,14 @@ pub enum GdnScan {
     /// `gdn_chunk_prep_rm_<dk>`. TF32 products like the default scans, but summed by the tensor
     /// cores in another order, so not their bits: chosen for every launch, never mixed with them. Key
     /// dims other than 32, 64 and 128, the FMA scan and other GPUs fall back to
-    /// [`GdnScan::PlainByLength`]. Opt-in while measured.
+    /// [`GdnScan::PlainByLength`]. Runs also with `gdn_tf32` off (its products stay TF32).
     Warpgroup,
 }
 
 impl GdnScan {
     pub fn describe(self) -> &'static str {
         match self {
+            GdnScan::Auto => "the warpgroup scan on Hopper, else by length",
             GdnScan::ByLength => {
                 "tensor cores, pipelined for long or lone sequences, one block per head for many short ones"
             }
@@ -133,7 +141,7 @@ pub fn scan_kernel(
         GdnScan::Pipelined => true,
         GdnScan::Plain | GdnScan::Wide => false,
         GdnScan::PlainByLength | GdnScan::Split | GdnScan::Warpgroup => !short,
-        GdnScan::ByLength => !short || one_wave(&pipelined),
+        GdnScan::ByLength | GdnScan::Auto => !short || one_wave(&pipelined),
     };
     if use_pipelined {
         return pipelined;
@@ -142,7 +150,7 @@ pub fn scan_kernel(
     let wide = dv <= 128
         && match options.gdn_scan {
             GdnScan::Wide => true,
-            GdnScan::ByLength => !one_wave(&plain),
+            GdnScan::ByLength | GdnScan::Auto => !one_wave(&plain),
             _ => false,
         };
     if wide {
@@ -226,10 +234,16 @@ pub fn warpgroup_kernel(
     })
 }
 
-/// Whether [`warpgroup_kernel`] gives a kernel (whatever the launch): the warpgroup scan chosen, not
-/// the FMA scan, an sm_90 GPU, key dim 32, 64 or 128.
+/// Whether [`warpgroup_kernel`] gives a kernel (whatever the launch): the warpgroup scan chosen
+/// ([`GdnScan::Warpgroup`], or [`GdnScan::Auto`] with one TF32 MMA per product), not the FMA scan,
+/// an sm_90 GPU, key dim 32, 64 or 128.
 pub fn warpgroup_scan_runs(options: &CudaOptions, dk: usize, hopper: bool) -> bool {
-    !options.gdn_ffma && options.gdn_scan == GdnScan::Warpgroup && hopper && [32, 64, 128].contains(&dk)
+    let chosen = match options.gdn_scan {
+        GdnScan::Warpgroup => true,
+        GdnScan::Auto => options.gdn_tf32,
+        _ => false,
+    };
+    chosen && !options.gdn_ffma && hopper && [32, 64, 128].contains(&dk)
 }
 
 /// Threads of a `gdn_chunk_scan_wg_<dk>` block: the producer warpgroup and the consumer warpgroup
@@ -789,6 +803,14 @@ mod tests {
         assert!(warpgroup_kernel(&opts, 128, 128, long, false).is_none());
         let other = CudaOptions { gdn_scan: GdnScan::ByLength, ..opts.clone() };
         assert!(warpgroup_kernel(&other, 128, 128, long, true).is_none());
+        // The default runs it where it runs with one TF32 MMA per product, and on no other GPU.
+        let auto = CudaOptions::default();
+        assert!(warpgroup_scan_runs(&auto, 128, true));
+        assert!(!warpgroup_scan_runs(&auto, 128, false), "by length off Hopper");
+        assert!(!warpgroup_scan_runs(&auto, 16, true), "key dim 16 has no warpgroup scan");
+        assert!(!warpgroup_scan_runs(&CudaOptions { gdn_tf32: false, ..auto.clone() }, 128, true), "3xTF32");
+        assert!(!warpgroup_scan_runs(&CudaOptions { gdn_ffma: true, ..auto.clone() }, 128, true), "FMA scan");
+        assert!(warpgroup_scan_runs(&CudaOptions { gdn_tf32: false, ..opts.clone() }, 128, true), "forced");
     }
 
     #[test]
@@ -808,9 +830,10 @@ mod tests {
         let spills = |_: &ScanKernel| false;
         // A launch of a few sequences: two plain blocks per SM fit it, one pipelined block does not.
         let plain_fits = |k: &ScanKernel| !k.name.contains("_pipelined_");
-        let by_length = CudaOptions::default();
-        assert_eq!(by_length.gdn_scan, GdnScan::ByLength);
-        assert!(by_length.gdn_tf32, "one TF32 MMA per product is the default");
+        let auto = CudaOptions::default();
+        assert_eq!(auto.gdn_scan, GdnScan::Auto);
+        assert!(auto.gdn_tf32, "one TF32 MMA per product is the default");
+        let by_length = CudaOptions { gdn_scan: GdnScan::ByLength, ..auto.clone() };
         let short = PIPELINED_MIN_CHUNKS - 1;
         assert_eq!(scan_kernel(&by_length, 128, 128, short, fits).name, "gdn_chunk_scan_tf32_pipelined_128");
         assert_eq!(scan_kernel(&by_length, 128, 128, short, plain_fits).name, "gdn_chunk_scan_tf32_128");
@@ -882,6 +905,7 @@ mod tests {
         // Every choice is a kernel of the table, launched with the shared memory it is allowed.
         let table: Vec<_> = KERNELS.iter().flat_map(|f| f.functions.iter()).collect();
         let all = [
+            auto,
             by_length,
             plain_by_length,
             forced(GdnScan::Pipelined),
@@ -907,7 +931,9 @@ mod tests {
                             let wide = name.contains("_wide_");
                             let picks_wide = match o.gdn_scan {
                                 GdnScan::Wide => true,
-                                GdnScan::ByLength => longest < PIPELINED_MIN_CHUNKS && !one_wave,
+                                GdnScan::ByLength | GdnScan::Auto => {
+                                    longest < PIPELINED_MIN_CHUNKS && !one_wave
+                                }
                                 _ => false,
                             };
                             assert_eq!(wide, picks_wide && !o.gdn_ffma && dv <= 128, "{name}");

@@ -77,11 +77,13 @@ pub struct CudaOptions {
     /// Run the gated-delta chunk scan on CUDA cores (f32 FMA) instead of tensor cores.
     /// Default: `IMAJEV_GDN_FFMA=1` in the environment.
     pub gdn_ffma: bool,
-    /// Which tensor-core chunk scan runs when `gdn_ffma` is off: by launch (default: the pipelined
-    /// one for launches with a long sequence, otherwise the plain one or, when its grid would take
-    /// more than one wave, the wide one), or one of them always. All give the same bits (the split
-    /// path does not). Default: `IMAJEV_GDN_SCAN=plain-by-length`, `pipelined`, `plain`, `wide`,
-    /// `split` or `warpgroup` in the environment (read only when this field is left at [`GdnScan::ByLength`]).
+    /// Which tensor-core chunk scan runs when `gdn_ffma` is off. Default ([`GdnScan::Auto`]): the
+    /// warpgroup scan on Hopper, elsewhere by launch (the pipelined scan for launches with a long
+    /// sequence, otherwise the plain one or, when its grid would take more than one wave, the wide
+    /// one). The by-length scans give the same bits as each other; the split and warpgroup paths
+    /// give their own. `IMAJEV_GDN_SCAN=by-length`, `plain-by-length`, `pipelined`, `plain`,
+    /// `wide`, `split` or `warpgroup` in the environment picks one (read only when this field is
+    /// left at [`GdnScan::Auto`]).
     pub gdn_scan: GdnScan,
     /// The tensor-core chunk scans' products as one TF32 MMA each (operands rounded to 10-bit
     /// mantissas, f32 accumulation; the default) rather than 3xTF32 (f32-level, `false`): about a
@@ -211,17 +213,18 @@ impl CudaBackend {
                 }
             }
         }
-        if options.gdn_scan == GdnScan::ByLength {
+        if options.gdn_scan == GdnScan::Auto {
             match std::env::var("IMAJEV_GDN_SCAN").as_deref() {
+                Ok("by-length") => options.gdn_scan = GdnScan::ByLength,
                 Ok("pipelined") => options.gdn_scan = GdnScan::Pipelined,
                 Ok("plain") => options.gdn_scan = GdnScan::Plain,
                 Ok("split") => options.gdn_scan = GdnScan::Split,
                 Ok("wide") => options.gdn_scan = GdnScan::Wide,
                 Ok("warpgroup") => options.gdn_scan = GdnScan::Warpgroup,
                 Ok("plain-by-length") => options.gdn_scan = GdnScan::PlainByLength,
-                Ok("") | Ok("by-length") | Err(_) => {}
+                Ok("") | Ok("auto") | Err(_) => {}
                 Ok(other) => bail!(
-                    "IMAJEV_GDN_SCAN={other}: expected by-length, plain-by-length, pipelined, plain, wide, split or warpgroup"
+                    "IMAJEV_GDN_SCAN={other}: expected auto, by-length, plain-by-length, pipelined, plain, wide, split or warpgroup"
                 ),
             }
         }
@@ -325,7 +328,15 @@ impl CudaBackend {
         };
         tracing::info!(
             ?info,
-            gdn_scan = if options.gdn_ffma { "ffma" } else { options.gdn_scan.describe() },
+            gdn_scan = match options.gdn_scan {
+                _ if options.gdn_ffma => "ffma",
+                // What the default runs at the key dims it has a warpgroup scan for (128 in Qwen3.5).
+                GdnScan::Auto if deltanet::warpgroup_scan_runs(&options, 128, info.hopper()) => {
+                    GdnScan::Warpgroup.describe()
+                }
+                GdnScan::Auto => GdnScan::ByLength.describe(),
+                other => other.describe(),
+            },
             gdn_products = if options.gdn_tf32 { "TF32" } else { "3xTF32" },
             act_quant = if options.unfused_act_quant {
                 "own kernel"
