@@ -34,8 +34,8 @@ pub enum AttentionKernel {
     WgmmaK128,
     /// `WgmmaK128` with the rows' softmax sums taken by the tensor cores from the BF16 P the P·V
     /// MMAs multiply (`attn_fwd_wgmma_tsum_64`: a `wgmma m64n8k16` against ones per 16 keys instead
-    /// of an add per score, where the kernel is issue-bound; not `WgmmaK128`'s bits, whose sums are
-    /// of the f32 P). Opt-in until measured (bench/NOTES.md).
+    /// of an add per score; not `WgmmaK128`'s bits, whose sums are of the f32 P). Opt-in: on an H100
+    /// 5% slower at 16K patches and as fast at 65,536 (bench/NOTES.md).
     WgmmaTensorSums,
     /// `attn_fwd_wgmma_ov`: `attn_fwd_wgmma` with each tile's softmax overlapped with the previous
     /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
@@ -46,7 +46,8 @@ pub enum AttentionKernel {
     WarpSpecialized,
     /// `attn_fwd_ws3_64` at head dim 64 (the vision tower): `WarpSpecialized` with three consumers
     /// over 192 query rows, FlashAttention-3's tiles there (`WgmmaK128`'s bits); other head dims
-    /// as `Auto`. Opt-in until measured (bench/NOTES.md).
+    /// as `Auto`. Opt-in: on an H100 as fast as `WgmmaK128` at 65,536 patches and 7% slower at
+    /// 16K (bench/NOTES.md).
     WarpSpecialized3,
     /// `attn_fwd_q128` (mma.sync, 128 query rows per block).
     Rows128,
