@@ -1138,13 +1138,8 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
 template <int HDP, bool LEAN = false>
 __device__ __forceinline__ void issue_tile_sw_by(unsigned char* dst, const bf16* a, int alen, const bf16* b,
                                                  i64 stride, int j0, int valid, int hd, int rows, int t, int n) {
-  if constexpr (LEAN) {
-#pragma unroll 1
-    for (int i = t; i < rows * (HDP / 8); i += n) issue_chunk_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, rows, i);
-  } else {
-#pragma unroll 4
-    for (int i = t; i < rows * (HDP / 8); i += n) issue_chunk_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, rows, i);
-  }
+#pragma unroll(LEAN ? 1 : 4)
+  for (int i = t; i < rows * (HDP / 8); i += n) issue_chunk_sw<HDP>(dst, a, alen, b, stride, j0, valid, hd, rows, i);
 }
 
 // NC consumer warpgroups (2, or 3 at head dim 64: attn_fwd_ws3_64) of 64 query rows each.
@@ -1425,7 +1420,7 @@ ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1, false)
 // 128 registers so that two blocks share an SM as attn_fwd_wgmma_64's do.
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false)
 // attn_fwd_wgmma_k128_64 with the rows' sums on the tensor cores (wgmma_softmax_p, wgmma_row_sums): one
-// instruction fewer per score; opt-in until measured.
+// instruction fewer per score; opt-in: no faster on an H100 (bench/NOTES.md).
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true)
 
 #ifdef IMAJEV_WGMMA

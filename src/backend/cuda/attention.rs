@@ -240,7 +240,11 @@ impl CudaBackend {
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
             if hopper && kernel == AttentionKernel::WarpSpecialized {
-                let cfg = launch_config(grid, 384, layout::attention_ws_smem_bytes(hdp, 2));
+                let cfg = launch_config(
+                    grid,
+                    layout::attention_ws_threads(2),
+                    layout::attention_ws_smem_bytes(hdp, 2),
+                );
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
             } else if hopper && kernel == AttentionKernel::WarpSpecialized3 && hdp == 64 {
                 let rows = layout::attention_ws_query_rows(3);
