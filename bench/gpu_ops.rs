@@ -3,7 +3,7 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,gemm-algos,mlp,norm,attention,vision,deltanet,deltanet-wg,narrow] [--lengths 16384]` (`--only`:
+//! [--only gemm,gemm-algos,mlp,fp8-own,norm,attention,vision,deltanet,deltanet-wg,narrow] [--lengths 16384]` (`--only`:
 //! those groups; `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g.
 //! under a profiler)
 //!
@@ -19,6 +19,9 @@
 //! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
 //!   16,384 rows (or at `--lengths`), the gate/up LoRA B side as its own GEMM and fused into the
 //!   SwiGLU (`mlp_lora_fused`), and their ratio;
+//! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
+//!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192`
+//!   (LoRA B in the epilogue) at 977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -38,6 +41,7 @@
 use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use imajev_serve::backend::cuda::gemm::{Blas, Gemm, GemmKind};
+use imajev_serve::backend::cuda::gemm_fp8::Fp8Gemm;
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend, CudaOptions, CudaTensor, GdnScan};
 use imajev_serve::backend::{AttentionDims, AttentionInputs, Backend, DeltaNetDims, DeltaNetInputs};
@@ -222,6 +226,90 @@ impl Bench<'_> {
                 }
             }
             println!("  MLP M={m}: fused / unfused = {:.3}", times[1] / times[0]);
+        }
+        Ok(())
+    }
+
+    /// `--only fp8-own` (module doc): each FP8 projection shape with a rank-64 LoRA on all its
+    /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
+    /// the SwiGLU, today's default) beside `gemm_fp8_128` and `gemm_fp8_192` (LoRA B in their
+    /// epilogue), at `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A GEMM
+    /// and the activation quantisation, as a forward runs them.
+    fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
+        let g = self.g;
+        if !g.info().hopper() {
+            println!("fp8-own: not a Hopper GPU, skipped");
+            return Ok(());
+        }
+        let sides: Vec<(&str, CudaBackend)> =
+            [("cuBLASLt", Fp8Gemm::Cublas), ("own128", Fp8Gemm::Own128), ("own192", Fp8Gemm::Own192)]
+                .into_iter()
+                .map(|(l, f)| {
+                    CudaBackend::new(0, CudaOptions { fp8_gemm: f, ..g.options().clone() }).map(|b| (l, b))
+                })
+                .collect::<Result<_>>()?;
+        let r = 64usize;
+        for (what, n, k, _) in FP8_SHAPES {
+            let w = MemoryTensor::fp8("w", &[n, k], &self.rng.bf16_normals(n * k, 0.02));
+            let a = MemoryTensor::bf16("A", &[r, k], &self.rng.bf16_normals(r * k, 0.02));
+            let bm = MemoryTensor::bf16("B", &[n, r], &self.rng.bf16_normals(n * r, 0.02));
+            for &m in rows {
+                let x_h = self.rng.bf16_normals(m * k, 1.0);
+                for (lora, part) in [("", w.part()), (" + LoRA r64", w.lora_part(&a, &bm, 2.0))] {
+                    let mut base = None;
+                    for (label, be) in &sides {
+                        let l = be.linear(std::slice::from_ref(&part))?;
+                        let x = bf16_tensor(be, &x_h, &[m, k])?;
+                        let ms = time_ms(be, 10, &mut || be.matmul(&x, &l).map(|_| ()))?;
+                        let name = format!("fp8 {what} N={n} K={k}{lora} M={m}, {label}");
+                        self.push(name, ms, Some(2.0 * (m * n * k) as f64));
+                        match base {
+                            None => base = Some(ms),
+                            Some(b) => println!("  {label} / cuBLASLt = {:.3}", ms / b),
+                        }
+                    }
+                }
+            }
+        }
+        let (h, k) = (2560usize, 9216usize);
+        let mut t = |name: &str, shape: &[usize], fp8: bool| {
+            let v = self.rng.bf16_normals(shape.iter().product(), 0.02);
+            if fp8 {
+                MemoryTensor::fp8(name, shape, &v)
+            } else {
+                MemoryTensor::bf16(name, shape, &v)
+            }
+        };
+        let (wg, wu, wd) = (t("gate", &[k, h], true), t("up", &[k, h], true), t("down", &[h, k], true));
+        let (ga, gb, ua, ub) = (
+            t("gA", &[r, h], false),
+            t("gB", &[k, r], false),
+            t("uA", &[r, h], false),
+            t("uB", &[k, r], false),
+        );
+        let (da, db) = (t("dA", &[r, k], false), t("dB", &[h, r], false));
+        let gate_up = [wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)];
+        let down = [wd.lora_part(&da, &db, 2.0)];
+        for &m in rows {
+            let x_h = self.rng.bf16_normals(m * h, 1.0);
+            let mut base = None;
+            for (label, be) in &sides {
+                let (gu, d) = (be.linear(&gate_up)?, be.linear(&down)?);
+                let x = bf16_tensor(be, &x_h, &[m, h])?;
+                let ms = time_ms(be, 10, &mut || be.swiglu_mlp(&x, &gu, &d).map(|_| ()))?;
+                self.push(
+                    format!("MLP 4B + LoRA r{r}, M={m}, {label}"),
+                    ms,
+                    Some(2.0 * (m * 3 * h * k) as f64),
+                );
+                match base {
+                    None => base = Some(ms),
+                    Some(b) => println!("  {label} / cuBLASLt = {:.3}", ms / b),
+                }
+                if let Some(report) = be.kernel_report()? {
+                    println!("  kernels of the {label} runs (warm-up included):\n{report}");
+                }
+            }
         }
         Ok(())
     }
@@ -617,8 +705,18 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 9] =
-        ["gemm", "gemm-algos", "mlp", "norm", "attention", "vision", "deltanet", "deltanet-wg", "narrow"];
+    const GROUPS: [&str; 10] = [
+        "gemm",
+        "gemm-algos",
+        "mlp",
+        "fp8-own",
+        "norm",
+        "attention",
+        "vision",
+        "deltanet",
+        "deltanet-wg",
+        "narrow",
+    ];
     let only: Option<Vec<String>> = args.iter().position(|a| a == "--only").map(|i| match args.get(i + 1) {
         Some(v) => v.split(',').map(str::to_string).collect(),
         None => Vec::new(),
@@ -654,6 +752,9 @@ fn main() -> Result<()> {
     };
     if named("mlp") {
         b.mlp(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
+    }
+    if named("fp8-own") {
+        b.fp8_own(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
     }
     if named("gemm-algos") {
         b.gemm_algos(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;

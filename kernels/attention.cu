@@ -66,10 +66,6 @@ extern "C" __global__ void attn_prep(
 // staged in shared memory. HDP is the head dim rounded up to a supported size (16..256); dims
 // >= hd are zero. The reduction order of a row does not depend on the other rows in the batch.
 
-__device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *(unsigned*)&v;
-}
 __device__ __forceinline__ unsigned pack_bf(bf16 lo, bf16 hi) {
   return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
 }
@@ -630,17 +626,6 @@ __device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], unsigned long lo
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (K-major descriptors);
-// scale_d 0 overwrites D.
-__device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[64], unsigned long long da, unsigned long long db,
-                                                int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-
 // D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (the mma.sync m16n8k16 A fragment of
 // each warp's 16 rows), B from shared memory, N-major (transposed).
 __device__ __forceinline__ void wgmma_rs_m64n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
@@ -716,18 +701,6 @@ __device__ __forceinline__ void issue_tile_sw(unsigned char* dst, const bf16* a,
 // tile. A whole tile then costs a select, a multiply-add and the copies per matrix (computing them
 // per tile was ~45 instructions per matrix, ~90 of the ~350 per tile and thread at head dim 64,
 // where the kernel is issue-bound: SASS, NOTES). The same bytes land in the same places either way.
-// Values the compiler must keep in a register rather than recompute where they are used (it
-// rematerialises cheap-looking address arithmetic inside the loop, which is what KvTileCopies
-// exists to avoid): a volatile asm cannot be re-executed.
-__device__ __forceinline__ unsigned kept_u32(unsigned x) {
-  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
-  return x;
-}
-__device__ __forceinline__ unsigned long long kept_u64(unsigned long long x) {
-  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
-  return x;
-}
-
 template <int HDP, int ROWS = 64>
 struct KvTileCopies {
   static constexpr int V = HDP / 8, RS = 256 / V, NU = ROWS / RS;  // chunks per row, row step, copies
@@ -785,12 +758,6 @@ struct KvTileCopies {
     }
   }
 };
-
-// The first 1024-byte boundary in a kernel's dynamic shared memory (the host adds 1024 bytes of
-// slack): where the 128-byte-swizzled tiles of the Hopper kernels start.
-__device__ __forceinline__ unsigned char* smem_1024(unsigned char* raw) {
-  return raw + ((1024 - ((unsigned)__cvta_generic_to_shared(raw) & 1023)) & 1023);
-}
 
 // The descriptor low words attn_fwd_wgmma(_ov) use every tile, computed once and held in
 // registers (kept_u32): this warpgroup's 64 rows of Q, and buffer `buf` of K and of V (BK keys x

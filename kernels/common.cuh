@@ -129,6 +129,12 @@ __device__ __forceinline__ void quant_block_1x128(const float v[4], unsigned cha
   if ((threadIdx.x & 31) == 0) *scale = sc;
 }
 
+// Two f32 rounded to bf16 (each to nearest even) as one 32-bit pair, lo in the low half.
+__device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *(unsigned*)&v;
+}
+
 // Four consecutive bf16 as one 8-byte load / store (p 8-byte aligned), and as f32 (exact).
 __device__ __forceinline__ void load_bf16x4(const bf16* p, bf16 h[4]) {
   const uint2 u = *(const uint2*)p;
@@ -142,6 +148,24 @@ __device__ __forceinline__ void store_bf16x4(bf16* p, const bf16 h[4]) {
   u.x = (unsigned)__bfloat16_as_ushort(h[0]) | ((unsigned)__bfloat16_as_ushort(h[1]) << 16);
   u.y = (unsigned)__bfloat16_as_ushort(h[2]) | ((unsigned)__bfloat16_as_ushort(h[3]) << 16);
   *(uint2*)p = u;
+}
+
+// Values the compiler must keep in a register rather than recompute where they are used (it
+// rematerialises cheap-looking address arithmetic inside loops: attention.cu's KvTileCopies and
+// gemm_fp8.cu's producer keep their addresses with these): a volatile asm cannot be re-executed.
+__device__ __forceinline__ unsigned kept_u32(unsigned x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
+}
+__device__ __forceinline__ unsigned long long kept_u64(unsigned long long x) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+  return x;
+}
+
+// The first 1024-byte boundary in a kernel's dynamic shared memory (the host adds 1024 bytes of
+// slack): where the 128-byte-swizzled tiles of the Hopper kernels start.
+__device__ __forceinline__ unsigned char* smem_1024(unsigned char* raw) {
+  return raw + ((1024 - ((unsigned)__cvta_generic_to_shared(raw) & 1023)) & 1023);
 }
 
 // Hopper warpgroup MMAs (sm_90a only: IMAJEV_WGMMA is defined where they compile; kernels that use
@@ -180,6 +204,17 @@ __device__ __forceinline__ unsigned smem_desc_lo(const void* p, unsigned lbo) {
 // The descriptor of a low word from smem_desc_lo and the stride byte offset: equal to smem_desc.
 __device__ __forceinline__ unsigned long long smem_desc_of(unsigned lo, unsigned sbo) {
   return (unsigned long long)lo | ((unsigned long long)(((sbo & 0x3FFFF) >> 4) | (1u << 30)) << 32);
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (K-major descriptors);
+// scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[64], unsigned long long da, unsigned long long db,
+                                                int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
 }
 
 // Producer/consumer hand-over (mbarriers, named barriers) and register pinning around wgmma.

@@ -7,6 +7,7 @@ use super::harness::{rel, rms_rel, variant, Report};
 use anyhow::{ensure, Result};
 use imajev_serve::backend::cpu::linear::matmul_xwt;
 use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::backend::cuda::gemm_fp8::Fp8Gemm;
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
 use imajev_serve::backend::cuda::CudaBackend;
 use imajev_serve::backend::{Backend, LinearPart, LoraPair};
@@ -485,5 +486,169 @@ pub fn readout(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         &c.readout(&c.upload(&h, &[5, d])?, &c.param_f32(&rw.r())?)?,
     );
     rep.check(p, "readout f32 [5, 2560] × [12, 2560]ᵀ", e, 1e-5);
+    Ok(())
+}
+
+/// The block-scaled FP8 GEMM on our own kernel (src/backend/cuda/gemm_fp8.rs, both tile heights)
+/// with LoRA pairs in its epilogue, against the GEMM of its own dequantised operands, the CPU and
+/// cuBLASLt (+ its separate LoRA B GEMM), and bitwise across M: a plain projection with scales
+/// varying per block; an in_proj-like one (three FP8 parts, a part boundary inside a 128-column
+/// tile, a part without LoRA, ranks 16/64/32 so windows run past a 64-column rank chunk, a BF16
+/// part after them); and the MLP, whose gate/up LoRA then takes the epilogue instead of the fused
+/// SwiGLU kernel.
+pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = "gemm";
+    if !g.info().hopper() {
+        rep.flag(p, "own FP8 GEMM: not a Hopper GPU, never launched, not checked", true, "");
+        return Ok(());
+    }
+    let cublas = variant(g, |o| o.fp8_gemm = Fp8Gemm::Cublas)?;
+    if cublas.options().fp8_gemm != Fp8Gemm::Cublas {
+        rep.flag(p, "own FP8 GEMM vs cuBLASLt", false, "IMAJEV_FP8_GEMM forces one: unset it");
+        return Ok(());
+    }
+    // Plain FP8, N=2560 K=4096, magnitudes varying per weight block and per activation 128-block.
+    let (n, k, m) = (2560, 4096, 300);
+    let wv: Vec<f32> = (0..n * k)
+        .map(|i| {
+            rng.gaussian() * 0.05 * 2f32.powi(((((i / k) / 128) * 5 + ((i % k) / 128) * 3) % 9) as i32 - 4)
+        })
+        .collect();
+    let w8 = MemoryTensor::fp8("fp8.weight", &[n, k], &wv);
+    let x: Vec<f32> = (0..m * k)
+        .map(|i| {
+            let (r, col) = (i / k, i % k);
+            half::bf16::from_f32(rng.gaussian() * 2f32.powi(((r * 7 + (col / 128) * 3) % 9) as i32 - 4))
+                .to_f32()
+        })
+        .collect();
+    let wd = dequantize_fp8_blocks(
+        &w8.bytes,
+        &[n, k],
+        &w8.scale.as_ref().unwrap().1,
+        &w8.scale.as_ref().unwrap().0,
+        Some([128, 128]),
+    )?;
+    let yb = cublas.download(&cublas.matmul(&cublas.upload(&x, &[m, k])?, &cublas.linear(&[w8.part()])?)?)?;
+
+    // in_proj-like: FP8 parts of 1088, 960 (no LoRA) and 2048 columns, then a BF16 part of 32.
+    let (k2, m2) = (2560, 977);
+    let outs = [1088usize, 960, 2048, 32];
+    let ranks = [16usize, 0, 32, 0];
+    let ws: Vec<MemoryTensor> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| {
+            let v = rng.bf16_normals(o * k2, 0.02);
+            if i < 3 {
+                MemoryTensor::fp8(&format!("in{i}.weight"), &[o, k2], &v)
+            } else {
+                MemoryTensor::bf16(&format!("in{i}.weight"), &[o, k2], &v)
+            }
+        })
+        .collect();
+    let la: Vec<MemoryTensor> = (0..4)
+        .map(|i| {
+            MemoryTensor::bf16(
+                &format!("a{i}"),
+                &[ranks[i].max(1), k2],
+                &rng.bf16_normals(ranks[i].max(1) * k2, 0.05),
+            )
+        })
+        .collect();
+    let lb: Vec<MemoryTensor> = (0..4)
+        .map(|i| {
+            let r = ranks[i].max(1);
+            MemoryTensor::bf16(&format!("b{i}"), &[outs[i], r], &rng.bf16_normals(outs[i] * r, 0.05))
+        })
+        .collect();
+    let parts: Vec<LinearPart> = (0..4)
+        .map(|i| if ranks[i] > 0 { ws[i].lora_part(&la[i], &lb[i], 2.0) } else { ws[i].part() })
+        .collect();
+    let x2 = rng.bf16_normals(m2 * k2, 1.0);
+    let y2b = cublas.download(&cublas.matmul(&cublas.upload(&x2, &[m2, k2])?, &cublas.linear(&parts)?)?)?;
+    let y2c = c.matmul(&c.upload(&x2, &[m2, k2])?, &c.linear(&parts)?)?.data;
+    for (kind, label) in [(Fp8Gemm::Own128, "own128"), (Fp8Gemm::Own192, "own192")] {
+        let o = variant(g, |o| o.fp8_gemm = kind)?;
+        let lo = o.linear(&[w8.part()])?;
+        let y = o.download(&o.matmul(&o.upload(&x, &[m, k])?, &lo)?)?;
+        let (qg, sg) = o.quantize_activations(&o.upload(&x, &[m, k])?)?;
+        let xd = dequantize_act_1x128(&qg, &sg, m, fp8_rows(m), k);
+        let mut yref = vec![0f32; m * n];
+        matmul_xwt(&xd, m, k, &wd, n, &mut yref, false);
+        rep.check(
+            p,
+            format!("{label} fp8 N=2560 K=4096 M=300 vs dequantised operands (max)"),
+            rel(&y, &yref),
+            1e-2,
+        );
+        rep.check(p, format!("{label} … same (rms; cuBLASLt's probe 1.7e-3)"), rms_rel(&y, &yref), 3e-3);
+        rep.check(p, format!("{label} … vs cuBLASLt (max)"), rel(&y, &yb), 1e-2);
+        invariance(&o, rep, &format!("{label} fp8 N=2560 K=4096"), &lo, &x, k, &y)?;
+
+        let l2 = o.linear(&parts)?;
+        let y2 = o.download(&o.matmul(&o.upload(&x2, &[m2, k2])?, &l2)?)?;
+        let name = format!("{label} [{}] + LoRA r16/r32 on parts 0, 2", l2.summary());
+        rep.check(p, format!("{name} M={m2} vs CPU f32"), rel(&y2, &y2c), 8e-2);
+        rep.check(
+            p,
+            format!("{name}: CPU error / cuBLASLt+lora_b's ({:.3e})", rel(&y2b, &y2c)),
+            rel(&y2, &y2c) / rel(&y2b, &y2c).max(1e-12),
+            1.2,
+        );
+        rep.check(p, format!("{name} vs cuBLASLt + lora_b (max)"), rel(&y2, &y2b), 3e-2);
+        invariance(&o, rep, &name, &l2, &x2, k2, &y2)?;
+
+        // Ranks 16 and 64 on the adjacent parts 0 and 1: the tile straddling them needs rank
+        // columns [0, 80), two 64-column chunks (the second zero past 80); part 1's own tiles [16, 80).
+        let big_a = MemoryTensor::bf16("a1w", &[64, k2], &rng.bf16_normals(64 * k2, 0.05));
+        let big_b = MemoryTensor::bf16("b1w", &[outs[1], 64], &rng.bf16_normals(outs[1] * 64, 0.05));
+        let wide = [
+            ws[0].lora_part(&la[0], &lb[0], 2.0),
+            ws[1].lora_part(&big_a, &big_b, 2.0),
+            ws[2].part(),
+            ws[3].part(),
+        ];
+        let (lw, cw) = (o.linear(&wide)?, c.linear(&wide)?);
+        let yw = o.download(&o.matmul(&o.upload(&x2, &[m2, k2])?, &lw)?)?;
+        let ywc = c.matmul(&c.upload(&x2, &[m2, k2])?, &cw)?.data;
+        rep.check(
+            p,
+            format!("{label} LoRA r16 + r64 on adjacent parts (two rank chunks) M={m2} vs CPU f32"),
+            rel(&yw, &ywc),
+            8e-2,
+        );
+    }
+    // The MLP with the gate/up LoRA in the epilogue (and the down projection's).
+    let (h, k3, r) = (2560usize, 9216usize, 64usize);
+    let lora = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
+        (
+            MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
+            MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
+        )
+    };
+    let w = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
+        MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, 0.02))
+    };
+    let (wg, wu, wdn) = (w("gate", k3, h, rng), w("up", k3, h, rng), w("down", h, k3, rng));
+    let ((ga, gb), (ua, ub), (da, db)) =
+        (lora("gate", k3, h, rng), lora("up", k3, h, rng), lora("down", h, k3, rng));
+    let gate_up = [wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)];
+    let down = [wdn.lora_part(&da, &db, 2.0)];
+    let o = variant(g, |o| o.fp8_gemm = Fp8Gemm::Own128)?;
+    let (ogu, od) = (o.linear(&gate_up)?, o.linear(&down)?);
+    let (bgu, bd) = (cublas.linear(&gate_up)?, cublas.linear(&down)?);
+    let (cgu, cd) = (c.linear(&gate_up)?, c.linear(&down)?);
+    let x3 = rng.bf16_normals(130 * h, 1.0);
+    let yo = o.download(&o.swiglu_mlp(&o.upload(&x3, &[130, h])?, &ogu, &od)?)?;
+    let yb = cublas.download(&cublas.swiglu_mlp(&cublas.upload(&x3, &[130, h])?, &bgu, &bd)?)?;
+    let yc = c.swiglu_mlp(&c.upload(&x3, &[130, h])?, &cgu, &cd)?.data;
+    rep.check(p, "own128 swiglu_mlp (LoRA in the epilogues) M=130 vs CPU f32", rel(&yo, &yc), 8e-2);
+    rep.check(
+        p,
+        format!("own128 swiglu_mlp: CPU error / cuBLASLt path's ({:.3e})", rel(&yb, &yc)),
+        rel(&yo, &yc) / rel(&yb, &yc).max(1e-12),
+        1.2,
+    );
     Ok(())
 }

@@ -62,6 +62,17 @@ fn projections_match_cpu_and_are_batch_invariant() {
     rep.finish("gemm");
 }
 
+/// The block-scaled FP8 GEMM on our own Hopper kernel with LoRA pairs in its epilogue
+/// (`IMAJEV_FP8_GEMM=own|own192`; gemm.rs `own_fp8`): against its dequantised operands, the CPU
+/// and cuBLASLt, and bitwise across M.
+#[test]
+fn own_fp8_gemm_matches_cpu_and_cublas() {
+    let Some(d) = gpu("gemm (own FP8)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(16));
+    rep.guard("gemm", "own FP8 GEMM", |rep| gemm::own_fp8(&d.g, &d.c, rep, &mut rng));
+    rep.finish("gemm (own FP8)");
+}
+
 #[test]
 fn attention_matches_cpu() {
     let Some(d) = gpu("attention") else { return };

@@ -70,6 +70,14 @@ pub const KERNELS: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "gemm_fp8",
+        source: include_str!("../../../kernels/gemm_fp8.cu"),
+        functions: &[
+            k_smem("gemm_fp8_128", layout::gemm_fp8_smem_bytes(2)),
+            k_smem("gemm_fp8_192", layout::gemm_fp8_smem_bytes(3)),
+        ],
+    },
+    KernelFile {
         name: "norm",
         source: include_str!("../../../kernels/norm.cu"),
         functions: &[

@@ -351,6 +351,72 @@ pub const fn swiglu_lora_smem_bytes(r: usize) -> usize {
     (64 * (2 * r + 8) + 2 * 128 * (r + 8) + 2 * 64 * 136) * 2
 }
 
+/// Rows of a tile of `gemm_fp8_<rows>` (kernels/gemm_fp8.cu): 64 per consumer warpgroup.
+pub const fn gemm_fp8_tile_rows(consumers: usize) -> usize {
+    64 * consumers
+}
+
+/// Ring stages of `gemm_fp8_<rows>` (the kernel's `GemmFp8Tiles::ST`).
+pub const fn gemm_fp8_stages(consumers: usize) -> usize {
+    if consumers == 2 {
+        6
+    } else {
+        5
+    }
+}
+
+/// Threads of `gemm_fp8_<rows>`: a producer warpgroup and the consumers.
+pub const fn gemm_fp8_threads(consumers: usize) -> u32 {
+    128 * (consumers as u32 + 1)
+}
+
+/// Dynamic shared memory of `gemm_fp8_<rows>`: 1024 bytes of slack to align the swizzled tiles,
+/// per stage an X tile (rows x 128 bytes), a W tile (128 x 128 bytes) and the rows' f32 scales,
+/// and two mbarriers (full, empty) per stage.
+pub const fn gemm_fp8_smem_bytes(consumers: usize) -> usize {
+    let rows = gemm_fp8_tile_rows(consumers);
+    1024 + gemm_fp8_stages(consumers) * ((rows + 128) * 128 + rows * 4 + 2 * 8)
+}
+
+/// The rank columns `[begin, end)` of a fused LoRA pair that each 128-column tile of an FP8 group
+/// needs in `gemm_fp8`'s epilogue, as `[tiles][2]` (`end <= begin`: none). `parts` are the pair's
+/// adapted parts (output columns, rank; their rank columns follow each other from 0) and `group`
+/// the group's output columns; tiles are the group's columns from its start. B is block-diagonal,
+/// so a tile's rows of B are zero outside the ranks of the parts it overlaps. None when the
+/// kernel cannot take the pair: a part outside the group, or a rank or the group width not a
+/// multiple of 8 / 128 (the kernel copies 8 rank columns, 16 bytes, at a time).
+pub fn lora_rank_windows(parts: &[(Range<usize>, usize)], group: &Range<usize>) -> Option<Vec<i32>> {
+    if group.len() % FP8_BLOCK != 0 || parts.is_empty() {
+        return None;
+    }
+    let mut offsets = Vec::with_capacity(parts.len());
+    let mut r0 = 0;
+    for (cols, r) in parts {
+        if cols.start < group.start || cols.end > group.end || r % 8 != 0 {
+            return None;
+        }
+        offsets.push(r0);
+        r0 += r;
+    }
+    let tiles = group.len() / FP8_BLOCK;
+    let mut w = Vec::with_capacity(2 * tiles);
+    for t in 0..tiles {
+        let tile = group.start + t * FP8_BLOCK..group.start + (t + 1) * FP8_BLOCK;
+        let (mut b, mut e) = (usize::MAX, 0);
+        for ((cols, r), &o) in parts.iter().zip(&offsets) {
+            if cols.start < tile.end && tile.start < cols.end {
+                b = b.min(o);
+                e = e.max(o + r);
+            }
+        }
+        if e == 0 {
+            b = 0;
+        }
+        w.extend([b as i32, e as i32]);
+    }
+    Some(w)
+}
+
 /// Largest power of two (≤ 256) dividing a device address: the alignment cuBLASLt is told about.
 pub fn ptr_alignment(addr: u64) -> u32 {
     if addr == 0 {
@@ -382,6 +448,39 @@ mod tests {
         for r in SWIGLU_LORA_RANKS {
             assert!(2 * swiglu_lora_smem_bytes(r) <= 227 * 1024, "rank {r}");
         }
+    }
+
+    #[test]
+    fn gemm_fp8_fits_one_block_per_sm() {
+        for nc in [2, 3] {
+            assert!(gemm_fp8_smem_bytes(nc) <= 227 * 1024, "{nc} consumers");
+            // Two blocks would need twice as much: the persistent grid assumes one an SM.
+            assert!(2 * gemm_fp8_smem_bytes(nc) > 228 * 1024, "{nc} consumers");
+        }
+        assert_eq!(gemm_fp8_smem_bytes(2), 1024 + 6 * (256 * 128 + 512 + 16));
+        assert_eq!(gemm_fp8_threads(3), 512);
+    }
+
+    #[test]
+    fn lora_rank_windows_cover_each_tiles_parts() {
+        // The 4B in_proj: q, k (2048 each), v, z (4096 each), rank 64 each, one FP8 group.
+        let parts = vec![(0..2048, 64), (2048..4096, 64), (4096..8192, 64), (8192..12288, 64)];
+        let w = lora_rank_windows(&parts, &(0..12288)).unwrap();
+        assert_eq!(w.len(), 2 * 96);
+        assert_eq!(&w[..2], &[0, 64]);
+        assert_eq!(&w[2 * 16..2 * 16 + 2], &[64, 128]);
+        assert_eq!(&w[2 * 95..], &[192, 256]);
+        // A tile straddling two parts takes both ranks; a tile with no part takes none.
+        let parts = vec![(0..200, 16), (200..256, 32)];
+        let w = lora_rank_windows(&parts, &(0..384)).unwrap();
+        assert_eq!(w, vec![0, 16, 0, 48, 0, 0]);
+        // Groups not starting at 0 (the LoRA's columns are absolute).
+        let w = lora_rank_windows(&[(256..384, 16)], &(128..512)).unwrap();
+        assert_eq!(w, vec![0, 0, 0, 16, 0, 0]);
+        // What the kernel cannot take.
+        assert!(lora_rank_windows(&[(0..128, 12)], &(0..128)).is_none());
+        assert!(lora_rank_windows(&[(0..128, 16)], &(0..100)).is_none());
+        assert!(lora_rank_windows(&[(0..256, 16)], &(0..128)).is_none());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! `matmul` / `readout` of src/backend/cpu/linear.rs.
 
 use super::gemm::{Gemm, GemmKind};
+use super::gemm_fp8::LoraEpilogue;
 use super::launch::{grid1, launch_config, Arg};
 use super::layout::{self, PartFormat, PartInfo};
 use super::tensor::{bf16_values, ActFp8, CudaTensor};
@@ -43,6 +44,10 @@ pub(super) struct CudaLora {
     a: CudaSlice<bf16>,
     b: CudaSlice<bf16>,
     scale: f32,
+    /// For `gemm_fp8`'s epilogue: the FP8 group (index into the projection's groups) holding
+    /// every adapted column, and its tiles' rank windows (`layout::lora_rank_windows`); None
+    /// when no FP8 group holds them all or the kernel cannot take the ranks.
+    epilogue: Option<(usize, CudaSlice<i32>)>,
 }
 
 /// A projection: its parts concatenated along the output dim and grouped into one FP8 or BF16
@@ -169,8 +174,16 @@ impl CudaBackend {
         k: usize,
         w: &CudaLinear,
     ) -> Result<CudaTensor> {
-        let y = self.project(xs, fp8, m, k, w)?;
-        self.add_loras(&y, xs, m, k, w, None)?;
+        // With gemm_fp8, a pair inside an FP8 group goes to that GEMM's epilogue: its A side first.
+        let epi = w.loras.iter().find(|l| l.epilogue.is_some()).filter(|_| m > 0 && self.own_fp8_gemm());
+        let t = epi.map(|l| self.lora_a(xs, m, k, l)).transpose()?;
+        let (y, fused) = self.project(xs, fp8, m, k, w, epi.zip(t.as_ref()))?;
+        if let (Some(l), Some(t)) = (epi, &t) {
+            if !fused {
+                self.lora_b(&y, w.out_dim, m, l, t)?;
+            }
+        }
+        self.add_loras(&y, xs, m, k, w, epi)?;
         Ok(self.bf16_tensor(y, &[m, w.out_dim]))
     }
 
@@ -195,7 +208,9 @@ impl CudaBackend {
     }
 
     /// The FP8 and BF16 GEMMs and the bias of a projection, without its LoRA: `[rows, out_dim]`
-    /// (rows: the FP8 padded row count when there are FP8 groups, else `m`).
+    /// (rows: the FP8 padded row count when there are FP8 groups, else `m`). `epilogue`: a pair
+    /// with its A side's product `t`, for `gemm_fp8`'s epilogue on its FP8 group; returns whether
+    /// that GEMM took it (else the caller adds its B side).
     fn project(
         &self,
         xs: &CudaSlice<bf16>,
@@ -203,12 +218,14 @@ impl CudaBackend {
         m: usize,
         k: usize,
         w: &CudaLinear,
-    ) -> Result<CudaSlice<bf16>> {
+        epilogue: Option<(&CudaLora, &CudaSlice<bf16>)>,
+    ) -> Result<(CudaSlice<bf16>, bool)> {
         let n = w.out_dim;
         let rows_alloc = fp8.map(|f| f.mpad).unwrap_or(m);
         let y = self.alloc_bf16(rows_alloc * n)?;
         let yp = self.p(&y);
-        for g in &w.groups {
+        let mut fused = false;
+        for (gi, g) in w.groups.iter().enumerate() {
             let yg = yp + 2 * g.cols.start as u64;
             let gemm = match &g.weight {
                 GroupWeight::Fp8 { w: wq, scales } => {
@@ -247,7 +264,24 @@ impl CudaBackend {
                     x_scale: 0,
                 },
             };
-            self.gemm(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+            let lora = epilogue.and_then(|(l, t)| match &l.epilogue {
+                Some((eg, windows)) if *eg == gi => Some(LoraEpilogue {
+                    t: self.p(t),
+                    rows: m,
+                    b: self.p(&l.b),
+                    rank: l.rank,
+                    col0: l.cols.start - g.cols.start,
+                    cols: l.cols.len(),
+                    windows: self.p(windows),
+                    scale: l.scale,
+                }),
+                _ => None,
+            });
+            let own = matches!(g.weight, GroupWeight::Fp8 { .. }) && self.gemm_fp8(&gemm, lora.as_ref())?;
+            fused |= own && lora.is_some();
+            if !own {
+                self.gemm(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
+            }
         }
         if let Some(b) = &w.bias {
             let args = [Arg::Ptr(yp), Arg::Ptr(self.p(b)), Arg::I64(m as i64), Arg::I32(n as i32)];
@@ -260,7 +294,7 @@ impl CudaBackend {
                 self.launch("add_bias", launch_config((grid1(m * n, 256), 1, 1), 256, 0), &args)?;
             }
         }
-        Ok(y)
+        Ok((y, fused))
     }
 
     /// A LoRA pair's A side: `x·Aᵀ` `[m, rank]` in BF16 (`gemm.lora_a`).
@@ -417,13 +451,22 @@ pub(super) fn linear(be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinea
             }
             r0 += r;
         }
+        let parts: Vec<(Range<usize>, usize)> = found.iter().map(|f| (f.0.clone(), f.3)).collect();
+        let epilogue = groups
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| matches!(g.weight, GroupWeight::Fp8 { .. }))
+            .find_map(|(gi, g)| layout::lora_rank_windows(&parts, &g.cols).map(|w| (gi, w)))
+            .map(|(gi, w)| be.htod(&w).map(|w| (gi, w)))
+            .transpose()?;
         loras.push(CudaLora {
             cols: span,
             rank,
-            parts: found.iter().map(|f| (f.0.clone(), f.3)).collect(),
+            parts,
             a: be.htod(&a)?,
             b: be.htod(&b)?,
             scale: if same { common } else { 1.0 },
+            epilogue,
         });
     }
     let linear = CudaLinear { in_dim, out_dim, groups, bias, loras };
@@ -454,7 +497,7 @@ pub(super) fn matmul_deferring_lora(
     let (m, k) = x.rows_cols();
     ensure!(k == w.in_dim, "matmul: input width {k}, projection expects {}", w.in_dim);
     let xs = be.bf16_of(x)?;
-    let y = with_input_fp8(be, x, xs.s(), w, |fp8| be.project(xs.s(), fp8, m, k, w))?;
+    let (y, _) = with_input_fp8(be, x, xs.s(), w, |fp8| be.project(xs.s(), fp8, m, k, w, None))?;
     be.add_loras(&y, xs.s(), m, k, w, Some(lora))?;
     let t = be.lora_a(xs.s(), m, k, lora)?;
     Ok((be.bf16_tensor(y, &[m, w.out_dim]), t))

@@ -9,6 +9,8 @@
 //! * Kernels are compiled by NVRTC for the running GPU at start-up and cached on disk as CUBIN.
 //! * GEMMs go through cuBLASLt ([`gemm`]): block-scaled FP8 for projections stored as FP8 (or
 //!   quantised at load with `quantize_fp8`), BF16 for the rest; LoRA stays unmerged in BF16.
+//!   Opt-in on Hopper ([`gemm_fp8`], `fp8_gemm`): the FP8 GEMMs on our own kernel with the LoRA B
+//!   side in its epilogue.
 //! * Precision follows a bf16 transformers run: activations are BF16 tensors, reductions, norms,
 //!   softmax and gates run in f32, the DeltaNet state and chunked delta rule are f32, the readout
 //!   is an f32 GEMM. Vectors (norm weights, biases, `A_log`, `dt_bias`) are kept in f32, other
@@ -36,6 +38,7 @@ pub mod compile;
 pub mod deltanet;
 pub mod elementwise;
 pub mod gemm;
+pub mod gemm_fp8;
 pub mod launch;
 pub mod layout;
 pub mod linear;
@@ -116,6 +119,10 @@ pub struct CudaOptions {
     /// LoRA A; k <= 256 accumulating, i.e. LoRA B) rather than cuBLASLt, for comparisons.
     /// Default: `IMAJEV_NARROW_GEMM=both|n|k|cublas` in the environment, else cublas.
     pub narrow_gemm: narrow::NarrowGemm,
+    /// Which kernel runs the block-scaled FP8 GEMMs ([`gemm_fp8::Fp8Gemm`]): cuBLASLt (the
+    /// default), or on Hopper our own `gemm_fp8_<rows>` with the LoRA B side in its epilogue.
+    /// `IMAJEV_FP8_GEMM=cublas|own|own192` in the environment sets it when left at the default.
+    pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -137,6 +144,7 @@ impl Default for CudaOptions {
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
             narrow_gemm: narrow::NarrowGemm::default(),
+            fp8_gemm: gemm_fp8::Fp8Gemm::default(),
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
@@ -249,6 +257,13 @@ impl CudaBackend {
                 options.narrow_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_NARROW_GEMM={v}: {e}"))?;
             }
         }
+        if options.fp8_gemm == gemm_fp8::Fp8Gemm::Cublas {
+            if let Ok(v) = std::env::var("IMAJEV_FP8_GEMM") {
+                if !v.is_empty() {
+                    options.fp8_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_FP8_GEMM={v}: {e}"))?;
+                }
+            }
+        }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
         }
@@ -344,6 +359,11 @@ impl CudaBackend {
                 "fused into the norms, SwiGLU and GELU"
             },
             narrow_gemm = options.narrow_gemm.describe(),
+            fp8_gemm = if info.hopper() {
+                options.fp8_gemm.describe()
+            } else {
+                gemm_fp8::Fp8Gemm::Cublas.describe()
+            },
             "CUDA backend ready"
         );
         let profiler = profile::KernelProfiler::from_env(&stream);

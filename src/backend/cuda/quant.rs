@@ -147,8 +147,8 @@ pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLine
 /// projection whose one LoRA pair is gate's and up's of equal rank (every Qwen3.5 MLP; see
 /// `CudaLinear::swiglu_lora`): the gate/up GEMMs and LoRA A GEMM, then
 /// `swiglu_lora_quant_1x128_<r>` (the LoRA B side, the SwiGLU and the down projection's FP8
-/// input in one pass over the gate/up output) and the down projection. Otherwise `matmul`, then
-/// `swiglu_matmul`.
+/// input in one pass over the gate/up output) and the down projection. Otherwise (also when
+/// `gemm_fp8` adds the gate/up LoRA in its own epilogue) `matmul`, then `swiglu_matmul`.
 pub(super) fn swiglu_mlp(
     be: &CudaBackend,
     x: &CudaTensor,
@@ -156,7 +156,9 @@ pub(super) fn swiglu_mlp(
     down: &CudaLinear,
 ) -> Result<CudaTensor> {
     let (m, k) = (x.rows_cols().0, gate_up.out_dim / 2);
+    // With gemm_fp8 the gate/up GEMM adds its LoRA in its own epilogue: the plain SwiGLU follows.
     let fusable = be.state.options.mlp_lora_fused
+        && !be.own_fp8_gemm()
         && m > 0
         && gate_up.out_dim % 2 == 0
         && k == down.in_dim
