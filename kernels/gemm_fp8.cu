@@ -65,12 +65,6 @@ __device__ __forceinline__ void wgmma_fp8_m64n128k32(float (&d)[64], unsigned lo
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// A compile-time flag a generic lambda can branch on with if constexpr.
-template <bool B>
-struct Flag {
-  static constexpr bool value = B;
-};
-
 struct GemmFp8Args {
   const unsigned char* x;
   const float* xs;
@@ -85,6 +79,28 @@ struct GemmFp8Args {
   int lm, lr, lcol0, lcols;
   float lscale;
 };
+
+// A consumer warpgroup's MMAs of ring stage s (waiting for it to be full) into acc: an FP8 k-block
+// (four k32 steps) or a BF16 LoRA stage (four k16 steps), both 128 bytes of each row. a_lo, b_lo:
+// the descriptor low words of stage 0's X rows of this warpgroup and W tile.
+template <int NC, bool LORA>
+__device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
+                                               unsigned a_lo, unsigned b_lo, int s) {
+  mbar_wait(full, parity);
+  // The copies were made through the generic proxy; the tensor cores read through the async one.
+  fence_proxy_async();
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ks++) {
+    const unsigned off = (unsigned)(s * GemmFp8Tiles<NC>::STAGE + 32 * ks) >> 4;
+    const unsigned long long da = smem_desc_of(a_lo + off, 1024), db = smem_desc_of(b_lo + off, 1024);
+    if constexpr (LORA) wgmma_ss_m64n128(acc, da, db, ks > 0);
+    else wgmma_fp8_m64n128k32(acc, da, db, ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait0();
+  fence_regs(acc);
+}
 
 template <int NC>
 __device__ void gemm_fp8(const GemmFp8Args& p) {
@@ -179,23 +195,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   const unsigned b_lo = kept_u32(smem_desc_lo(stages + T::A_BYTES, 16));
   int it = 0;
   float acc[64], out[64];
-  // The MMAs of one stage into acc (FP8 k-blocks, or BF16 LoRA stages).
-  auto mma_stage = [&](int s, auto lora) {
-    mbar_wait(full + s, (it / ST) & 1);
-    // The copies were made through the generic proxy; the tensor cores read through the async one.
-    fence_proxy_async();
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ks++) {
-      const unsigned off = (unsigned)(s * T::STAGE + 32 * ks) >> 4;
-      const unsigned long long da = smem_desc_of(a_lo + off, 1024), db = smem_desc_of(b_lo + off, 1024);
-      if constexpr (decltype(lora)::value) wgmma_ss_m64n128(acc, da, db, ks > 0);
-      else wgmma_fp8_m64n128k32(acc, da, db, ks > 0);
-    }
-    wgmma_commit();
-    wgmma_wait0();
-    fence_regs(acc);
-  };
   auto release = [&](int s) {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + s);
@@ -210,7 +209,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
     for (int kb = 0; kb < kblocks; kb++, it++) {
       const int s = it % ST;
       const float wscale = __ldg(wsc + kb);
-      mma_stage(s, Flag<false>{});
+      gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
       const float f0 = sa[s * BM + rl] * wscale, f1 = sa[s * BM + rl + 8] * wscale;
       release(s);
 #pragma unroll
@@ -225,7 +224,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       const int re = p.lwin[2 * nt + 1];
       for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
         const int s = it % ST;
-        mma_stage(s, Flag<true>{});
+        gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
         release(s);
 #pragma unroll
         for (int i = 0; i < 64; i++) out[i] = fmaf(acc[i], p.lscale, out[i]);
