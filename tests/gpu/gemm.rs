@@ -67,20 +67,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
 
     // Block FP8, activation magnitudes varying per (row, 128-block), weight magnitudes per block.
     let (n, k, m) = (2560, 4096, 300);
-    let wv: Vec<f32> = (0..n * k)
-        .map(|i| {
-            let (r, c) = (i / k, i % k);
-            rng.gaussian() * 0.05 * 2f32.powi((((r / 128) * 5 + (c / 128) * 3) % 9) as i32 - 4)
-        })
-        .collect();
-    let w8 = MemoryTensor::fp8("fp8.weight", &[n, k], &wv);
-    let x: Vec<f32> = (0..m * k)
-        .map(|i| {
-            let (r, c) = (i / k, i % k);
-            half::bf16::from_f32(rng.gaussian() * 2f32.powi(((r * 7 + (c / 128) * 3) % 9) as i32 - 4))
-                .to_f32()
-        })
-        .collect();
+    let (w8, x) = varied_fp8_case(rng, n, k, m);
     let (lg, lc) = (g.linear(&[w8.part()])?, c.linear(&[w8.part()])?);
     ensure!(lg.summary() == "fp8[0..2560]", "FP8 checkpoint weight placed as {}", lg.summary());
     let xg = g.upload(&x, &[m, k])?;
@@ -99,13 +86,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     // The GEMM against an f32 GEMM of exactly its dequantised operands.
     let mpad = fp8_rows(m);
     let xd = dequantize_act_1x128(&qg, &sg, m, mpad, k);
-    let wd = dequantize_fp8_blocks(
-        &w8.bytes,
-        &[n, k],
-        &w8.scale.as_ref().unwrap().1,
-        &w8.scale.as_ref().unwrap().0,
-        Some([128, 128]),
-    )?;
+    let wd = dequantised(&w8, n, k)?;
     let mut yref = vec![0f32; m * n];
     matmul_xwt(&xd, m, k, &wd, n, &mut yref, false);
     rep.check(p, "fp8 N=2560 K=4096 M=300 vs dequantised operands (max)", rel(&yg, &yref), 1e-2);
@@ -121,18 +102,7 @@ pub fn gemm_checks(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut 
     // A fused GDN in_proj of the 4B model: FP8 qkv+z, BF16 b+a (N not a multiple of 128), LoRA.
     let (k, m) = (2560, 70);
     let outs = [8192usize, 4096, 32, 32];
-    let ws: Vec<MemoryTensor> = outs
-        .iter()
-        .enumerate()
-        .map(|(i, &o)| {
-            let v = rng.bf16_normals(o * k, 0.02);
-            if i < 2 {
-                MemoryTensor::fp8(&format!("in{i}.weight"), &[o, k], &v)
-            } else {
-                MemoryTensor::bf16(&format!("in{i}.weight"), &[o, k], &v)
-            }
-        })
-        .collect();
+    let ws = in_proj_parts(rng, &outs, k, 2);
     let la = [
         MemoryTensor::bf16("a0", &[8, k], &rng.bf16_normals(8 * k, 0.05)),
         MemoryTensor::bf16("a2", &[8, k], &rng.bf16_normals(8 * k, 0.05)),
@@ -509,44 +479,15 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
     }
     // Plain FP8, N=2560 K=4096, magnitudes varying per weight block and per activation 128-block.
     let (n, k, m) = (2560, 4096, 300);
-    let wv: Vec<f32> = (0..n * k)
-        .map(|i| {
-            rng.gaussian() * 0.05 * 2f32.powi(((((i / k) / 128) * 5 + ((i % k) / 128) * 3) % 9) as i32 - 4)
-        })
-        .collect();
-    let w8 = MemoryTensor::fp8("fp8.weight", &[n, k], &wv);
-    let x: Vec<f32> = (0..m * k)
-        .map(|i| {
-            let (r, col) = (i / k, i % k);
-            half::bf16::from_f32(rng.gaussian() * 2f32.powi(((r * 7 + (col / 128) * 3) % 9) as i32 - 4))
-                .to_f32()
-        })
-        .collect();
-    let wd = dequantize_fp8_blocks(
-        &w8.bytes,
-        &[n, k],
-        &w8.scale.as_ref().unwrap().1,
-        &w8.scale.as_ref().unwrap().0,
-        Some([128, 128]),
-    )?;
+    let (w8, x) = varied_fp8_case(rng, n, k, m);
+    let wd = dequantised(&w8, n, k)?;
     let yb = cublas.download(&cublas.matmul(&cublas.upload(&x, &[m, k])?, &cublas.linear(&[w8.part()])?)?)?;
 
     // in_proj-like: FP8 parts of 1088, 960 (no LoRA) and 2048 columns, then a BF16 part of 32.
     let (k2, m2) = (2560, 977);
     let outs = [1088usize, 960, 2048, 32];
     let ranks = [16usize, 0, 32, 0];
-    let ws: Vec<MemoryTensor> = outs
-        .iter()
-        .enumerate()
-        .map(|(i, &o)| {
-            let v = rng.bf16_normals(o * k2, 0.02);
-            if i < 3 {
-                MemoryTensor::fp8(&format!("in{i}.weight"), &[o, k2], &v)
-            } else {
-                MemoryTensor::bf16(&format!("in{i}.weight"), &[o, k2], &v)
-            }
-        })
-        .collect();
+    let ws = in_proj_parts(rng, &outs, k2, 3);
     let la: Vec<MemoryTensor> = (0..4)
         .map(|i| {
             MemoryTensor::bf16(
@@ -651,4 +592,45 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         1.2,
     );
     Ok(())
+}
+
+/// Weights of a fused projection's parts of `outs` rows each: the first `fp8` parts block-FP8, the
+/// rest BF16 (a GDN in_proj: FP8 q/k/v/z, BF16 b/a).
+fn in_proj_parts(rng: &mut SplitMix, outs: &[usize], k: usize, fp8: usize) -> Vec<MemoryTensor> {
+    outs.iter()
+        .enumerate()
+        .map(|(i, &o)| {
+            let v = rng.bf16_normals(o * k, 0.02);
+            if i < fp8 {
+                MemoryTensor::fp8(&format!("in{i}.weight"), &[o, k], &v)
+            } else {
+                MemoryTensor::bf16(&format!("in{i}.weight"), &[o, k], &v)
+            }
+        })
+        .collect()
+}
+
+/// An FP8 weight `[n, k]` whose magnitudes vary per 128 x 128 block and a BF16 input `[m, k]`
+/// whose magnitudes vary per (row, 128-block), so every scale matters.
+fn varied_fp8_case(rng: &mut SplitMix, n: usize, k: usize, m: usize) -> (MemoryTensor, Vec<f32>) {
+    let wv: Vec<f32> = (0..n * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            rng.gaussian() * 0.05 * 2f32.powi((((r / 128) * 5 + (c / 128) * 3) % 9) as i32 - 4)
+        })
+        .collect();
+    let x = (0..m * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            half::bf16::from_f32(rng.gaussian() * 2f32.powi(((r * 7 + (c / 128) * 3) % 9) as i32 - 4))
+                .to_f32()
+        })
+        .collect();
+    (MemoryTensor::fp8("fp8.weight", &[n, k], &wv), x)
+}
+
+/// The f32 values of a block-FP8 weight `[n, k]` (its codes times its 128 x 128 scales).
+fn dequantised(w8: &MemoryTensor, n: usize, k: usize) -> Result<Vec<f32>> {
+    let (shape, scales) = w8.scale.as_ref().expect("an FP8 tensor has scales");
+    dequantize_fp8_blocks(&w8.bytes, &[n, k], scales, shape, Some([128, 128]))
 }

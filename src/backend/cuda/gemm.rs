@@ -105,6 +105,30 @@ pub struct Gemm {
     pub x_scale: u64,
 }
 
+impl Gemm {
+    /// A dense GEMM of `kind` on placeholder addresses (distinct, 1 MiB aligned), for the tests of
+    /// which GEMMs a kernel of our own takes from cuBLASLt.
+    #[cfg(test)]
+    pub(super) fn placeholder(kind: GemmKind, n: usize, m: usize, k: usize) -> Gemm {
+        Gemm {
+            kind,
+            n,
+            m,
+            k,
+            w: 1 << 20,
+            ldw: k,
+            x: 2 << 20,
+            ldx: k,
+            y: 3 << 20,
+            ldy: n,
+            alpha: 1.0,
+            beta: 0.0,
+            w_scale: 4 << 20,
+            x_scale: 5 << 20,
+        }
+    }
+}
+
 /// The M a shape's algorithm is chosen at: [`M_REF`], or [`M_REF_NARROW`] for narrow outputs;
 /// FP8 rows padded as the backend pads them.
 pub fn reference_m(kind: GemmKind, n: usize) -> usize {

@@ -159,22 +159,7 @@ mod tests {
     use super::*;
 
     fn fp8(n: usize, m: usize, k: usize) -> Gemm {
-        Gemm {
-            kind: GemmKind::Fp8Block,
-            n,
-            m,
-            k,
-            w: 1 << 20,
-            ldw: k,
-            x: 2 << 20,
-            ldx: k,
-            y: 3 << 20,
-            ldy: n,
-            alpha: 1.0,
-            beta: 0.0,
-            w_scale: 4 << 20,
-            x_scale: 5 << 20,
-        }
+        Gemm::placeholder(GemmKind::Fp8Block, n, m, k)
     }
 
     #[test]
