@@ -241,13 +241,15 @@ impl Bench<'_> {
             println!("fp8-own: not a Hopper GPU, skipped");
             return Ok(());
         }
-        let sides: Vec<(&str, CudaBackend)> =
-            [("cuBLASLt", Fp8Gemm::Cublas), ("own128", Fp8Gemm::Own128), ("own192", Fp8Gemm::Own192)]
-                .into_iter()
-                .map(|(l, f)| {
-                    CudaBackend::new(0, CudaOptions { fp8_gemm: f, ..g.options().clone() }).map(|b| (l, b))
-                })
-                .collect::<Result<_>>()?;
+        let sides: Vec<(&str, CudaBackend)> = [
+            ("cuBLASLt", Fp8Gemm::Cublas),
+            ("own128", Fp8Gemm::Own128),
+            ("own192", Fp8Gemm::Own192),
+            ("own128o", Fp8Gemm::Own128Overlap),
+        ]
+        .into_iter()
+        .map(|(l, f)| CudaBackend::new(0, CudaOptions { fp8_gemm: f, ..g.options().clone() }).map(|b| (l, b)))
+        .collect::<Result<_>>()?;
         let r = 64usize;
         for (what, n, k, _) in FP8_SHAPES {
             let w = MemoryTensor::fp8("w", &[n, k], &self.rng.bf16_normals(n * k, 0.02));

@@ -80,16 +80,9 @@ struct GemmFp8Args {
   float lscale;
 };
 
-// A consumer warpgroup's MMAs of ring stage s (waiting for it to be full) into acc: an FP8 k-block
-// (four k32 steps) or a BF16 LoRA stage (four k16 steps), both 128 bytes of each row. a_lo, b_lo:
-// the descriptor low words of stage 0's X rows of this warpgroup and W tile.
+// The four MMAs of ring stage s into acc (not committed).
 template <int NC, bool LORA>
-__device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
-                                               unsigned a_lo, unsigned b_lo, int s) {
-  mbar_wait(full, parity);
-  // The copies were made through the generic proxy; the tensor cores read through the async one.
-  fence_proxy_async();
-  wgmma_fence();
+__device__ __forceinline__ void gemm_fp8_mmas(float (&acc)[64], unsigned a_lo, unsigned b_lo, int s) {
 #pragma unroll
   for (int ks = 0; ks < 4; ks++) {
     const unsigned off = (unsigned)(s * GemmFp8Tiles<NC>::STAGE + 32 * ks) >> 4;
@@ -97,12 +90,46 @@ __device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long l
     if constexpr (LORA) wgmma_ss_m64n128(acc, da, db, ks > 0);
     else wgmma_fp8_m64n128k32(acc, da, db, ks > 0);
   }
+}
+
+// A consumer warpgroup's MMAs of ring stage s (after waiting for it to be full) into acc, committed
+// as one group: an FP8 k-block (four k32 steps) or a BF16 LoRA stage (four k16 steps), both 128
+// bytes of each row. a_lo, b_lo: the descriptor low words of stage 0's X rows of this warpgroup
+// and W tile.
+template <int NC, bool LORA>
+__device__ __forceinline__ void gemm_fp8_issue(float (&acc)[64], unsigned long long* full, unsigned parity,
+                                               unsigned a_lo, unsigned b_lo, int s) {
+  mbar_wait(full, parity);
+  // The copies were made through the generic proxy; the tensor cores read through the async one.
+  fence_proxy_async();
+  wgmma_fence();
+  gemm_fp8_mmas<NC, LORA>(acc, a_lo, b_lo, s);
   wgmma_commit();
+}
+
+// gemm_fp8_issue, then waiting for the MMAs.
+template <int NC, bool LORA>
+__device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
+                                               unsigned a_lo, unsigned b_lo, int s) {
+  gemm_fp8_issue<NC, LORA>(acc, full, parity, a_lo, b_lo, s);
   wgmma_wait0();
   fence_regs(acc);
 }
 
-template <int NC>
+// out += acc times f0 (this thread's first row) or f1 (its second), one FMA each.
+__device__ __forceinline__ void gemm_fp8_promote(float (&out)[64], const float (&acc)[64], float f0, float f1) {
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    out[4 * j + 0] = fmaf(acc[4 * j + 0], f0, out[4 * j + 0]);
+    out[4 * j + 1] = fmaf(acc[4 * j + 1], f0, out[4 * j + 1]);
+    out[4 * j + 2] = fmaf(acc[4 * j + 2], f1, out[4 * j + 2]);
+    out[4 * j + 3] = fmaf(acc[4 * j + 3], f1, out[4 * j + 3]);
+  }
+}
+
+// OVL (gemm_fp8_128o): two accumulator sets, so that a k-block's promotion runs while the next
+// k-block's MMAs are on the tensor cores (one more wgmma group in flight); same arithmetic, same bits.
+template <int NC, bool OVL>
 __device__ void gemm_fp8(const GemmFp8Args& p) {
   using T = GemmFp8Tiles<NC>;
   constexpr int BM = T::BM, ST = T::ST;
@@ -195,6 +222,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   const unsigned b_lo = kept_u32(smem_desc_lo(stages + T::A_BYTES, 16));
   int it = 0;
   float acc[64], out[64];
+  float acc2[OVL ? 64 : 1];  // the second set of the overlapped form
   auto release = [&](int s) {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + s);
@@ -206,18 +234,42 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 #pragma unroll
     for (int i = 0; i < 64; i++) out[i] = 0.f;
     const float* wsc = p.ws + (i64)nt * kblocks;
-    for (int kb = 0; kb < kblocks; kb++, it++) {
-      const int s = it % ST;
-      const float wscale = __ldg(wsc + kb);
-      gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-      const float f0 = sa[s * BM + rl] * wscale, f1 = sa[s * BM + rl + 8] * wscale;
-      release(s);
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        out[4 * j + 0] = fmaf(acc[4 * j + 0], f0, out[4 * j + 0]);
-        out[4 * j + 1] = fmaf(acc[4 * j + 1], f0, out[4 * j + 1]);
-        out[4 * j + 2] = fmaf(acc[4 * j + 2], f1, out[4 * j + 2]);
-        out[4 * j + 3] = fmaf(acc[4 * j + 3], f1, out[4 * j + 3]);
+    if constexpr (OVL) {
+      // K/128 is even here (the host's choice): k-blocks in pairs, both groups issued together,
+      // the first promoted while the second is on the tensor cores (attn_fwd_ws's S and P·V shape:
+      // ptxas serialised every wgmma (C7514) when a pair's second group was issued after the
+      // first had been waited for, the sets swapping roles).
+      for (int kb = 0; kb < kblocks; kb += 2) {
+        const int s0 = it % ST, s1 = (it + 1) % ST;
+        const float w0 = __ldg(wsc + kb), w1 = __ldg(wsc + kb + 1);
+        mbar_wait(full + s0, (it / ST) & 1);
+        mbar_wait(full + s1, ((it + 1) / ST) & 1);
+        fence_proxy_async();
+        wgmma_fence();
+        gemm_fp8_mmas<NC, false>(acc, a_lo, b_lo, s0);
+        wgmma_commit();
+        gemm_fp8_mmas<NC, false>(acc2, a_lo, b_lo, s1);
+        wgmma_commit();
+        wgmma_wait1();
+        fence_regs(acc);
+        const float f0 = sa[s0 * BM + rl] * w0, f1 = sa[s0 * BM + rl + 8] * w0;
+        release(s0);
+        gemm_fp8_promote(out, acc, f0, f1);
+        wgmma_wait0();
+        fence_regs(acc2);
+        const float g0 = sa[s1 * BM + rl] * w1, g1 = sa[s1 * BM + rl + 8] * w1;
+        release(s1);
+        gemm_fp8_promote(out, acc2, g0, g1);
+        it += 2;
+      }
+    } else {
+      for (int kb = 0; kb < kblocks; kb++, it++) {
+        const int s = it % ST;
+        const float wscale = __ldg(wsc + kb);
+        gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
+        const float f0 = sa[s * BM + rl] * wscale, f1 = sa[s * BM + rl + 8] * wscale;
+        release(s);
+        gemm_fp8_promote(out, acc, f0, f1);
       }
     }
     if (p.lwin != nullptr) {
@@ -245,19 +297,21 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90. gemm_fp8_128: 128-row tiles (two consumer
 // warpgroups of 232 registers); gemm_fp8_192: 192-row tiles (three of 160), 17% fewer bytes a FLOP
-// from L2 and more rows of padding at small M.
+// from L2 and more rows of padding at small M; gemm_fp8_128o: gemm_fp8_128 with k-blocks in pairs
+// (even K/128 only), the same bits.
 #ifdef IMAJEV_WGMMA
-#define GEMM_FP8_BODY(NC) \
-  gemm_fp8<NC>(GemmFp8Args{x, xs, w, ws, y, M, N, K, ldy, lt, lb, lwin, lm, lr, lcol0, lcols, lscale});
+#define GEMM_FP8_BODY(NC, OVL) \
+  gemm_fp8<NC, OVL>(GemmFp8Args{x, xs, w, ws, y, M, N, K, ldy, lt, lb, lwin, lm, lr, lcol0, lcols, lscale});
 #else
-#define GEMM_FP8_BODY(NC)
+#define GEMM_FP8_BODY(NC, OVL)
 #endif
-#define GEMM_FP8_ENTRY(NAME, NC)                                                                              \
+#define GEMM_FP8_ENTRY(NAME, NC, OVL)                                                                              \
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                                             \
       NAME(const unsigned char* x, const float* xs, const unsigned char* w, const float* ws, bf16* y, int M,  \
            int N, int K, i64 ldy, const bf16* lt, const bf16* lb, const int* lwin, int lm, int lr, int lcol0, \
            int lcols, float lscale) {                                                                         \
-    GEMM_FP8_BODY(NC)                                                                                         \
+    GEMM_FP8_BODY(NC, OVL)                                                                                    \
   }
-GEMM_FP8_ENTRY(gemm_fp8_128, 2)
-GEMM_FP8_ENTRY(gemm_fp8_192, 3)
+GEMM_FP8_ENTRY(gemm_fp8_128, 2, false)
+GEMM_FP8_ENTRY(gemm_fp8_192, 3, false)
+GEMM_FP8_ENTRY(gemm_fp8_128o, 2, true)

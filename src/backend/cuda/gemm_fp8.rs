@@ -13,7 +13,7 @@
 //! kernel cannot take (not Hopper, α ≠ 1, β ≠ 0, widths not multiples of 128, misaligned output)
 //! returns `false` and goes to cuBLASLt as before.
 //!
-//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192`, [`super::CudaOptions::fp8_gemm`]) until a device
+//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192|own128o`, [`super::CudaOptions::fp8_gemm`]) until a device
 //! run has checked it (tests/gpu `own_fp8_gemm`) and measured it beside cuBLASLt (`bench_gpu_ops
 //! --only gemm`).
 
@@ -34,6 +34,9 @@ pub enum Fp8Gemm {
     Own128,
     /// `gemm_fp8_192`: 192-row tiles (three consumer warpgroups), LoRA B in the epilogue.
     Own192,
+    /// `gemm_fp8_128o`: `Own128` with k-blocks in pairs, the first promoted while the second's
+    /// MMAs run (two accumulator sets); the same bits as `Own128` (which takes an odd K/128).
+    Own128Overlap,
 }
 
 impl Fp8Gemm {
@@ -41,8 +44,16 @@ impl Fp8Gemm {
     fn consumers(self) -> Option<usize> {
         match self {
             Self::Cublas => None,
-            Self::Own128 => Some(2),
+            Self::Own128 | Self::Own128Overlap => Some(2),
             Self::Own192 => Some(3),
+        }
+    }
+    /// The kernel for a reduction of `k` columns.
+    fn kernel(self, k: usize) -> &'static str {
+        match self {
+            Self::Own128Overlap if (k / 128) % 2 == 0 => "gemm_fp8_128o",
+            Self::Own192 => "gemm_fp8_192",
+            _ => "gemm_fp8_128",
         }
     }
     /// For the start-up log.
@@ -51,6 +62,7 @@ impl Fp8Gemm {
             Self::Cublas => "cuBLASLt (LoRA B as its own GEMM)",
             Self::Own128 => "own kernel, 128-row tiles, LoRA B in the epilogue",
             Self::Own192 => "own kernel, 192-row tiles, LoRA B in the epilogue",
+            Self::Own128Overlap => "own kernel, 128-row tiles, k-blocks in pairs, LoRA B in the epilogue",
         }
     }
 }
@@ -62,7 +74,8 @@ impl FromStr for Fp8Gemm {
             "cublas" => Self::Cublas,
             "own" | "own128" => Self::Own128,
             "own192" => Self::Own192,
-            other => bail!("{other}: expected cublas, own (= own128) or own192"),
+            "own128o" => Self::Own128Overlap,
+            other => bail!("{other}: expected cublas, own (= own128), own192 or own128o"),
         })
     }
 }
@@ -104,7 +117,7 @@ impl CudaBackend {
         let rows = layout::gemm_fp8_tile_rows(nc);
         let tiles = g.m.div_ceil(rows) * (g.n / 128);
         let grid = tiles.min(self.state.info.multiprocessors) as u32;
-        let name = format!("gemm_fp8_{rows}");
+        let name = self.state.options.fp8_gemm.kernel(g.k);
         let (t, lm, b, lr, col0, cols, win, scale) = match lora {
             Some(l) => (l.t, l.rows, l.b, l.rank, l.col0, l.cols, l.windows, l.scale),
             None => (0, 0, 0, 0, 0, 0, 0, 0.0),
@@ -129,7 +142,7 @@ impl CudaBackend {
             Arg::F32(scale),
         ];
         let cfg = launch_config((grid, 1, 1), layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
-        self.launch(&name, cfg, &args)?;
+        self.launch(name, cfg, &args)?;
         Ok(true)
     }
 }
@@ -170,6 +183,9 @@ mod tests {
         assert!("fast".parse::<Fp8Gemm>().unwrap_err().to_string().contains("expected cublas"));
         assert_eq!(Fp8Gemm::default().consumers(), None);
         assert_eq!(Fp8Gemm::Own192.consumers(), Some(3));
+        assert_eq!(Fp8Gemm::Own128Overlap.kernel(2560), "gemm_fp8_128o");
+        assert_eq!(Fp8Gemm::Own128Overlap.kernel(128 * 3), "gemm_fp8_128", "odd K/128: the plain kernel");
+        assert_eq!("own128o".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own128Overlap);
     }
 
     #[test]

@@ -75,6 +75,7 @@ pub const KERNELS: &[KernelFile] = &[
         functions: &[
             k_smem("gemm_fp8_128", layout::gemm_fp8_smem_bytes(2)),
             k_smem("gemm_fp8_192", layout::gemm_fp8_smem_bytes(3)),
+            k_smem("gemm_fp8_128o", layout::gemm_fp8_smem_bytes(2)),
         ],
     },
     KernelFile {

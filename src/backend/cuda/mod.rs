@@ -121,7 +121,7 @@ pub struct CudaOptions {
     pub narrow_gemm: narrow::NarrowGemm,
     /// Which kernel runs the block-scaled FP8 GEMMs ([`gemm_fp8::Fp8Gemm`]): cuBLASLt (the
     /// default), or on Hopper our own `gemm_fp8_<rows>` with the LoRA B side in its epilogue.
-    /// `IMAJEV_FP8_GEMM=cublas|own|own192` in the environment sets it when left at the default.
+    /// `IMAJEV_FP8_GEMM=cublas|own|own192|own128o` in the environment sets it when left at the default.
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
