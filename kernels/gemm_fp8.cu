@@ -136,7 +136,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* stages = smem_1024(smem_raw);  // [ST] { X tile BM x 128 B, W tile 128 x 128 B }
   float* sa = (float*)(stages + ST * T::STAGE);  // [ST][BM] the X scales of the tile's rows
-  unsigned long long* full = (unsigned long long*)(sa + ST * BM);
+  float* sw = sa + ST * BM;                       // [ST][2] the W scale of the k-block (and a pad)
+  unsigned long long* full = (unsigned long long*)(sw + 2 * ST);
   unsigned long long* empty = full + ST;
 
   const int mtiles = (p.M + BM - 1) / BM, ntiles = p.N / 128, tiles = mtiles * ntiles, kblocks = p.K / 128;
@@ -180,6 +181,10 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         if (t < BM / 4) {
           const bool ok = m0 + 4 * t < p.M;  // M is a multiple of 16: 4 rows are all in or all out
           cp_async16(sa + s * BM + 4 * t, ok ? p.xs + (i64)kb * p.M + m0 + 4 * t : p.xs, ok);
+        } else if (t == BM / 4) {
+          // The W scale travels with the stage: a load of it by the consumers after their MMAs
+          // was an L2 round trip on every k-block's critical path (ncu: long_scoreboard on top).
+          cp_async4(sw + 2 * s, p.ws + (i64)nt * kblocks + kb, true);
         }
         mbar_arrive_on_copies(full + s);
       }
@@ -233,7 +238,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
     const int m0 = mt * BM, n0 = nt * 128;
 #pragma unroll
     for (int i = 0; i < 64; i++) out[i] = 0.f;
-    const float* wsc = p.ws + (i64)nt * kblocks;
     if constexpr (OVL) {
       // K/128 is even here (the host's choice): k-blocks in pairs, both groups issued together,
       // the first promoted while the second is on the tensor cores (attn_fwd_ws's S and P·V shape:
@@ -241,7 +245,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       // first had been waited for, the sets swapping roles).
       for (int kb = 0; kb < kblocks; kb += 2) {
         const int s0 = it % ST, s1 = (it + 1) % ST;
-        const float w0 = __ldg(wsc + kb), w1 = __ldg(wsc + kb + 1);
         mbar_wait(full + s0, (it / ST) & 1);
         mbar_wait(full + s1, ((it + 1) / ST) & 1);
         fence_proxy_async();
@@ -252,12 +255,12 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         wgmma_commit();
         wgmma_wait1();
         fence_regs(acc);
-        const float f0 = sa[s0 * BM + rl] * w0, f1 = sa[s0 * BM + rl + 8] * w0;
+        const float w0 = sw[2 * s0], f0 = sa[s0 * BM + rl] * w0, f1 = sa[s0 * BM + rl + 8] * w0;
         release(s0);
         gemm_fp8_promote(out, acc, f0, f1);
         wgmma_wait0();
         fence_regs(acc2);
-        const float g0 = sa[s1 * BM + rl] * w1, g1 = sa[s1 * BM + rl + 8] * w1;
+        const float w1 = sw[2 * s1], g0 = sa[s1 * BM + rl] * w1, g1 = sa[s1 * BM + rl + 8] * w1;
         release(s1);
         gemm_fp8_promote(out, acc2, g0, g1);
         it += 2;
@@ -265,9 +268,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
     } else {
       for (int kb = 0; kb < kblocks; kb++, it++) {
         const int s = it % ST;
-        const float wscale = __ldg(wsc + kb);
         gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-        const float f0 = sa[s * BM + rl] * wscale, f1 = sa[s * BM + rl + 8] * wscale;
+        const float wscale = sw[2 * s], f0 = sa[s * BM + rl] * wscale, f1 = sa[s * BM + rl + 8] * wscale;
         release(s);
         gemm_fp8_promote(out, acc, f0, f1);
       }

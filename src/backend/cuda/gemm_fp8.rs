@@ -13,9 +13,11 @@
 //! kernel cannot take (not Hopper, α ≠ 1, β ≠ 0, widths not multiples of 128, misaligned output)
 //! returns `false` and goes to cuBLASLt as before.
 //!
-//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192|own128o`, [`super::CudaOptions::fp8_gemm`]) until a device
-//! run has checked it (tests/gpu `own_fp8_gemm`) and measured it beside cuBLASLt (`bench_gpu_ops
-//! --only gemm`).
+//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192|own128o`, [`super::CudaOptions::fp8_gemm`]). On an
+//! H100 (bench/NOTES.md, 2026-12-06) its outputs are bitwise equal to cuBLASLt's and the LoRA's cost
+//! fell by 55-70%, but the GEMMs ran 2.2-2.5x slower than cuBLASLt's (a W-scale load on every
+//! k-block's critical path, since moved into the ring: not yet measured). tests/gpu
+//! `own_fp8_gemm_matches_cpu_and_cublas` checks it; `bench_gpu_ops --only fp8-own` times it.
 
 use super::gemm::{Gemm, GemmKind};
 use super::launch::{launch_config, Arg};

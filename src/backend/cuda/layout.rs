@@ -371,11 +371,11 @@ pub const fn gemm_fp8_threads(consumers: usize) -> u32 {
 }
 
 /// Dynamic shared memory of `gemm_fp8_<rows>`: 1024 bytes of slack to align the swizzled tiles,
-/// per stage an X tile (rows x 128 bytes), a W tile (128 x 128 bytes) and the rows' f32 scales,
-/// and two mbarriers (full, empty) per stage.
+/// per stage an X tile (rows x 128 bytes), a W tile (128 x 128 bytes), the rows' f32 scales and
+/// the W scale (8 bytes), and two mbarriers (full, empty) per stage.
 pub const fn gemm_fp8_smem_bytes(consumers: usize) -> usize {
     let rows = gemm_fp8_tile_rows(consumers);
-    1024 + gemm_fp8_stages(consumers) * ((rows + 128) * 128 + rows * 4 + 2 * 8)
+    1024 + gemm_fp8_stages(consumers) * ((rows + 128) * 128 + rows * 4 + 8 + 2 * 8)
 }
 
 /// The rank columns `[begin, end)` of a fused LoRA pair that each 128-column tile of an FP8 group
@@ -457,7 +457,7 @@ mod tests {
             // Two blocks would need twice as much: the persistent grid assumes one an SM.
             assert!(2 * gemm_fp8_smem_bytes(nc) > 228 * 1024, "{nc} consumers");
         }
-        assert_eq!(gemm_fp8_smem_bytes(2), 1024 + 6 * (256 * 128 + 512 + 16));
+        assert_eq!(gemm_fp8_smem_bytes(2), 1024 + 6 * (256 * 128 + 512 + 8 + 16));
         assert_eq!(gemm_fp8_threads(3), 512);
     }
 

@@ -95,6 +95,11 @@ impl CudaLinear {
             self.loras.iter().map(|l| (l.a.len() + l.b.len()) * std::mem::size_of::<bf16>()).sum();
         weights + bias + lora
     }
+    /// Whether its LoRA pair can go to `gemm_fp8`'s epilogue (an FP8 group holds every adapted
+    /// part and the kernel takes the ranks); used when `IMAJEV_FP8_GEMM` picks that kernel.
+    pub fn lora_in_fp8_epilogue(&self) -> bool {
+        self.loras.iter().any(|l| l.epilogue.is_some())
+    }
     pub fn has_fp8(&self) -> bool {
         self.groups.iter().any(|g| matches!(g.weight, GroupWeight::Fp8 { .. }))
     }
