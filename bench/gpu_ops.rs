@@ -122,6 +122,15 @@ fn fp8_activations(rng: &mut SplitMix, rows: usize, k: usize) -> (Vec<u8>, Vec<f
     (q, s.collect())
 }
 
+/// `fp8-own`'s side-by-side rows: the first side (cuBLASLt) sets `base`, each later one prints
+/// its time over it.
+fn ratio_to_first(base: &mut Option<f64>, label: &str, ms: f64) {
+    match *base {
+        None => *base = Some(ms),
+        Some(b) => println!("  {label} / cuBLASLt = {:.3}", ms / b),
+    }
+}
+
 /// The device address of `s` (no event guard kept: everything here runs on one stream).
 fn dptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
     s.device_ptr(stream).0
@@ -265,10 +274,7 @@ impl Bench<'_> {
                         let ms = time_ms(be, 10, &mut || be.matmul(&x, &l).map(|_| ()))?;
                         let name = format!("fp8 {what} N={n} K={k}{lora} M={m}, {label}");
                         self.push(name, ms, Some(2.0 * (m * n * k) as f64));
-                        match base {
-                            None => base = Some(ms),
-                            Some(b) => println!("  {label} / cuBLASLt = {:.3}", ms / b),
-                        }
+                        ratio_to_first(&mut base, label, ms);
                     }
                 }
             }
@@ -304,10 +310,7 @@ impl Bench<'_> {
                     ms,
                     Some(2.0 * (m * 3 * h * k) as f64),
                 );
-                match base {
-                    None => base = Some(ms),
-                    Some(b) => println!("  {label} / cuBLASLt = {:.3}", ms / b),
-                }
+                ratio_to_first(&mut base, label, ms);
                 if let Some(report) = be.kernel_report()? {
                     println!("  kernels of the {label} runs (warm-up included):\n{report}");
                 }

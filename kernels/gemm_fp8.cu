@@ -118,7 +118,8 @@ __device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long l
   fence_regs(acc);
 }
 
-// out += acc times f0 (this thread's first row) or f1 (its second), one FMA each.
+// out += acc times f0 (this thread's first row) or f1 (its second), one FMA each: a k-block's
+// promotion, or a LoRA stage's scale (f0 = f1).
 __device__ __forceinline__ void gemm_fp8_promote(float (&out)[64], const float (&acc)[64], float f0, float f1) {
 #pragma unroll
   for (int j = 0; j < 16; j++) {
@@ -234,6 +235,12 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + s);
   };
+  // This thread's two rows' promotion factors for stage s: their X scales times the W scale.
+  auto factors = [&](int s, float& f0, float& f1) {
+    const float w = sw[2 * s];
+    f0 = sa[s * BM + rl] * w;
+    f1 = sa[s * BM + rl + 8] * w;
+  };
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int mt, nt;
     gemm_fp8_tile(tile, mtiles, ntiles, mt, nt);
@@ -257,12 +264,13 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         wgmma_commit();
         wgmma_wait1();
         fence_regs(acc);
-        const float w0 = sw[2 * s0], f0 = sa[s0 * BM + rl] * w0, f1 = sa[s0 * BM + rl + 8] * w0;
+        float f0, f1, g0, g1;
+        factors(s0, f0, f1);
         release(s0);
         gemm_fp8_promote(out, acc, f0, f1);
         wgmma_wait0();
         fence_regs(acc2);
-        const float w1 = sw[2 * s1], g0 = sa[s1 * BM + rl] * w1, g1 = sa[s1 * BM + rl + 8] * w1;
+        factors(s1, g0, g1);
         release(s1);
         gemm_fp8_promote(out, acc2, g0, g1);
         it += 2;
@@ -271,7 +279,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       for (int kb = 0; kb < kblocks; kb++, it++) {
         const int s = it % ST;
         gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-        const float wscale = sw[2 * s], f0 = sa[s * BM + rl] * wscale, f1 = sa[s * BM + rl + 8] * wscale;
+        float f0, f1;
+        factors(s, f0, f1);
         release(s);
         gemm_fp8_promote(out, acc, f0, f1);
       }
@@ -282,8 +291,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         const int s = it % ST;
         gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
         release(s);
-#pragma unroll
-        for (int i = 0; i < 64; i++) out[i] = fmaf(acc[i], p.lscale, out[i]);
+        gemm_fp8_promote(out, acc, p.lscale, p.lscale);
       }
     }
     const int row0 = m0 + rl, row1 = row0 + 8;

@@ -42,6 +42,14 @@ pub enum Fp8Gemm {
 }
 
 impl Fp8Gemm {
+    /// What runs with this choice on a GPU that is (`hopper`) or is not sm_90: off Hopper, cuBLASLt.
+    pub fn on(self, hopper: bool) -> Self {
+        if hopper {
+            self
+        } else {
+            Self::Cublas
+        }
+    }
     /// Consumer warpgroups of the kernel, None for cuBLASLt.
     fn consumers(self) -> Option<usize> {
         match self {
@@ -103,23 +111,25 @@ impl CudaBackend {
     /// Whether block-scaled FP8 GEMMs run on `gemm_fp8` (then LoRA pairs inside an FP8 group go to
     /// its epilogue).
     pub(super) fn own_fp8_gemm(&self) -> bool {
-        self.state.options.fp8_gemm.consumers().is_some() && self.state.info.hopper()
+        self.fp8_gemm_runs().consumers().is_some()
+    }
+
+    fn fp8_gemm_runs(&self) -> Fp8Gemm {
+        self.state.options.fp8_gemm.on(self.state.info.hopper())
     }
 
     /// Runs `g` on `gemm_fp8_<rows>` with `lora` in the epilogue and returns true, or returns false
     /// (nothing launched) when the kernel cannot take it.
     pub(super) fn gemm_fp8(&self, g: &Gemm, lora: Option<&LoraEpilogue>) -> Result<bool> {
-        let Some(nc) = self.state.options.fp8_gemm.consumers() else { return Ok(false) };
-        if !self.state.info.hopper() || !eligible(g) {
-            return Ok(false);
-        }
+        let runs = self.fp8_gemm_runs();
+        let Some(nc) = runs.consumers().filter(|_| eligible(g)) else { return Ok(false) };
         if g.m == 0 {
             return Ok(true);
         }
         let rows = layout::gemm_fp8_tile_rows(nc);
         let tiles = g.m.div_ceil(rows) * (g.n / 128);
         let grid = tiles.min(self.state.info.multiprocessors) as u32;
-        let name = self.state.options.fp8_gemm.kernel(g.k);
+        let name = runs.kernel(g.k);
         let (t, lm, b, lr, col0, cols, win, scale) = match lora {
             Some(l) => (l.t, l.rows, l.b, l.rank, l.col0, l.cols, l.windows, l.scale),
             None => (0, 0, 0, 0, 0, 0, 0, 0.0),
@@ -185,6 +195,8 @@ mod tests {
         assert!("fast".parse::<Fp8Gemm>().unwrap_err().to_string().contains("expected cublas"));
         assert_eq!(Fp8Gemm::default().consumers(), None);
         assert_eq!(Fp8Gemm::Own192.consumers(), Some(3));
+        assert_eq!(Fp8Gemm::Own192.on(false), Fp8Gemm::Cublas, "cuBLASLt off Hopper");
+        assert_eq!(Fp8Gemm::Own192.on(true), Fp8Gemm::Own192);
         assert_eq!(Fp8Gemm::Own128Overlap.kernel(2560), "gemm_fp8_128o");
         assert_eq!(Fp8Gemm::Own128Overlap.kernel(128 * 3), "gemm_fp8_128", "odd K/128: the plain kernel");
         assert_eq!("own128o".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own128Overlap);

@@ -359,11 +359,7 @@ impl CudaBackend {
                 "fused into the norms, SwiGLU and GELU"
             },
             narrow_gemm = options.narrow_gemm.describe(),
-            fp8_gemm = if info.hopper() {
-                options.fp8_gemm.describe()
-            } else {
-                gemm_fp8::Fp8Gemm::Cublas.describe()
-            },
+            fp8_gemm = options.fp8_gemm.on(info.hopper()).describe(),
             "CUDA backend ready"
         );
         let profiler = profile::KernelProfiler::from_env(&stream);
