@@ -20,8 +20,8 @@
 //!   16,384 rows (or at `--lengths`), the gate/up LoRA B side as its own GEMM and fused into the
 //!   SwiGLU (`mlp_lora_fused`), and their ratio;
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
-//!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192`
-//!   (LoRA B in the epilogue) at 977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
+//!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
+//!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue) at 977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -241,8 +241,8 @@ impl Bench<'_> {
 
     /// `--only fp8-own` (module doc): each FP8 projection shape with a rank-64 LoRA on all its
     /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
-    /// the SwiGLU, today's default) beside `gemm_fp8_128` and `gemm_fp8_192` (LoRA B in their
-    /// epilogue), at `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A GEMM
+    /// the SwiGLU, today's default) beside `gemm_fp8_128`, `gemm_fp8_192` and their cluster forms
+    /// (LoRA B in their epilogue), at `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A GEMM
     /// and the activation quantisation, as a forward runs them.
     fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
@@ -254,7 +254,8 @@ impl Bench<'_> {
             ("cuBLASLt", Fp8Gemm::Cublas),
             ("own128", Fp8Gemm::Own128),
             ("own192", Fp8Gemm::Own192),
-            ("own128o", Fp8Gemm::Own128Overlap),
+            ("own128m", Fp8Gemm::Own128Multicast),
+            ("own192m", Fp8Gemm::Own192Multicast),
         ]
         .into_iter()
         .map(|(l, f)| CudaBackend::new(0, CudaOptions { fp8_gemm: f, ..g.options().clone() }).map(|b| (l, b)))

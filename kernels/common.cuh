@@ -168,6 +168,13 @@ __device__ __forceinline__ unsigned char* smem_1024(unsigned char* raw) {
   return raw + ((1024 - ((unsigned)__cvta_generic_to_shared(raw) & 1023)) & 1023);
 }
 
+// A tensor map (the driver's CUtensorMap, 128 opaque bytes the host encodes: src/backend/cuda/
+// tma.rs) passed as a `const __grid_constant__` kernel parameter (declared on every architecture:
+// kernel signatures name it; the TMA copies below are sm_90 only).
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+
 // Hopper warpgroup MMAs (sm_90a only: IMAJEV_WGMMA is defined where they compile; kernels that use
 // them keep empty entries elsewhere, and the host launches those only on sm_90). The primitives
 // every wgmma kernel needs: the fences and waits, and shared-memory matrix descriptors for the
@@ -260,5 +267,60 @@ __device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
   for (int i = 0; i < N; i++)
 #pragma unroll
     for (int e = 0; e < 4; e++) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
+// ---- TMA (the tensor memory accelerator) and thread-block clusters.
+// The copies take a TmaMap's generic address (see TmaMap above).
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap* m) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)m) : "memory");
+}
+// Arrives on the barrier (release) and raises the bytes its current phase waits for by `bytes`:
+// the phase completes once every counted thread arrived and that many bytes of copies landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes)
+               : "memory");
+}
+// The box of map m at element coordinates (c0 innermost, c1) into shared memory at dst, counted
+// on barrier b. Coordinates outside the tensor (negative or past its end) read as zeros, and the
+// whole box's bytes are still counted.
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* m, int c0, int c1, unsigned long long* b) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(smem_u32(b))
+      : "memory");
+}
+// tma_load_2d into the same shared-memory offset of every block of the cluster in `mask`, each
+// block's barrier at b's offset counting the bytes it received.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TmaMap* m, int c0, int c1,
+                                                      unsigned long long* b, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+      "{%2, %3}], [%4], %5;\n" ::"r"(smem_u32(dst)),
+      "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(smem_u32(b)), "h"(mask)
+      : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Arrives (release, cluster scope) on the barrier at b's offset in the shared memory of cluster
+// block `rank` (this block's own included).
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned long long* b, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_u32(b)),
+      "r"(rank)
+      : "memory");
+}
+// Every thread of every block of the cluster (that has not exited) meets here; the initialised
+// barriers and everything written before are visible to the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// Makes this thread's mbarrier initialisations visible to the cluster (before cluster_sync).
+__device__ __forceinline__ void fence_mbar_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 #endif  // IMAJEV_WGMMA

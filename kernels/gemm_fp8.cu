@@ -6,22 +6,28 @@
 // that reads and writes the whole output again (`gemm.lora_b`: 29 ms of a 16K prefill and 14 ms of
 // a packed round, bench/NOTES.md). Here the LoRA product lands in the same f32 accumulators.
 //
-// Operands (the layouts gemm.rs hands cuBLASLt): X [M][K] E4M3 codes (M is the padded row count, a
-// multiple of 16), xs [K/128][M] f32 activation scales; W [N][K] E4M3, ws [N/128][K/128] f32;
-// Y [M][ldy] BF16, columns 0 .. N. LoRA (lwin != nullptr): T [lm][lr] BF16 (the A side's product;
-// lm is the real row count), B [lcols][lr] BF16 for output columns lcol0 .. lcol0 + lcols (block-
-// diagonal over the parts of a fused pair), lwin [N/128][2] the rank columns [rb, re) a column tile
-// needs (its parts'; B's other rank columns of its rows are zero), lscale the pair's scale.
+// Operands (the layouts gemm.rs hands cuBLASLt), X, xs, W, T and B as TMA tensor maps
+// (src/backend/cuda/tma.rs): X [M][K] E4M3 codes (M is the padded row count, a multiple of 16), xs
+// [K/128][M] f32 activation scales; W [N][K] E4M3, ws [N/128][K/128] f32 (a pointer); Y [M][ldy]
+// BF16, columns 0 .. N. LoRA (lwin != nullptr): T [lm][lr] BF16 (the A side's product; lm is the
+// real row count), B [lcols][lr] BF16 for output columns lcol0 .. lcol0 + lcols (block-diagonal
+// over the parts of a fused pair), lwin [N/128][2] the rank columns [rb, re) a column tile needs
+// (its parts'; B's other rank columns of its rows are zero), lscale the pair's scale. Rows and
+// columns past a map's edges read as zeros.
 //
 // Shape: a persistent grid, one block an SM, the tiles of BM = 64·NC rows x 128 columns dealt out
 // round-robin in a fixed order (gemm_fp8_tile). A block is a producer warpgroup and NC consumer
 // warpgroups:
-// - the producer copies each 128-wide k-block's X and W tiles (rows of 128 bytes in the 128-byte
-//   swizzle the descriptors name, as attention.cu's tiles), the X scales of the tile's rows and
-//   the k-block's W scale into an ST-stage ring with cp.async; a stage is "full" when its copies have landed (they arrive
-//   on its mbarrier themselves) and "empty" when every consumer warp has read it. After a tile's
-//   k-blocks come its LoRA stages through the same ring: T's rows and B's rows, 64 rank columns
-//   (one 128-byte row) a stage, zero past the window.
+// - the producer's first thread copies each 128-wide k-block's X and W tiles (rows of 128 bytes in
+//   the 128-byte swizzle the descriptors name) and the X scales of the tile's rows into an
+//   ST-stage ring by TMA (a few instructions a stage: the cp.async form spent ~20 a 16-byte copy
+//   over a whole warpgroup and starved the consumers, bench/NOTES.md), with the k-block's W scale
+//   stored beside them; a stage is "full" when its bytes have landed and "empty" when every
+//   consumer warp has read it. After a tile's k-blocks come its LoRA stages through the same ring:
+//   T's rows and B's rows, 64 rank columns (one 128-byte row) a stage.
+// - with clusters of two (the _m kernels) the two blocks take row tiles 2i and 2i + 1 of one column
+//   tile, each copies half of the W tile's rows into both blocks (TMA multicast), and a stage is
+//   empty when the consumers of both have read it.
 // - a consumer warpgroup owns 64 rows: per k-block four wgmma m64n128k32 (E4M3 x E4M3, f32) into
 //   `acc`, then out += acc · (xs·ws) per row, so the tensor cores' FP8 sums are promoted to full
 //   f32 once every 128 K (DeepSeek's recipe, which the checkpoint's scales are made for); per LoRA
@@ -68,17 +74,17 @@ __device__ __forceinline__ void wgmma_fp8_m64n128k32(float (&d)[64], unsigned lo
 }
 
 struct GemmFp8Args {
-  const unsigned char* x;
-  const float* xs;
-  const unsigned char* w;
+  const TmaMap* x;   // X [M][K] u8, box 128 x BM rows, 128-byte swizzle
+  const TmaMap* xs;  // xs [K/128][M] f32, box BM x 1
+  const TmaMap* w;   // W [N][K] u8, box 128 x 128 / CL rows, 128-byte swizzle
+  const TmaMap* lt;  // T [lm][lr] bf16, box 64 x BM rows, 128-byte swizzle (LoRA only)
+  const TmaMap* lb;  // B [lcols][lr] bf16, box 64 x 128 / CL rows, 128-byte swizzle (LoRA only)
   const float* ws;
   bf16* y;
   int M, N, K;
   i64 ldy;
-  const bf16* lt;
-  const bf16* lb;
   const int* lwin;
-  int lm, lr, lcol0, lcols;
+  int lcol0;
   float lscale;
 };
 
@@ -94,26 +100,18 @@ __device__ __forceinline__ void gemm_fp8_mmas(float (&acc)[64], unsigned a_lo, u
   }
 }
 
-// A consumer warpgroup's MMAs of ring stage s (after waiting for it to be full) into acc, committed
-// as one group: an FP8 k-block (four k32 steps) or a BF16 LoRA stage (four k16 steps), both 128
-// bytes of each row. a_lo, b_lo: the descriptor low words of stage 0's X rows of this warpgroup
-// and W tile.
-template <int NC, bool LORA>
-__device__ __forceinline__ void gemm_fp8_issue(float (&acc)[64], unsigned long long* full, unsigned parity,
-                                               unsigned a_lo, unsigned b_lo, int s) {
-  mbar_wait(full, parity);
-  // The copies were made through the generic proxy; the tensor cores read through the async one.
-  fence_proxy_async();
-  wgmma_fence();
-  gemm_fp8_mmas<NC, LORA>(acc, a_lo, b_lo, s);
-  wgmma_commit();
-}
-
-// gemm_fp8_issue, then waiting for the MMAs.
+// A consumer warpgroup's MMAs of ring stage s into acc, after waiting for the stage to be full, and
+// the wait for them: an FP8 k-block (four k32 steps) or a BF16 LoRA stage (four k16 steps), both
+// 128 bytes of each row. a_lo, b_lo: the descriptor low words of stage 0's X rows of this
+// warpgroup and W tile. The TMA wrote the stage through the async proxy the tensor cores read
+// through: no proxy fence.
 template <int NC, bool LORA>
 __device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
                                                unsigned a_lo, unsigned b_lo, int s) {
-  gemm_fp8_issue<NC, LORA>(acc, full, parity, a_lo, b_lo, s);
+  mbar_wait(full, parity);
+  wgmma_fence();
+  gemm_fp8_mmas<NC, LORA>(acc, a_lo, b_lo, s);
+  wgmma_commit();
   wgmma_wait0();
   fence_regs(acc);
 }
@@ -130,12 +128,27 @@ __device__ __forceinline__ void gemm_fp8_promote(float (&out)[64], const float (
   }
 }
 
-// OVL (gemm_fp8_128o): two accumulator sets, so that a k-block's promotion runs while the next
-// k-block's MMAs are on the tensor cores (one more wgmma group in flight); same arithmetic, same bits.
-template <int NC, bool OVL>
+// The row block mt and column block nt of this block's unit u: with clusters of two (CL = 2) a unit
+// is a pair of row blocks sharing a column block, the cluster's block of rank r taking row block
+// 2·mt2 + r (past the last row block when mtiles is odd: its rows read as zeros and are not
+// stored), so both blocks run the same stages in step, as the W tiles they share demand.
+template <int CL>
+__device__ __forceinline__ void gemm_fp8_unit(int u, int mtiles, int ntiles, unsigned rank, int& mt, int& nt) {
+  int m2;
+  gemm_fp8_tile(u, (mtiles + CL - 1) / CL, ntiles, m2, nt);
+  mt = CL * m2 + (int)rank;
+}
+
+// CL: blocks of a cluster (1, or 2 sharing each W tile: each loads half of its rows and multicasts
+// them to both, halving W's traffic from L2).
+template <int NC, int CL>
 __device__ void gemm_fp8(const GemmFp8Args& p) {
   using T = GemmFp8Tiles<NC>;
   constexpr int BM = T::BM, ST = T::ST;
+  // The bytes a stage's full barrier waits for: the X tile, the W tile (all of it, from whichever
+  // block of the cluster) and the X scales; a LoRA stage's T and B tiles are as many bytes as X
+  // and W.
+  constexpr unsigned STAGE_TX = T::STAGE + BM * 4, LORA_TX = T::STAGE;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* stages = smem_1024(smem_raw);  // [ST] { X tile BM x 128 B, W tile 128 x 128 B }
   float* sa = (float*)(stages + ST * T::STAGE);  // [ST][BM] the X scales of the tile's rows
@@ -143,187 +156,157 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   unsigned long long* full = (unsigned long long*)(sw + 2 * ST);
   unsigned long long* empty = full + ST;
 
-  const int mtiles = (p.M + BM - 1) / BM, ntiles = p.N / 128, tiles = mtiles * ntiles, kblocks = p.K / 128;
+  const unsigned rank = CL > 1 ? cluster_rank() : 0;
+  const int mtiles = (p.M + BM - 1) / BM, ntiles = p.N / 128, kblocks = p.K / 128;
+  const int units = (mtiles + CL - 1) / CL * ntiles, unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
   if (threadIdx.x == 0) {
     for (int i = 0; i < ST; i++) {
-      mbar_init(full + i, 128);     // every producer thread arrives once its copies landed
-      mbar_init(empty + i, 4 * NC);  // one arrival per consumer warp
+      mbar_init(full + i, 1);             // the producer's arrival (with the bytes it expects)
+      mbar_init(empty + i, 4 * NC * CL);  // one arrival per consumer warp of the cluster
     }
+    if constexpr (CL > 1) fence_mbar_init_cluster();
   }
-  __syncthreads();
+  if constexpr (CL > 1) cluster_sync();  // the peer's barriers exist before anything reaches them
+  else __syncthreads();
   const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
 
   if (wg == 0) {
-    // ---- producer: thread t copies the 16-byte chunk c = t % 8 of rows t / 8 + 16·u, so its
-    // swizzle phase and its place in a row never change (rows 16 apart share r % 8).
+    // ---- producer: warp 0 walks the stages, its lane 0 issues the copies; the warp fetches the
+    // tile's W scales 32 k-blocks at a time and hands each stage's on with a shuffle.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(T::PRODUCER_REGS));
-    const int t = threadIdx.x, c = t & 7, r0 = t >> 3;
-    const unsigned doff = r0 * 128 + ((c ^ (r0 & 7)) << 4);
-    int it = 0;
-    auto acquire = [&](int s) {
-      if (it >= ST) mbar_wait(empty + s, ((it / ST) - 1) & 1);
-    };
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      int mt, nt;
-      gemm_fp8_tile(tile, mtiles, ntiles, mt, nt);
-      const int m0 = mt * BM, n0 = nt * 128;
-      const unsigned char* xrow = p.x + (i64)(m0 + r0) * p.K + c * 16;
-      const unsigned char* wrow = p.w + (i64)(n0 + r0) * p.K + c * 16;
-      for (int kb = 0; kb < kblocks; kb++, it++) {
-        const int s = it % ST;
-        acquire(s);
-        unsigned char* A = stages + s * T::STAGE + doff;
-        unsigned char* B = A + T::A_BYTES;
-#pragma unroll 1
-        for (int u = 0; u < BM / 16; u++) {
-          const bool ok = m0 + r0 + 16 * u < p.M;
-          cp_async16(A + u * 2048, ok ? xrow + (i64)16 * u * p.K + kb * 128 : p.x, ok);
-        }
-#pragma unroll 1
-        for (int u = 0; u < 8; u++) cp_async16(B + u * 2048, wrow + (i64)16 * u * p.K + kb * 128, true);
-        if (t < BM / 4) {
-          const bool ok = m0 + 4 * t < p.M;  // M is a multiple of 16: 4 rows are all in or all out
-          cp_async16(sa + s * BM + 4 * t, ok ? p.xs + (i64)kb * p.M + m0 + 4 * t : p.xs, ok);
-        } else if (t == BM / 4) {
-          // The W scale travels with the stage: a load of it by the consumers after their MMAs
-          // was an L2 round trip on every k-block's critical path (ncu: long_scoreboard on top).
-          cp_async4(sw + 2 * s, p.ws + (i64)nt * kblocks + kb, true);
-        }
-        mbar_arrive_on_copies(full + s);
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+      const bool issue = lane == 0;
+      if (issue) {
+        tma_prefetch_map(p.x);
+        tma_prefetch_map(p.xs);
+        tma_prefetch_map(p.w);
       }
-      if (p.lwin == nullptr) continue;
-      const int re = p.lwin[2 * nt + 1];
-      for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
-        const int s = it % ST;
-        acquire(s);
-        unsigned char* A = stages + s * T::STAGE + doff;
-        unsigned char* B = A + T::A_BYTES;
-        const int col = r + 8 * c;  // this thread's 8 rank columns
-        const bool cok = col < re;
-#pragma unroll 1
-        for (int u = 0; u < BM / 16; u++) {
-          const int row = m0 + r0 + 16 * u;
-          const bool ok = cok && row < p.lm;
-          cp_async16(A + u * 2048, ok ? p.lt + (i64)row * p.lr + col : p.lt, ok);
+      int it = 0;
+      auto acquire = [&](int s) {
+        if (it >= ST) mbar_wait(empty + s, ((it / ST) - 1) & 1);
+      };
+      for (int u = unit0; u < units; u += unit_step) {
+        int mt, nt;
+        gemm_fp8_unit<CL>(u, mtiles, ntiles, rank, mt, nt);
+        const int m0 = mt * BM, n0 = nt * 128, wrow = n0 + (int)rank * (128 / CL);
+        float wpart = 0.f;  // lane l: the W scale of k-block 32·⌊kb / 32⌋ + l
+        for (int kb = 0; kb < kblocks; kb++, it++) {
+          if ((kb & 31) == 0) wpart = kb + lane < kblocks ? p.ws[(i64)nt * kblocks + kb + lane] : 0.f;
+          const float wscale = __shfl_sync(0xffffffffu, wpart, kb & 31);
+          const int s = it % ST;
+          acquire(s);
+          if (issue) {
+            unsigned char* A = stages + s * T::STAGE;
+            unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
+            sw[2 * s] = wscale;  // visible to the consumers through the arrival's release
+            mbar_arrive_expect_tx(full + s, STAGE_TX);
+            tma_load_2d(A, p.x, kb * 128, m0, full + s);
+            tma_load_2d(sa + s * BM, p.xs, m0, kb, full + s);
+            if constexpr (CL > 1) tma_load_2d_multicast(B, p.w, kb * 128, wrow, full + s, (1 << CL) - 1);
+            else tma_load_2d(B, p.w, kb * 128, wrow, full + s);
+          }
         }
-#pragma unroll 1
-        for (int u = 0; u < 8; u++) {
-          const int row = n0 + r0 + 16 * u - p.lcol0;
-          const bool ok = cok && row >= 0 && row < p.lcols;
-          cp_async16(B + u * 2048, ok ? p.lb + (i64)row * p.lr + col : p.lb, ok);
+        if (p.lwin == nullptr) continue;
+        const int re = p.lwin[2 * nt + 1];
+        for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
+          // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
+          // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
+          const int s = it % ST;
+          acquire(s);
+          if (issue) {
+            unsigned char* A = stages + s * T::STAGE;
+            unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
+            mbar_arrive_expect_tx(full + s, LORA_TX);
+            tma_load_2d(A, p.lt, r, m0, full + s);
+            if constexpr (CL > 1) tma_load_2d_multicast(B, p.lb, r, wrow - p.lcol0, full + s, (1 << CL) - 1);
+            else tma_load_2d(B, p.lb, r, wrow - p.lcol0, full + s);
+          }
         }
-        mbar_arrive_on_copies(full + s);
       }
     }
-    // A thread may not exit with copies in flight into shared memory that others read.
-    cp_async_wait_all();
-    return;
-  }
-
-  // ---- consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::CONSUMER_REGS));
-  const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tg = lane & 3;
-  const int rl = cw * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl, rl + 8
-  // Descriptor low words of stage 0's X rows of this warpgroup and W tile; stage s, k step ks is
-  // (s·STAGE + 32·ks) / 16 further.
-  const unsigned a_lo = kept_u32(smem_desc_lo(stages + cw * 64 * 128, 16));
-  const unsigned b_lo = kept_u32(smem_desc_lo(stages + T::A_BYTES, 16));
-  int it = 0;
-  float acc[64], out[64];
-  float acc2[OVL ? 64 : 1];  // the second set of the overlapped form
-  auto release = [&](int s) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + s);
-  };
-  // This thread's two rows' promotion factors for stage s: their X scales times the W scale.
-  auto factors = [&](int s, float& f0, float& f1) {
-    const float w = sw[2 * s];
-    f0 = sa[s * BM + rl] * w;
-    f1 = sa[s * BM + rl + 8] * w;
-  };
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int mt, nt;
-    gemm_fp8_tile(tile, mtiles, ntiles, mt, nt);
-    const int m0 = mt * BM, n0 = nt * 128;
+  } else {
+    // ---- consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::CONSUMER_REGS));
+    const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tg = lane & 3;
+    const int rl = cw * 64 + warp * 16 + (lane >> 2);  // this thread's rows in the tile: rl, rl + 8
+    // Descriptor low words of stage 0's X rows of this warpgroup and W tile; stage s, k step ks is
+    // (s·STAGE + 32·ks) / 16 further.
+    const unsigned a_lo = kept_u32(smem_desc_lo(stages + cw * 64 * 128, 16));
+    const unsigned b_lo = kept_u32(smem_desc_lo(stages + T::A_BYTES, 16));
+    int it = 0;
+    float acc[64], out[64];
+    // Stage s is free again once every consumer warp of the cluster has read it (its W rows came
+    // from both blocks).
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane == 0) {
+        if constexpr (CL > 1) {
 #pragma unroll
-    for (int i = 0; i < 64; i++) out[i] = 0.f;
-    if constexpr (OVL) {
-      // K/128 is even here (the host's choice): k-blocks in pairs, both groups issued together,
-      // the first promoted while the second is on the tensor cores (attn_fwd_ws's S and P·V shape:
-      // ptxas serialised every wgmma (C7514) when a pair's second group was issued after the
-      // first had been waited for, the sets swapping roles).
-      for (int kb = 0; kb < kblocks; kb += 2) {
-        const int s0 = it % ST, s1 = (it + 1) % ST;
-        mbar_wait(full + s0, (it / ST) & 1);
-        mbar_wait(full + s1, ((it + 1) / ST) & 1);
-        fence_proxy_async();
-        wgmma_fence();
-        gemm_fp8_mmas<NC, false>(acc, a_lo, b_lo, s0);
-        wgmma_commit();
-        gemm_fp8_mmas<NC, false>(acc2, a_lo, b_lo, s1);
-        wgmma_commit();
-        wgmma_wait1();
-        fence_regs(acc);
-        float f0, f1, g0, g1;
-        factors(s0, f0, f1);
-        release(s0);
-        gemm_fp8_promote(out, acc, f0, f1);
-        wgmma_wait0();
-        fence_regs(acc2);
-        factors(s1, g0, g1);
-        release(s1);
-        gemm_fp8_promote(out, acc2, g0, g1);
-        it += 2;
+          for (unsigned c = 0; c < CL; c++) mbar_arrive_cluster(empty + s, c);
+        } else {
+          mbar_arrive(empty + s);
+        }
       }
-    } else {
+    };
+    for (int u = unit0; u < units; u += unit_step) {
+      int mt, nt;
+      gemm_fp8_unit<CL>(u, mtiles, ntiles, rank, mt, nt);
+      const int m0 = mt * BM, n0 = nt * 128;
+#pragma unroll
+      for (int i = 0; i < 64; i++) out[i] = 0.f;
       for (int kb = 0; kb < kblocks; kb++, it++) {
         const int s = it % ST;
         gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-        float f0, f1;
-        factors(s, f0, f1);
+        // This thread's two rows' promotion factors: their X scales times the W scale.
+        const float w = sw[2 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
         release(s);
         gemm_fp8_promote(out, acc, f0, f1);
       }
-    }
-    if (p.lwin != nullptr) {
-      const int re = p.lwin[2 * nt + 1];
-      for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
-        const int s = it % ST;
-        gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-        release(s);
-        gemm_fp8_promote(out, acc, p.lscale, p.lscale);
+      if (p.lwin != nullptr) {
+        const int re = p.lwin[2 * nt + 1];
+        for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
+          const int s = it % ST;
+          gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
+          release(s);
+          gemm_fp8_promote(out, acc, p.lscale, p.lscale);
+        }
+      }
+      const int row0 = m0 + rl, row1 = row0 + 8;
+      bf16* y0 = p.y + (i64)row0 * p.ldy + n0 + 2 * tg;
+      bf16* y1 = y0 + 8 * p.ldy;
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        if (row0 < p.M) *(unsigned*)(y0 + 8 * j) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
+        if (row1 < p.M) *(unsigned*)(y1 + 8 * j) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
       }
     }
-    const int row0 = m0 + rl, row1 = row0 + 8;
-    bf16* y0 = p.y + (i64)row0 * p.ldy + n0 + 2 * tg;
-    bf16* y1 = y0 + 8 * p.ldy;
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-      if (row0 < p.M) *(unsigned*)(y0 + 8 * j) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
-      if (row1 < p.M) *(unsigned*)(y1 + 8 * j) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
-    }
   }
+  // A block of a cluster may not exit while its peer can still write into its shared memory or
+  // arrive on its barriers.
+  if constexpr (CL > 1) cluster_sync();
 }
 #endif  // IMAJEV_WGMMA
 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90. gemm_fp8_128: 128-row tiles (two consumer
 // warpgroups of 232 registers); gemm_fp8_192: 192-row tiles (three of 160), 17% fewer bytes a FLOP
-// from L2 and more rows of padding at small M; gemm_fp8_128o: gemm_fp8_128 with k-blocks in pairs
-// (even K/128 only), the same bits.
+// from L2 and more rows of padding at small M; the _m forms run in clusters of two blocks that
+// share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
-#define GEMM_FP8_BODY(NC, OVL) \
-  gemm_fp8<NC, OVL>(GemmFp8Args{x, xs, w, ws, y, M, N, K, ldy, lt, lb, lwin, lm, lr, lcol0, lcols, lscale});
+#define GEMM_FP8_BODY(NC, CL) \
+  gemm_fp8<NC, CL>(GemmFp8Args{&x, &xs, &w, &lt, &lb, ws, y, M, N, K, ldy, lwin, lcol0, lscale});
 #else
-#define GEMM_FP8_BODY(NC, OVL)
+#define GEMM_FP8_BODY(NC, CL)
 #endif
-#define GEMM_FP8_ENTRY(NAME, NC, OVL)                                                                              \
-  extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                                             \
-      NAME(const unsigned char* x, const float* xs, const unsigned char* w, const float* ws, bf16* y, int M,  \
-           int N, int K, i64 ldy, const bf16* lt, const bf16* lb, const int* lwin, int lm, int lr, int lcol0, \
-           int lcols, float lscale) {                                                                         \
-    GEMM_FP8_BODY(NC, OVL)                                                                                    \
+#define GEMM_FP8_ENTRY(NAME, NC, CL, ATTRS)                                                                     \
+  extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                \
+      const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w, \
+      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const float* ws, bf16* y, int M,  \
+      int N, int K, i64 ldy, const int* lwin, int lcol0, float lscale) {                                      \
+    GEMM_FP8_BODY(NC, CL)                                                                                     \
   }
-GEMM_FP8_ENTRY(gemm_fp8_128, 2, false)
-GEMM_FP8_ENTRY(gemm_fp8_192, 3, false)
-GEMM_FP8_ENTRY(gemm_fp8_128o, 2, true)
+GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, )
+GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, )
+GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, __cluster_dims__(2, 1, 1))

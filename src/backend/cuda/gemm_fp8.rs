@@ -13,15 +13,18 @@
 //! kernel cannot take (not Hopper, α ≠ 1, β ≠ 0, widths not multiples of 128, misaligned output)
 //! returns `false` and goes to cuBLASLt as before.
 //!
-//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192|own128o`, [`super::CudaOptions::fp8_gemm`]). On an
-//! H100 (bench/NOTES.md, 2026-12-06) its outputs are bitwise equal to cuBLASLt's and the LoRA's cost
-//! fell by 55-70%, but the GEMMs ran 2.2-2.5x slower than cuBLASLt's (a W-scale load on every
-//! k-block's critical path, since moved into the ring: not yet measured). tests/gpu
+//! The operands reach shared memory by TMA ([`super::tma`]): one thread issues a stage's copies.
+//!
+//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192|own128m|own192m`, [`super::CudaOptions::fp8_gemm`]).
+//! The cp.async version (bench/NOTES.md, 2026-12-06, H100) gave cuBLASLt's bits and cut the LoRA's
+//! cost by 55-70% but ran 2.2-2.5x slower: its producer warpgroup spent ~20 instructions a 16-byte
+//! copy and the consumers waited on it (ncu source profile). tests/gpu
 //! `own_fp8_gemm_matches_cpu_and_cublas` checks it; `bench_gpu_ops --only fp8-own` times it.
 
 use super::gemm::{Gemm, GemmKind};
 use super::launch::{launch_config, Arg};
 use super::layout;
+use super::tma::{Elem, TensorMap, Tile2d};
 use super::CudaBackend;
 use anyhow::{bail, Result};
 use std::str::FromStr;
@@ -36,9 +39,11 @@ pub enum Fp8Gemm {
     Own128,
     /// `gemm_fp8_192`: 192-row tiles (three consumer warpgroups), LoRA B in the epilogue.
     Own192,
-    /// `gemm_fp8_128o`: `Own128` with k-blocks in pairs, the first promoted while the second's
-    /// MMAs run (two accumulator sets); the same bits as `Own128` (which takes an odd K/128).
-    Own128Overlap,
+    /// `gemm_fp8_128m`: `Own128` in clusters of two blocks (row tiles 2i, 2i + 1 of one column
+    /// tile) that share each W tile, each loading half of it for both; the same bits.
+    Own128Multicast,
+    /// `gemm_fp8_192m`: `Own192` in clusters of two, as `Own128Multicast`.
+    Own192Multicast,
 }
 
 impl Fp8Gemm {
@@ -54,16 +59,24 @@ impl Fp8Gemm {
     fn consumers(self) -> Option<usize> {
         match self {
             Self::Cublas => None,
-            Self::Own128 | Self::Own128Overlap => Some(2),
-            Self::Own192 => Some(3),
+            Self::Own128 | Self::Own128Multicast => Some(2),
+            Self::Own192 | Self::Own192Multicast => Some(3),
         }
     }
-    /// The kernel for a reduction of `k` columns.
-    fn kernel(self, k: usize) -> &'static str {
+    /// Blocks of a cluster: 2 where they share W tiles.
+    fn cluster(self) -> usize {
         match self {
-            Self::Own128Overlap if (k / 128) % 2 == 0 => "gemm_fp8_128o",
+            Self::Own128Multicast | Self::Own192Multicast => 2,
+            _ => 1,
+        }
+    }
+    /// The kernel's name.
+    fn kernel(self) -> &'static str {
+        match self {
+            Self::Cublas | Self::Own128 => "gemm_fp8_128",
             Self::Own192 => "gemm_fp8_192",
-            _ => "gemm_fp8_128",
+            Self::Own128Multicast => "gemm_fp8_128m",
+            Self::Own192Multicast => "gemm_fp8_192m",
         }
     }
     /// For the start-up log.
@@ -72,7 +85,12 @@ impl Fp8Gemm {
             Self::Cublas => "cuBLASLt (LoRA B as its own GEMM)",
             Self::Own128 => "own kernel, 128-row tiles, LoRA B in the epilogue",
             Self::Own192 => "own kernel, 192-row tiles, LoRA B in the epilogue",
-            Self::Own128Overlap => "own kernel, 128-row tiles, k-blocks in pairs, LoRA B in the epilogue",
+            Self::Own128Multicast => {
+                "own kernel, 128-row tiles in clusters of two sharing W, LoRA B in the epilogue"
+            }
+            Self::Own192Multicast => {
+                "own kernel, 192-row tiles in clusters of two sharing W, LoRA B in the epilogue"
+            }
         }
     }
 }
@@ -84,8 +102,9 @@ impl FromStr for Fp8Gemm {
             "cublas" => Self::Cublas,
             "own" | "own128" => Self::Own128,
             "own192" => Self::Own192,
-            "own128o" => Self::Own128Overlap,
-            other => bail!("{other}: expected cublas, own (= own128), own192 or own128o"),
+            "own128m" => Self::Own128Multicast,
+            "own192m" => Self::Own192Multicast,
+            other => bail!("{other}: expected cublas, own (= own128), own192, own128m or own192m"),
         })
     }
 }
@@ -122,41 +141,70 @@ impl CudaBackend {
     /// (nothing launched) when the kernel cannot take it.
     pub(super) fn gemm_fp8(&self, g: &Gemm, lora: Option<&LoraEpilogue>) -> Result<bool> {
         let runs = self.fp8_gemm_runs();
-        let Some(nc) = runs.consumers().filter(|_| eligible(g)) else { return Ok(false) };
+        let Some(nc) = runs.consumers().filter(|_| eligible(g) && lora.is_none_or(lora_eligible)) else {
+            return Ok(false);
+        };
         if g.m == 0 {
             return Ok(true);
         }
         let rows = layout::gemm_fp8_tile_rows(nc);
-        let tiles = g.m.div_ceil(rows) * (g.n / 128);
-        let grid = tiles.min(self.state.info.multiprocessors) as u32;
-        let name = runs.kernel(g.k);
-        let (t, lm, b, lr, col0, cols, win, scale) = match lora {
-            Some(l) => (l.t, l.rows, l.b, l.rank, l.col0, l.cols, l.windows, l.scale),
-            None => (0, 0, 0, 0, 0, 0, 0, 0.0),
-        };
-        let args = [
-            Arg::Ptr(g.x),
-            Arg::Ptr(g.x_scale),
-            Arg::Ptr(g.w),
+        let maps = operand_maps(g, lora, rows, runs.cluster())?;
+        let grid = layout::gemm_fp8_grid(g.m, g.n, nc, runs.cluster(), self.state.info.multiprocessors);
+        let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
+        let mut args: Vec<Arg> = maps.into_iter().map(Arg::Map).collect();
+        args.extend([
             Arg::Ptr(g.w_scale),
             Arg::Ptr(g.y),
             Arg::I32(g.m as i32),
             Arg::I32(g.n as i32),
             Arg::I32(g.k as i32),
             Arg::I64(g.ldy as i64),
-            Arg::Ptr(t),
-            Arg::Ptr(b),
             Arg::Ptr(win),
-            Arg::I32(lm as i32),
-            Arg::I32(lr as i32),
             Arg::I32(col0 as i32),
-            Arg::I32(cols as i32),
             Arg::F32(scale),
-        ];
+        ]);
         let cfg = launch_config((grid, 1, 1), layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
-        self.launch(name, cfg, &args)?;
+        self.launch(runs.kernel(), cfg, &args)?;
         Ok(true)
     }
+}
+
+/// The kernel's five tensor maps, in its parameter order: X (a tile's rows x one 128-byte k-block,
+/// swizzled), the X scales (a tile's rows of one k-block), W (a column tile's rows, or half of
+/// them per block of a cluster of two), and the LoRA's T and B (64 rank columns, the same rows as
+/// X and W); unused zero maps without LoRA.
+fn operand_maps(
+    g: &Gemm,
+    lora: Option<&LoraEpilogue>,
+    rows: usize,
+    cluster: usize,
+) -> Result<[TensorMap; 5]> {
+    let swizzled = |what, elem, addr, cols, rows_all, box_cols, box_rows| Tile2d {
+        what,
+        elem,
+        addr,
+        cols,
+        rows: rows_all,
+        row_stride: cols,
+        box_cols,
+        box_rows,
+        swizzle_128b: true,
+    };
+    let x = swizzled("FP8 GEMM X", Elem::U8, g.x, g.k, g.m, 128, rows).encode()?;
+    let xs = Tile2d {
+        swizzle_128b: false,
+        ..swizzled("FP8 GEMM X scales", Elem::F32, g.x_scale, g.m, g.k / 128, rows, 1)
+    }
+    .encode()?;
+    let w = swizzled("FP8 GEMM W", Elem::U8, g.w, g.k, g.n, 128, 128 / cluster).encode()?;
+    let (t, b) = match lora {
+        Some(l) => (
+            swizzled("LoRA T", Elem::Bf16, l.t, l.rank, l.rows, 64, rows).encode()?,
+            swizzled("LoRA B", Elem::Bf16, l.b, l.rank, l.cols, 64, 128 / cluster).encode()?,
+        ),
+        None => (TensorMap::unused(), TensorMap::unused()),
+    };
+    Ok([x, xs, w, t, b])
 }
 
 /// What `gemm_fp8` takes: block-scaled FP8 without α or β, widths in whole 128-blocks, rows a
@@ -179,6 +227,12 @@ fn eligible(g: &Gemm) -> bool {
         && g.m <= i32::MAX as usize
 }
 
+/// What the epilogue's TMA copies take of a LoRA pair: 16-byte aligned T and B whose rows (the
+/// rank, in BF16) are whole 16-byte chunks.
+fn lora_eligible(l: &LoraEpilogue) -> bool {
+    l.t % 16 == 0 && l.b % 16 == 0 && l.rank % 8 == 0 && l.rows > 0 && l.cols > 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,9 +251,10 @@ mod tests {
         assert_eq!(Fp8Gemm::Own192.consumers(), Some(3));
         assert_eq!(Fp8Gemm::Own192.on(false), Fp8Gemm::Cublas, "cuBLASLt off Hopper");
         assert_eq!(Fp8Gemm::Own192.on(true), Fp8Gemm::Own192);
-        assert_eq!(Fp8Gemm::Own128Overlap.kernel(2560), "gemm_fp8_128o");
-        assert_eq!(Fp8Gemm::Own128Overlap.kernel(128 * 3), "gemm_fp8_128", "odd K/128: the plain kernel");
-        assert_eq!("own128o".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own128Overlap);
+        assert_eq!("own192m".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own192Multicast);
+        assert_eq!(Fp8Gemm::Own192Multicast.kernel(), "gemm_fp8_192m");
+        assert_eq!((Fp8Gemm::Own128Multicast.consumers(), Fp8Gemm::Own128Multicast.cluster()), (Some(2), 2));
+        assert_eq!(Fp8Gemm::Own192.cluster(), 1);
     }
 
     #[test]
@@ -211,5 +266,27 @@ mod tests {
         assert!(!eligible(&fp8(2560, 990, 9216)), "M not padded to 16");
         assert!(!eligible(&Gemm { y: (3 << 20) + 2, ..fp8(2560, 992, 9216) }), "misaligned column pairs");
         assert!(!eligible(&Gemm { ldy: 2561, ..fp8(2560, 992, 9216) }));
+        let l = LoraEpilogue {
+            t: 1 << 20,
+            rows: 992,
+            b: 2 << 20,
+            rank: 64,
+            col0: 0,
+            cols: 2560,
+            windows: 0,
+            scale: 2.0,
+        };
+        assert!(lora_eligible(&l));
+        assert!(!lora_eligible(&LoraEpilogue { rank: 20, ..l }), "rank rows not whole 16-byte chunks");
+        assert!(!lora_eligible(&LoraEpilogue { t: (1 << 20) + 8, ..l }), "T misaligned for TMA");
+    }
+
+    #[test]
+    fn operand_maps_check_what_the_kernel_copies() {
+        // Encoding needs the driver; the checks before it do not. An X that is not 16-byte aligned
+        // cannot be a TMA tensor (eligible() keeps such GEMMs off the kernel).
+        let g = Gemm { x: (2 << 20) + 8, ..fp8(2560, 992, 9216) };
+        let e = operand_maps(&g, None, 128, 1).unwrap_err().to_string();
+        assert!(e.contains("FP8 GEMM X") && e.contains("16-byte aligned"), "{e}");
     }
 }

@@ -7,6 +7,7 @@
 
 use super::gemm::Gemm;
 use super::layout;
+use super::tma::TensorMap;
 use super::CudaBackend;
 use anyhow::{anyhow, Result};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -75,7 +76,8 @@ pub const KERNELS: &[KernelFile] = &[
         functions: &[
             k_smem("gemm_fp8_128", layout::gemm_fp8_smem_bytes(2)),
             k_smem("gemm_fp8_192", layout::gemm_fp8_smem_bytes(3)),
-            k_smem("gemm_fp8_128o", layout::gemm_fp8_smem_bytes(2)),
+            k_smem("gemm_fp8_128m", layout::gemm_fp8_smem_bytes(2)),
+            k_smem("gemm_fp8_192m", layout::gemm_fp8_smem_bytes(3)),
         ],
     },
     KernelFile {
@@ -223,13 +225,14 @@ pub const KERNELS: &[KernelFile] = &[
 ];
 
 /// One kernel argument, typed as the kernel's parameter: a device address (`T*`), `long long`,
-/// `int` or `float`.
+/// `int`, `float`, or a TMA tensor map (`const __grid_constant__ TmaMap`, 128 bytes by value).
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Arg {
     Ptr(u64),
     I64(i64),
     I32(i32),
     F32(f32),
+    Map(TensorMap),
 }
 
 /// Blocks of a 1-D grid-stride launch over `n` items, `per_block` per block.
@@ -272,10 +275,12 @@ impl CudaBackend {
                 Arg::I64(v) => b.arg(v),
                 Arg::I32(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
+                Arg::Map(v) => b.arg(v),
             };
         }
         // SAFETY: every kernel's parameter list matches the argument list its caller builds
-        // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and the buffers
+        // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32, tensor maps as the
+        // 128-byte TmaMap), and the buffers
         // behind the pointers outlive the launch in stream order.
         let mut go =
             move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));

@@ -5,7 +5,8 @@
 //!   [`norm`], [`attention`], [`deltanet`], [`elementwise`]. The plumbing they share:
 //!   [`tensor`] (device tensors and views), [`staging`] (uploads), [`launch`] (the kernel table
 //!   and launches), [`gemm`] (cuBLASLt), [`compile`] (NVRTC and the kernel cache), [`layout`]
-//!   (planning that needs no GPU), [`profile`] (`IMAJEV_PROFILE=kernels`).
+//!   (planning that needs no GPU), [`profile`] (`IMAJEV_PROFILE=kernels`), [`tma`] (TMA tensor
+//!   maps).
 //! * Kernels are compiled by NVRTC for the running GPU at start-up and cached on disk as CUBIN.
 //! * GEMMs go through cuBLASLt ([`gemm`]): block-scaled FP8 for projections stored as FP8 (or
 //!   quantised at load with `quantize_fp8`), BF16 for the rest; LoRA stays unmerged in BF16.
@@ -48,6 +49,7 @@ pub mod profile;
 pub mod quant;
 pub mod staging;
 pub mod tensor;
+pub mod tma;
 
 pub use attention::{AttentionKernel, CudaKvCache};
 pub use deltanet::{CudaDeltaState, GdnScan};
@@ -121,7 +123,7 @@ pub struct CudaOptions {
     pub narrow_gemm: narrow::NarrowGemm,
     /// Which kernel runs the block-scaled FP8 GEMMs ([`gemm_fp8::Fp8Gemm`]): cuBLASLt (the
     /// default), or on Hopper our own `gemm_fp8_<rows>` with the LoRA B side in its epilogue.
-    /// `IMAJEV_FP8_GEMM=cublas|own|own192|own128o` in the environment sets it when left at the default.
+    /// `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m` in the environment sets it when left at the default.
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
