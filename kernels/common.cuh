@@ -305,12 +305,14 @@ __device__ __forceinline__ unsigned cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
-// Arrives (release, cluster scope) on the barrier at b's offset in the shared memory of cluster
-// block `rank` (this block's own included).
+// Arrives on the barrier at b's offset in the shared memory of cluster block `rank` (this
+// block's own included), release at CTA scope: what it orders is this thread's reads of shared
+// memory before whoever waits on the barrier overwrites it. (`.release.cluster` compiled to a
+// MEMBAR.ALL.GPU before every arrival, a wait for all the thread's outstanding global stores.)
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned long long* b, unsigned rank) {
   asm volatile(
       "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_u32(b)),
+      "mbarrier.arrive.release.cta.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_u32(b)),
       "r"(rank)
       : "memory");
 }

@@ -149,7 +149,14 @@ impl CudaBackend {
         }
         let rows = layout::gemm_fp8_tile_rows(nc);
         let maps = operand_maps(g, lora, rows, runs.cluster())?;
-        let grid = layout::gemm_fp8_grid(g.m, g.n, nc, runs.cluster(), self.state.info.multiprocessors);
+        let (threads, smem) = (layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
+        // Units of work run at once: one block an SM, or the clusters the GPCs hold at once (a
+        // cluster that had to wait for another to finish would double the time).
+        let slots = match runs.cluster() {
+            1 => self.state.info.multiprocessors,
+            _ => self.resident_clusters(runs.kernel(), threads, smem)?,
+        };
+        let grid = layout::gemm_fp8_grid(g.m, g.n, nc, runs.cluster(), slots);
         let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
         let mut args: Vec<Arg> = maps.into_iter().map(Arg::Map).collect();
         args.extend([
@@ -163,7 +170,7 @@ impl CudaBackend {
             Arg::I32(col0 as i32),
             Arg::F32(scale),
         ]);
-        let cfg = launch_config((grid, 1, 1), layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
+        let cfg = launch_config((grid, 1, 1), threads, smem);
         self.launch(runs.kernel(), cfg, &args)?;
         Ok(true)
     }

@@ -265,6 +265,22 @@ impl CudaBackend {
         Ok(n)
     }
 
+    /// How many clusters of kernel `name` (compiled with `__cluster_dims__`; block size `threads`,
+    /// dynamic shared memory `smem`) the whole GPU runs at once, from the driver (clusters must fit
+    /// within one GPC, so this can be fewer than SMs / cluster size). Asked once per shape.
+    pub(super) fn resident_clusters(&self, name: &str, threads: u32, smem: usize) -> Result<usize> {
+        let key = (format!("{name} (clusters)"), threads, smem);
+        let mut memo = self.state.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = memo.get(&key) {
+            return Ok(n);
+        }
+        let grid = (self.state.info.multiprocessors as u32 / 2 * 2).max(2);
+        let cfg = launch_config((grid, 1, 1), threads, smem);
+        let n = self.func(name)?.occupancy_max_active_clusters(cfg, &self.state.stream)? as usize;
+        memo.insert(key, n);
+        Ok(n)
+    }
+
     /// Queues kernel `name` on the backend's stream.
     pub(super) fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let f = self.func(name)?;

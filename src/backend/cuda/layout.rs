@@ -370,12 +370,13 @@ pub const fn gemm_fp8_threads(consumers: usize) -> u32 {
     128 * (consumers as u32 + 1)
 }
 
-/// Blocks of `gemm_fp8_<rows>`'s persistent grid for an `m` x `n` output: one an SM at most, and
-/// no more than there are units of work (a tile, or with clusters of two blocks a pair of row
-/// tiles of one column tile), in whole clusters.
-pub fn gemm_fp8_grid(m: usize, n: usize, consumers: usize, cluster: usize, sms: usize) -> u32 {
+/// Blocks of `gemm_fp8_<rows>`'s persistent grid for an `m` x `n` output: as many units of work
+/// (a tile, or with clusters of two blocks a pair of row tiles of one column tile) as run at once
+/// (`slots`: SMs, or the clusters the GPU holds at once), and no more than there are, in whole
+/// clusters.
+pub fn gemm_fp8_grid(m: usize, n: usize, consumers: usize, cluster: usize, slots: usize) -> u32 {
     let units = m.div_ceil(gemm_fp8_tile_rows(consumers)).div_ceil(cluster) * (n / 128);
-    (units.min(sms / cluster).max(1) * cluster) as u32
+    (units.min(slots).max(1) * cluster) as u32
 }
 
 /// Dynamic shared memory of `gemm_fp8_<rows>`: 1024 bytes of slack to align the swizzled tiles,
@@ -469,12 +470,11 @@ mod tests {
         assert_eq!(gemm_fp8_threads(3), 512);
         // 7,816 rows x 18,432 columns: far more tiles than SMs.
         assert_eq!(gemm_fp8_grid(7816, 18432, 3, 1, 132), 132);
-        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 132), 132);
+        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 66), 132);
+        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 60), 120, "only 60 clusters fit at once");
         // 300 rows, 2560 columns: 3 row tiles of 128 make 2 pairs, x 20 column tiles.
         assert_eq!(gemm_fp8_grid(300, 2560, 2, 1, 132), 60);
-        assert_eq!(gemm_fp8_grid(300, 2560, 2, 2, 132), 80);
-        // An odd SM count still gives whole clusters.
-        assert_eq!(gemm_fp8_grid(7816, 18432, 2, 2, 133), 132);
+        assert_eq!(gemm_fp8_grid(300, 2560, 2, 2, 66), 80);
     }
 
     #[test]
