@@ -300,6 +300,20 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TmaMap* m
       "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(smem_u32(b)), "h"(mask)
       : "memory");
 }
+// The box of map m at (c0, c1) from shared memory at src to global memory (rows and columns past
+// the tensor's edges are not written), in this thread's current bulk group. The shared-memory
+// writes it reads must be made visible to the async proxy first (fence_proxy_async).
+__device__ __forceinline__ void tma_store_2d(const TmaMap* m, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   (unsigned long long)m),
+               "r"(c0), "r"(c1), "r"(smem_u32(src))
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk stores have read their shared memory (it may be reused) ...
+__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... or have completed.
+__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ unsigned cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));

@@ -1,5 +1,6 @@
 // Block-scaled FP8 GEMM on Hopper's warpgroup MMAs (sm_90a), with a LoRA pair's B side added in the
-// epilogue: Y = X·Wᵀ (+ lscale · T·Bᵀ), one rounding to BF16.
+// epilogue: Y = X·Wᵀ (+ lscale · T·Bᵀ, added to X·Wᵀ rounded to BF16, as the cuBLASLt path and
+// PEFT add it).
 //
 // Why by hand: cuBLASLt runs the FP8 projections well (one algorithm per shape, 128 x 128 tiles),
 // but it can add nothing to an output except β·C, so each LoRA's B side is a second, BF16 GEMM
@@ -31,8 +32,9 @@
 // - a consumer warpgroup owns 64 rows: per k-block four wgmma m64n128k32 (E4M3 x E4M3, f32) into
 //   `acc`, then out += acc · (xs·ws) per row, so the tensor cores' FP8 sums are promoted to full
 //   f32 once every 128 K (DeepSeek's recipe, which the checkpoint's scales are made for); per LoRA
-//   stage four wgmma m64n128k16 (BF16) into acc, then out += lscale · acc. Then out is rounded to
-//   BF16 once and stored.
+//   stage four wgmma m64n128k16 (BF16) into acc, then out += lscale · acc, out having been rounded
+//   to BF16 before the first. Then out is rounded to BF16 into a staging tile in shared memory
+//   and stored by TMA.
 // Batch invariance: the tile shape, the k order and the promotion are the same whatever M is, so a
 // row's result is the same bits whatever else shares the call (tests/gpu checks it bitwise). The
 // results are also cuBLASLt's bits (its block-scaled kernel promotes the same way; measured on an
@@ -43,9 +45,10 @@
 template <int NC>
 struct GemmFp8Tiles {
   static constexpr int BM = 64 * NC, BN = 128, BK = 128;
-  static constexpr int ST = NC == 2 ? 6 : 5;               // ring stages (layout::gemm_fp8_stages)
+  static constexpr int ST = NC == 2 ? 5 : 4;               // ring stages (layout::gemm_fp8_stages)
   static constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK;  // one stage's X and W tiles
   static constexpr int STAGE = A_BYTES + B_BYTES;
+  static constexpr int OUT_HALF = BM * 128;  // the output tile's staging: two halves of 64 columns
   // Registers per thread after setmaxnreg (128·P + 128·NC·C <= 65,536: one block an SM).
   static constexpr int PRODUCER_REGS = NC == 2 ? 40 : 32, CONSUMER_REGS = NC == 2 ? 232 : 160;
   static_assert(128 * PRODUCER_REGS + 128 * NC * CONSUMER_REGS <= 65536, "one block's registers");
@@ -79,10 +82,9 @@ struct GemmFp8Args {
   const TmaMap* w;   // W [N][K] u8, box 128 x 128 / CL rows, 128-byte swizzle
   const TmaMap* lt;  // T [lm][lr] bf16, box 64 x BM rows, 128-byte swizzle (LoRA only)
   const TmaMap* lb;  // B [lcols][lr] bf16, box 64 x 128 / CL rows, 128-byte swizzle (LoRA only)
+  const TmaMap* y;   // Y [M][ldy] bf16 (columns 0 .. N), box 64 x 64 rows, 128-byte swizzle
   const float* ws;
-  bf16* y;
   int M, N, K;
-  i64 ldy;
   const int* lwin;
   int lcol0;
   float lscale;
@@ -151,7 +153,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   constexpr unsigned STAGE_TX = T::STAGE + BM * 4, LORA_TX = T::STAGE;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* stages = smem_1024(smem_raw);  // [ST] { X tile BM x 128 B, W tile 128 x 128 B }
-  float* sa = (float*)(stages + ST * T::STAGE);  // [ST][BM] the X scales of the tile's rows
+  unsigned char* staged = stages + ST * T::STAGE;  // [2][BM][128 B] the output tile, swizzled
+  float* sa = (float*)(staged + 2 * T::OUT_HALF);  // [ST][BM] the X scales of the tile's rows
   float* sw = sa + ST * BM;                       // [ST][2] the W scale of the k-block (and a pad)
   unsigned long long* full = (unsigned long long*)(sw + 2 * ST);
   unsigned long long* empty = full + ST;
@@ -264,6 +267,11 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         gemm_fp8_promote(out, acc, f0, f1);
       }
       if (p.lwin != nullptr) {
+        // The LoRA is added to the base projection rounded to BF16, as the cuBLASLt path adds its
+        // separate B GEMM to the stored output (and PEFT to the base layer's BF16 output): the
+        // kernel moves where the sum happens, not the arithmetic.
+#pragma unroll
+        for (int i = 0; i < 64; i++) out[i] = __bfloat162float(__float2bfloat16(out[i]));
         const int re = p.lwin[2 * nt + 1];
         for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
           const int s = it % ST;
@@ -272,15 +280,30 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           gemm_fp8_promote(out, acc, p.lscale, p.lscale);
         }
       }
-      const int row0 = m0 + rl, row1 = row0 + 8;
-      bf16* y0 = p.y + (i64)row0 * p.ldy + n0 + 2 * tg;
-      bf16* y1 = y0 + 8 * p.ldy;
+      // The output: rounded to BF16 into this warpgroup's rows of the staging tile (the 128-byte
+      // swizzle keeps a warp's 8 rows on distinct banks), then one thread stores them by TMA while
+      // the warpgroup goes on to the next tile (the direct 4-byte stores were ~18% of the stall
+      // samples: the LSU queue full under the copies' traffic, ncu).
+      const bool leader = (threadIdx.x & 127) == 0;
+      if (leader) bulk_wait_read0();  // the previous tile's store has read the staging rows
+      named_bar_sync(1 + cw, 128);
+      const int rw = warp * 16 + (lane >> 2);  // this thread's rows within the warpgroup's 64
 #pragma unroll
       for (int j = 0; j < 16; j++) {
-        if (row0 < p.M) *(unsigned*)(y0 + 8 * j) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
-        if (row1 < p.M) *(unsigned*)(y1 + 8 * j) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
+        unsigned char* half = staged + (j >> 3) * T::OUT_HALF + cw * 64 * 128 + 4 * tg;
+        const int c = j & 7;
+        *(unsigned*)(half + rw * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
+        *(unsigned*)(half + (rw + 8) * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
+      }
+      fence_proxy_async();
+      named_bar_sync(1 + cw, 128);
+      if (leader) {
+        tma_store_2d(p.y, staged + cw * 64 * 128, n0, m0 + cw * 64);
+        tma_store_2d(p.y, staged + T::OUT_HALF + cw * 64 * 128, n0 + 64, m0 + cw * 64);
+        bulk_commit();
       }
     }
+    if ((threadIdx.x & 127) == 0) bulk_wait0();  // the shared memory stays until the stores read it
   }
   // A block of a cluster may not exit while its peer can still write into its shared memory or
   // arrive on its barriers.
@@ -295,15 +318,15 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
 #define GEMM_FP8_BODY(NC, CL) \
-  gemm_fp8<NC, CL>(GemmFp8Args{&x, &xs, &w, &lt, &lb, ws, y, M, N, K, ldy, lwin, lcol0, lscale});
+  gemm_fp8<NC, CL>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, ws, M, N, K, lwin, lcol0, lscale});
 #else
 #define GEMM_FP8_BODY(NC, CL)
 #endif
 #define GEMM_FP8_ENTRY(NAME, NC, CL, ATTRS)                                                                     \
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                \
       const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w, \
-      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const float* ws, bf16* y, int M,  \
-      int N, int K, i64 ldy, const int* lwin, int lcol0, float lscale) {                                      \
+      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y, \
+      const float* ws, int M, int N, int K, const int* lwin, int lcol0, float lscale) {                       \
     GEMM_FP8_BODY(NC, CL)                                                                                     \
   }
 GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, )

@@ -4,9 +4,10 @@
 //! Why by hand: cuBLASLt's block-scaled FP8 GEMM can add nothing to its output but `β·C`, so the
 //! LoRA B side of every adapted projection is a second GEMM that reads and writes the whole output
 //! again (bench/NOTES.md: `gemm.lora_b` 29 ms of a 16K prefill, 14 ms of a packed round). The
-//! kernel keeps the LoRA product in the tile's f32 accumulators, so the output is written once and
-//! rounded to BF16 once. Its tiles (64·NC rows x 128 columns), k order and scale promotion never
-//! depend on M, so rows are batch invariant, as cuBLASLt's fixed plans are.
+//! kernel adds the LoRA product to the tile while it is on chip (to the base rounded to BF16, as
+//! the separate GEMM adds it to the stored output), so the output is written once. Its tiles
+//! (64·NC rows x 128 columns), k order and scale promotion never depend on M, so rows are batch
+//! invariant, as cuBLASLt's fixed plans are.
 //!
 //! What this layer does not know: where the GEMM comes from. The caller ([`super::linear`]) hands a
 //! cuBLASLt-shaped [`Gemm`] and, for the epilogue, the pair's A-side product and B; a GEMM the
@@ -161,11 +162,9 @@ impl CudaBackend {
         let mut args: Vec<Arg> = maps.into_iter().map(Arg::Map).collect();
         args.extend([
             Arg::Ptr(g.w_scale),
-            Arg::Ptr(g.y),
             Arg::I32(g.m as i32),
             Arg::I32(g.n as i32),
             Arg::I32(g.k as i32),
-            Arg::I64(g.ldy as i64),
             Arg::Ptr(win),
             Arg::I32(col0 as i32),
             Arg::F32(scale),
@@ -176,16 +175,16 @@ impl CudaBackend {
     }
 }
 
-/// The kernel's five tensor maps, in its parameter order: X (a tile's rows x one 128-byte k-block,
+/// The kernel's six tensor maps, in its parameter order: X (a tile's rows x one 128-byte k-block,
 /// swizzled), the X scales (a tile's rows of one k-block), W (a column tile's rows, or half of
-/// them per block of a cluster of two), and the LoRA's T and B (64 rank columns, the same rows as
-/// X and W); unused zero maps without LoRA.
+/// them per block of a cluster of two), the LoRA's T and B (64 rank columns, the same rows as X
+/// and W; unused zero maps without LoRA), and Y (64 columns x a warpgroup's 64 rows).
 fn operand_maps(
     g: &Gemm,
     lora: Option<&LoraEpilogue>,
     rows: usize,
     cluster: usize,
-) -> Result<[TensorMap; 5]> {
+) -> Result<[TensorMap; 6]> {
     let swizzled = |what, elem, addr, cols, rows_all, box_cols, box_rows| Tile2d {
         what,
         elem,
@@ -211,12 +210,14 @@ fn operand_maps(
         ),
         None => (TensorMap::unused(), TensorMap::unused()),
     };
-    Ok([x, xs, w, t, b])
+    let y =
+        Tile2d { row_stride: g.ldy, ..swizzled("FP8 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64) }.encode()?;
+    Ok([x, xs, w, t, b, y])
 }
 
 /// What `gemm_fp8` takes: block-scaled FP8 without α or β, widths in whole 128-blocks, rows a
 /// multiple of 16 (the FP8 padding), operands as dense as cuBLASLt's plans give them, and an output
-/// whose column pairs are 4-byte aligned.
+/// the TMA can store (16-byte aligned, rows of whole 16-byte chunks).
 fn eligible(g: &Gemm) -> bool {
     g.kind == GemmKind::Fp8Block
         && g.alpha == 1.0
@@ -226,8 +227,8 @@ fn eligible(g: &Gemm) -> bool {
         && g.m % 16 == 0
         && g.ldw == g.k
         && g.ldx == g.k
-        && g.ldy % 2 == 0
-        && g.y % 4 == 0
+        && g.ldy % 8 == 0
+        && g.y % 16 == 0
         && g.x % 16 == 0
         && g.w % 16 == 0
         && g.x_scale % 16 == 0
@@ -271,8 +272,8 @@ mod tests {
         assert!(!eligible(&Gemm { beta: 1.0, ..fp8(2560, 992, 9216) }));
         assert!(!eligible(&fp8(2600, 992, 9216)), "N not whole 128-blocks");
         assert!(!eligible(&fp8(2560, 990, 9216)), "M not padded to 16");
-        assert!(!eligible(&Gemm { y: (3 << 20) + 2, ..fp8(2560, 992, 9216) }), "misaligned column pairs");
-        assert!(!eligible(&Gemm { ldy: 2561, ..fp8(2560, 992, 9216) }));
+        assert!(!eligible(&Gemm { y: (3 << 20) + 8, ..fp8(2560, 992, 9216) }), "Y not 16-byte aligned");
+        assert!(!eligible(&Gemm { ldy: 2564, ..fp8(2560, 992, 9216) }), "Y rows not whole 16-byte chunks");
         let l = LoraEpilogue {
             t: 1 << 20,
             rows: 992,
