@@ -385,8 +385,16 @@ pub fn swiglu_matmul(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mu
 pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let p = "gemm";
     let (h, k, r) = (2560usize, 9216usize, 64usize);
-    let fused = variant(g, |o| o.mlp_lora_fused = true)?;
-    let plain = variant(g, |o| o.mlp_lora_fused = false)?;
+    // On cuBLASLt's FP8 GEMMs: the own kernel (the Hopper default) takes the gate/up LoRA into its
+    // epilogue, and the fused SwiGLU kernel is what the cuBLASLt path runs.
+    let fused = variant(g, |o| {
+        o.mlp_lora_fused = true;
+        o.fp8_gemm = Fp8Gemm::Cublas
+    })?;
+    let plain = variant(g, |o| {
+        o.mlp_lora_fused = false;
+        o.fp8_gemm = Fp8Gemm::Cublas
+    })?;
     if !fused.options().mlp_lora_fused || plain.options().mlp_lora_fused {
         rep.flag(p, "swiglu_mlp fused vs unfused", false, "IMAJEV_MLP_LORA_FUSED forces one: unset it");
         return Ok(());

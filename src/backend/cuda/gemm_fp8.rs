@@ -16,11 +16,13 @@
 //!
 //! The operands reach shared memory by TMA ([`super::tma`]): one thread issues a stage's copies.
 //!
-//! Status: opt-in (`IMAJEV_FP8_GEMM=own|own192|own128m|own192m`, [`super::CudaOptions::fp8_gemm`]).
-//! The cp.async version (bench/NOTES.md, 2026-12-06, H100) gave cuBLASLt's bits and cut the LoRA's
-//! cost by 55-70% but ran 2.2-2.5x slower: its producer warpgroup spent ~20 instructions a 16-byte
-//! copy and the consumers waited on it (ncu source profile). tests/gpu
-//! `own_fp8_gemm_matches_cpu_and_cublas` checks it; `bench_gpu_ops --only fp8-own` times it.
+//! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m`,
+//! [`super::CudaOptions::fp8_gemm`]). On an H100 (bench/NOTES.md, seventeenth session) it gives
+//! cuBLASLt's bits on every projection without LoRA, runs them at 0.95-1.02x cuBLASLt's time and
+//! the adapted ones at 0.70-0.95x of cuBLASLt + its LoRA B GEMM; whole requests took 0.90-0.98x.
+//! (The first, cp.async version ran 2.2-2.5x slower: its producer warpgroup spent ~20 instructions
+//! a 16-byte copy and the consumers waited on it.) tests/gpu `own_fp8_gemm_matches_cpu_and_cublas`
+//! checks it; `bench_gpu_ops --only fp8-own` times it.
 
 use super::gemm::{Gemm, GemmKind};
 use super::launch::{launch_config, Arg};
@@ -33,12 +35,14 @@ use std::str::FromStr;
 /// Which kernel runs the block-scaled FP8 GEMMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8Gemm {
-    /// cuBLASLt (its one algorithm per shape), LoRA B as a separate accumulating GEMM.
-    #[default]
+    /// cuBLASLt (its one algorithm per shape), LoRA B as a separate accumulating GEMM; what runs
+    /// off Hopper whatever is chosen.
     Cublas,
     /// `gemm_fp8_128`: 128-row tiles (two consumer warpgroups), LoRA B in the epilogue.
     Own128,
-    /// `gemm_fp8_192`: 192-row tiles (three consumer warpgroups), LoRA B in the epilogue.
+    /// `gemm_fp8_192`: 192-row tiles (three consumer warpgroups), LoRA B in the epilogue. The
+    /// default (on Hopper): the fastest form measured (bench/NOTES.md, seventeenth session).
+    #[default]
     Own192,
     /// `gemm_fp8_128m`: `Own128` in clusters of two blocks (row tiles 2i, 2i + 1 of one column
     /// tile) that share each W tile, each loading half of it for both; the same bits.
@@ -255,7 +259,8 @@ mod tests {
         assert_eq!("own192".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own192);
         assert_eq!("cublas".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Cublas);
         assert!("fast".parse::<Fp8Gemm>().unwrap_err().to_string().contains("expected cublas"));
-        assert_eq!(Fp8Gemm::default().consumers(), None);
+        assert_eq!(Fp8Gemm::default(), Fp8Gemm::Own192);
+        assert_eq!(Fp8Gemm::Cublas.consumers(), None);
         assert_eq!(Fp8Gemm::Own192.consumers(), Some(3));
         assert_eq!(Fp8Gemm::Own192.on(false), Fp8Gemm::Cublas, "cuBLASLt off Hopper");
         assert_eq!(Fp8Gemm::Own192.on(true), Fp8Gemm::Own192);

@@ -96,7 +96,7 @@ impl CudaLinear {
         weights + bias + lora
     }
     /// Whether its LoRA pair can go to `gemm_fp8`'s epilogue (an FP8 group holds every adapted
-    /// part and the kernel takes the ranks); used when `IMAJEV_FP8_GEMM` picks that kernel.
+    /// part and the kernel takes the ranks); used when that kernel runs the FP8 GEMMs (the Hopper default).
     pub fn lora_in_fp8_epilogue(&self) -> bool {
         self.loras.iter().any(|l| l.epilogue.is_some())
     }

@@ -10,8 +10,8 @@
 //! * Kernels are compiled by NVRTC for the running GPU at start-up and cached on disk as CUBIN.
 //! * GEMMs go through cuBLASLt ([`gemm`]): block-scaled FP8 for projections stored as FP8 (or
 //!   quantised at load with `quantize_fp8`), BF16 for the rest; LoRA stays unmerged in BF16.
-//!   Opt-in on Hopper ([`gemm_fp8`], `fp8_gemm`): the FP8 GEMMs on our own kernel with the LoRA B
-//!   side in its epilogue.
+//!   On Hopper by default ([`gemm_fp8`], `fp8_gemm`): the FP8 GEMMs on our own kernel with the LoRA
+//!   B side in its epilogue.
 //! * Precision follows a bf16 transformers run: activations are BF16 tensors, reductions, norms,
 //!   softmax and gates run in f32, the DeltaNet state and chunked delta rule are f32, the readout
 //!   is an f32 GEMM. Vectors (norm weights, biases, `A_log`, `dt_bias`) are kept in f32, other
@@ -121,9 +121,10 @@ pub struct CudaOptions {
     /// LoRA A; k <= 256 accumulating, i.e. LoRA B) rather than cuBLASLt, for comparisons.
     /// Default: `IMAJEV_NARROW_GEMM=both|n|k|cublas` in the environment, else cublas.
     pub narrow_gemm: narrow::NarrowGemm,
-    /// Which kernel runs the block-scaled FP8 GEMMs ([`gemm_fp8::Fp8Gemm`]): cuBLASLt (the
-    /// default), or on Hopper our own `gemm_fp8_<rows>` with the LoRA B side in its epilogue.
-    /// `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m` in the environment sets it when left at the default.
+    /// Which kernel runs the block-scaled FP8 GEMMs ([`gemm_fp8::Fp8Gemm`]): on Hopper our own
+    /// `gemm_fp8_192` with the LoRA B side in its epilogue (the default), `gemm_fp8_128`, their
+    /// cluster forms, or cuBLASLt (what runs off Hopper). `IMAJEV_FP8_GEMM=cublas|own|own192|
+    /// own128m|own192m` in the environment sets it when left at the default.
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
@@ -259,7 +260,7 @@ impl CudaBackend {
                 options.narrow_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_NARROW_GEMM={v}: {e}"))?;
             }
         }
-        if options.fp8_gemm == gemm_fp8::Fp8Gemm::Cublas {
+        if options.fp8_gemm == gemm_fp8::Fp8Gemm::default() {
             if let Ok(v) = std::env::var("IMAJEV_FP8_GEMM") {
                 if !v.is_empty() {
                     options.fp8_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_FP8_GEMM={v}: {e}"))?;
