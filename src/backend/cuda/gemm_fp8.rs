@@ -153,7 +153,14 @@ impl CudaBackend {
             return Ok(true);
         }
         let rows = layout::gemm_fp8_tile_rows(nc);
-        let maps = operand_maps(g, lora, rows, runs.cluster())?;
+        let mut args = Vec::with_capacity(13);
+        for tile in operand_tiles(g, lora, rows, runs.cluster()) {
+            let map = match tile {
+                Some(t) => self.state.tensor_maps.get(&t)?,
+                None => TensorMap::unused(),
+            };
+            args.push(Arg::Map(map));
+        }
         let (threads, smem) = (layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
         // Units of work run at once: one block an SM, or the clusters the GPCs hold at once (a
         // cluster that had to wait for another to finish would double the time).
@@ -163,7 +170,6 @@ impl CudaBackend {
         };
         let grid = layout::gemm_fp8_grid(g.m, g.n, nc, runs.cluster(), slots);
         let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
-        let mut args: Vec<Arg> = maps.into_iter().map(Arg::Map).collect();
         args.extend([
             Arg::Ptr(g.w_scale),
             Arg::I32(g.m as i32),
@@ -179,16 +185,12 @@ impl CudaBackend {
     }
 }
 
-/// The kernel's six tensor maps, in its parameter order: X (a tile's rows x one 128-byte k-block,
-/// swizzled), the X scales (a tile's rows of one k-block), W (a column tile's rows, or half of
-/// them per block of a cluster of two), the LoRA's T and B (64 rank columns, the same rows as X
-/// and W; unused zero maps without LoRA), and Y (64 columns x a warpgroup's 64 rows).
-fn operand_maps(
-    g: &Gemm,
-    lora: Option<&LoraEpilogue>,
-    rows: usize,
-    cluster: usize,
-) -> Result<[TensorMap; 6]> {
+/// What the kernel's six tensor maps describe, in its parameter order: X (a tile's rows x one
+/// 128-byte k-block, swizzled), the X scales (a tile's rows of one k-block), W (a column tile's
+/// rows, or half of them per block of a cluster of two), the LoRA's T and B (64 rank columns, the
+/// same rows as X and W; None without LoRA: zero maps the kernel never reads), and Y (64 columns x
+/// a warpgroup's 64 rows).
+fn operand_tiles(g: &Gemm, lora: Option<&LoraEpilogue>, rows: usize, cluster: usize) -> [Option<Tile2d>; 6] {
     let swizzled = |what, elem, addr, cols, rows_all, box_cols, box_rows| Tile2d {
         what,
         elem,
@@ -200,23 +202,15 @@ fn operand_maps(
         box_rows,
         swizzle_128b: true,
     };
-    let x = swizzled("FP8 GEMM X", Elem::U8, g.x, g.k, g.m, 128, rows).encode()?;
-    let xs = Tile2d {
-        swizzle_128b: false,
-        ..swizzled("FP8 GEMM X scales", Elem::F32, g.x_scale, g.m, g.k / 128, rows, 1)
-    }
-    .encode()?;
-    let w = swizzled("FP8 GEMM W", Elem::U8, g.w, g.k, g.n, 128, 128 / cluster).encode()?;
-    let (t, b) = match lora {
-        Some(l) => (
-            swizzled("LoRA T", Elem::Bf16, l.t, l.rank, l.rows, 64, rows).encode()?,
-            swizzled("LoRA B", Elem::Bf16, l.b, l.rank, l.cols, 64, 128 / cluster).encode()?,
-        ),
-        None => (TensorMap::unused(), TensorMap::unused()),
-    };
-    let y =
-        Tile2d { row_stride: g.ldy, ..swizzled("FP8 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64) }.encode()?;
-    Ok([x, xs, w, t, b, y])
+    let x_scales = swizzled("FP8 GEMM X scales", Elem::F32, g.x_scale, g.m, g.k / 128, rows, 1);
+    [
+        Some(swizzled("FP8 GEMM X", Elem::U8, g.x, g.k, g.m, 128, rows)),
+        Some(Tile2d { swizzle_128b: false, ..x_scales }),
+        Some(swizzled("FP8 GEMM W", Elem::U8, g.w, g.k, g.n, 128, 128 / cluster)),
+        lora.map(|l| swizzled("LoRA T", Elem::Bf16, l.t, l.rank, l.rows, 64, rows)),
+        lora.map(|l| swizzled("LoRA B", Elem::Bf16, l.b, l.rank, l.cols, 64, 128 / cluster)),
+        Some(Tile2d { row_stride: g.ldy, ..swizzled("FP8 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64) }),
+    ]
 }
 
 /// What `gemm_fp8` takes: block-scaled FP8 without α or β, widths in whole 128-blocks, rows a
@@ -295,11 +289,33 @@ mod tests {
     }
 
     #[test]
-    fn operand_maps_check_what_the_kernel_copies() {
-        // Encoding needs the driver; the checks before it do not. An X that is not 16-byte aligned
-        // cannot be a TMA tensor (eligible() keeps such GEMMs off the kernel).
+    fn operand_tiles_pass_the_tma_rules() {
+        // What the kernel copies, for the shapes of the 4B model's projections: every map the
+        // driver will be asked for passes its rules (encoding itself needs the driver).
+        let l = LoraEpilogue {
+            t: 1 << 20,
+            rows: 977,
+            b: 2 << 20,
+            rank: 64,
+            col0: 0,
+            cols: 2560,
+            windows: 0,
+            scale: 2.0,
+        };
+        for (n, k) in [(18432, 2560), (12288, 2560), (2560, 9216), (2560, 4096)] {
+            for (rows, cluster) in [(128, 1), (192, 1), (128, 2), (192, 2)] {
+                let tiles = operand_tiles(&fp8(n, 992, k), Some(&l), rows, cluster);
+                assert!(tiles.iter().all(|t| t.is_some()));
+                for t in tiles.iter().flatten() {
+                    t.check().unwrap_or_else(|e| panic!("N={n} K={k} rows {rows}: {e}"));
+                }
+            }
+        }
+        assert!(operand_tiles(&fp8(2560, 992, 9216), None, 128, 1)[3..5].iter().all(|t| t.is_none()));
+        // An X that is not 16-byte aligned cannot be a TMA tensor (eligible() keeps such GEMMs off
+        // the kernel): the check names it.
         let g = Gemm { x: (2 << 20) + 8, ..fp8(2560, 992, 9216) };
-        let e = operand_maps(&g, None, 128, 1).unwrap_err().to_string();
+        let e = operand_tiles(&g, None, 128, 1)[0].unwrap().check().unwrap_err().to_string();
         assert!(e.contains("FP8 GEMM X") && e.contains("16-byte aligned"), "{e}");
     }
 }

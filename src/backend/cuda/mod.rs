@@ -204,6 +204,8 @@ struct DeviceState {
     fp8_linears: AtomicBool,
     /// [`CudaBackend::resident_blocks`] by (kernel, block size, dynamic shared memory).
     resident: std::sync::Mutex<HashMap<(String, u32, usize), usize>>,
+    /// TMA tensor maps already encoded ([`tma::TensorMapCache`]).
+    tensor_maps: tma::TensorMapCache,
 }
 
 impl CudaBackend {
@@ -379,6 +381,7 @@ impl CudaBackend {
                 profiler,
                 fp8_linears: AtomicBool::new(false),
                 resident: Default::default(),
+                tensor_maps: Default::default(),
             }),
         })
     }

@@ -15,9 +15,11 @@
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::sys;
 use cudarc::driver::DeviceRepr;
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// An element type a map can name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Elem {
     /// Bytes: E4M3 codes.
     U8,
@@ -43,7 +45,7 @@ impl Elem {
 }
 
 /// A row-major 2-D tensor in device memory and the box one copy moves.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tile2d {
     /// The operand, for errors.
     pub what: &'static str,
@@ -146,6 +148,51 @@ impl Tile2d {
     }
 }
 
+/// Encoded maps by what they describe. A map is a pure function of its [`Tile2d`] (address,
+/// sizes, strides, box, swizzle: not the memory's contents), so one encoded for an earlier tensor
+/// at the same address and shape is the same bytes. Activation buffers come back at the same
+/// addresses from the stream's pool and weights never move, so after the first forward nearly
+/// every GEMM finds its maps here instead of encoding four to six per launch (the driver's encode
+/// is host work on the launch path, which short requests are bound by).
+pub struct TensorMapCache {
+    maps: Mutex<HashMap<Tile2d, TensorMap>>,
+}
+
+impl TensorMapCache {
+    /// Entries kept before the cache starts over (a forward of the 4B model holds a few hundred
+    /// distinct maps; a bound keeps address churn from growing it forever).
+    pub const CAPACITY: usize = 8192;
+
+    pub fn new() -> Self {
+        TensorMapCache { maps: Mutex::new(HashMap::new()) }
+    }
+
+    /// The map of `t`, encoded by the driver once.
+    pub fn get(&self, t: &Tile2d) -> Result<TensorMap> {
+        self.get_with(t, Tile2d::encode)
+    }
+
+    /// [`Self::get`] with the encoder given (tests count its calls).
+    fn get_with(&self, t: &Tile2d, encode: impl FnOnce(&Tile2d) -> Result<TensorMap>) -> Result<TensorMap> {
+        let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = maps.get(t) {
+            return Ok(*m);
+        }
+        let m = encode(t)?;
+        if maps.len() >= Self::CAPACITY {
+            maps.clear();
+        }
+        maps.insert(*t, m);
+        Ok(m)
+    }
+}
+
+impl Default for TensorMapCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// An encoded map, passed to a kernel by value.
 #[derive(Debug, Clone, Copy)]
 #[repr(transparent)]
@@ -199,6 +246,30 @@ mod tests {
         // A LoRA product T [m][rank] bf16: rank 16 is narrower than the 64-column box.
         let t = Tile2d { elem: Elem::Bf16, cols: 16, rows: 300, row_stride: 16, box_cols: 64, ..x_tile() };
         t.check().unwrap();
+    }
+
+    #[test]
+    fn the_cache_encodes_each_description_once() {
+        let cache = TensorMapCache::new();
+        let mut calls = 0;
+        let mut get = |t: &Tile2d| {
+            cache
+                .get_with(t, |_| {
+                    calls += 1;
+                    Ok(TensorMap::unused())
+                })
+                .unwrap()
+        };
+        get(&x_tile());
+        get(&x_tile());
+        get(&Tile2d { addr: 2 << 20, ..x_tile() });
+        get(&Tile2d { box_rows: 128, ..x_tile() });
+        get(&x_tile());
+        assert_eq!(calls, 3, "one encode per distinct description");
+        // A failed encode is an error and caches nothing.
+        let bad = Tile2d { addr: 3, ..x_tile() };
+        assert!(cache.get_with(&bad, |t| t.check().map(|_| TensorMap::unused())).is_err());
+        assert_eq!(cache.maps.lock().unwrap().len(), 3);
     }
 
     #[test]
