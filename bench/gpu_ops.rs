@@ -21,7 +21,8 @@
 //!   SwiGLU (`mlp_lora_fused`), and their ratio;
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
 //!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
-//!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue) at 977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
+//!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue), and `_192` with
+//!   the LoRA A side on `gemm_bf16_192` (`own192+A`) at 977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -251,14 +252,18 @@ impl Bench<'_> {
             return Ok(());
         }
         let sides: Vec<(&str, CudaBackend)> = [
-            ("cuBLASLt", Fp8Gemm::Cublas),
-            ("own128", Fp8Gemm::Own128),
-            ("own192", Fp8Gemm::Own192),
-            ("own128m", Fp8Gemm::Own128Multicast),
-            ("own192m", Fp8Gemm::Own192Multicast),
+            ("cuBLASLt", Fp8Gemm::Cublas, false),
+            ("own128", Fp8Gemm::Own128, false),
+            ("own192", Fp8Gemm::Own192, false),
+            ("own192+A", Fp8Gemm::Own192, true),
+            ("own128m", Fp8Gemm::Own128Multicast, false),
+            ("own192m", Fp8Gemm::Own192Multicast, false),
         ]
         .into_iter()
-        .map(|(l, f)| CudaBackend::new(0, CudaOptions { fp8_gemm: f, ..g.options().clone() }).map(|b| (l, b)))
+        .map(|(l, f, a)| {
+            CudaBackend::new(0, CudaOptions { fp8_gemm: f, lora_a_own: a, ..g.options().clone() })
+                .map(|b| (l, b))
+        })
         .collect::<Result<_>>()?;
         let r = 64usize;
         for (what, n, k, _) in FP8_SHAPES {

@@ -143,7 +143,10 @@ __device__ __forceinline__ void gemm_fp8_unit(int u, int mtiles, int ntiles, uns
 
 // CL: blocks of a cluster (1, or 2 sharing each W tile: each loads half of its rows and multicasts
 // them to both, halving W's traffic from L2).
-template <int NC, int CL>
+// PLAIN: a BF16 GEMM Y = T·Bᵀ over K BF16 columns and nothing else (the LoRA A side, T = X·Aᵀ:
+// N is the pair's rank, not a multiple of 128, its last column tile cut by the maps' edges): no
+// FP8 k-blocks, the LoRA stages over the whole K with scale 1.
+template <int NC, int CL, bool PLAIN>
 __device__ void gemm_fp8(const GemmFp8Args& p) {
   using T = GemmFp8Tiles<NC>;
   constexpr int BM = T::BM, ST = T::ST;
@@ -160,7 +163,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   unsigned long long* empty = full + ST;
 
   const unsigned rank = CL > 1 ? cluster_rank() : 0;
-  const int mtiles = (p.M + BM - 1) / BM, ntiles = p.N / 128, kblocks = p.K / 128;
+  // (PLAIN: N need not be whole 128-column tiles, and K is all LoRA stages' columns.)
+  const int mtiles = (p.M + BM - 1) / BM, ntiles = PLAIN ? (p.N + 127) / 128 : p.N / 128;
+  const int kblocks = PLAIN ? 0 : p.K / 128;
   const int units = (mtiles + CL - 1) / CL * ntiles, unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
   if (threadIdx.x == 0) {
     for (int i = 0; i < ST; i++) {
@@ -180,7 +185,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
     const int lane = threadIdx.x & 31;
     if (threadIdx.x < 32) {
       const bool issue = lane == 0;
-      if (issue) {
+      if (issue && !PLAIN) {  // (PLAIN's X, xs and W maps are zeros, never read)
         tma_prefetch_map(p.x);
         tma_prefetch_map(p.xs);
         tma_prefetch_map(p.w);
@@ -210,9 +215,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
             else tma_load_2d(B, p.w, kb * 128, wrow, full + s);
           }
         }
-        if (p.lwin == nullptr) continue;
-        const int re = p.lwin[2 * nt + 1];
-        for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
+        if (!PLAIN && p.lwin == nullptr) continue;
+        const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
+        for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
           // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
           // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
           const int s = it % ST;
@@ -266,14 +271,14 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         release(s);
         gemm_fp8_promote(out, acc, f0, f1);
       }
-      if (p.lwin != nullptr) {
+      if (PLAIN || p.lwin != nullptr) {
         // The LoRA is added to the base projection rounded to BF16, as the cuBLASLt path adds its
         // separate B GEMM to the stored output (and PEFT to the base layer's BF16 output): the
         // kernel moves where the sum happens, not the arithmetic.
 #pragma unroll
         for (int i = 0; i < 64; i++) out[i] = __bfloat162float(__float2bfloat16(out[i]));
-        const int re = p.lwin[2 * nt + 1];
-        for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
+        const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
+        for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
           const int s = it % ST;
           gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
           release(s);
@@ -317,19 +322,23 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // from L2 and more rows of padding at small M; the _m forms run in clusters of two blocks that
 // share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
-#define GEMM_FP8_BODY(NC, CL) \
-  gemm_fp8<NC, CL>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, ws, M, N, K, lwin, lcol0, lscale});
+#define GEMM_FP8_BODY(NC, CL, PLAIN) \
+  gemm_fp8<NC, CL, PLAIN>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, ws, M, N, K, lwin, lcol0, lscale});
 #else
-#define GEMM_FP8_BODY(NC, CL)
+#define GEMM_FP8_BODY(NC, CL, PLAIN)
 #endif
-#define GEMM_FP8_ENTRY(NAME, NC, CL, ATTRS)                                                                     \
+#define GEMM_FP8_ENTRY(NAME, NC, CL, PLAIN, ATTRS)                                                              \
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                \
       const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w, \
       const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y, \
       const float* ws, int M, int N, int K, const int* lwin, int lcol0, float lscale) {                       \
-    GEMM_FP8_BODY(NC, CL)                                                                                     \
+    GEMM_FP8_BODY(NC, CL, PLAIN)                                                                              \
   }
-GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, )
-GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, )
-GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, __cluster_dims__(2, 1, 1))
-GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, )
+GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, )
+GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, __cluster_dims__(2, 1, 1))
+// gemm_bf16_<rows>: the PLAIN form (the LoRA A side), same parameters: only lt (X), lb (A), y, M, N
+// (the rank), K (BF16 columns) and lscale (1) are read.
+GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, )
+GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, )

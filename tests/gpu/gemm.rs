@@ -623,6 +623,44 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         rel(&yo, &yc) / rel(&yb, &yc).max(1e-12),
         1.2,
     );
+
+    // The LoRA A sides on the kernel's BF16 form (`lora_a_own`, opt-in): T's sums run in another
+    // order than cuBLASLt's, so a few of T's BF16 roundings differ; the projections must stay as
+    // close to the CPU as with cuBLASLt's A side, and rows bitwise across M. (Every A side here
+    // fits the form: K 2560 / 9216 in 64-column stages, ranks 48 / 128 / 64.)
+    let with = |own: bool| {
+        variant(g, |o| {
+            o.fp8_gemm = Fp8Gemm::Own192;
+            o.lora_a_own = own;
+        })
+    };
+    let (oa, o192) = (with(true)?, with(false)?);
+    if !oa.own_lora_a() || o192.own_lora_a() {
+        rep.flag(p, "own LoRA A vs cuBLASLt's", false, "IMAJEV_LORA_A forces one: unset it");
+        return Ok(());
+    }
+    let (la2, l192) = (oa.linear(&parts)?, o192.linear(&parts)?);
+    let ya = oa.download(&oa.matmul(&oa.upload(&x2, &[m2, k2])?, &la2)?)?;
+    let y192 = o192.download(&o192.matmul(&o192.upload(&x2, &[m2, k2])?, &l192)?)?;
+    let name = "own192 + own LoRA A, in_proj-like r16/r32";
+    rep.check(p, format!("{name} M={m2} vs CPU f32"), rel(&ya, &y2c), 8e-2);
+    rep.check(
+        p,
+        format!("{name}: CPU error / with cuBLASLt's A side ({:.3e})", rel(&y192, &y2c)),
+        rel(&ya, &y2c) / rel(&y192, &y2c).max(1e-12),
+        1.2,
+    );
+    rep.check(p, format!("{name} vs cuBLASLt's A side (max)"), rel(&ya, &y192), 3e-2);
+    invariance(&oa, rep, name, &la2, &x2, k2, &ya)?;
+    let (agu, ad) = (oa.linear(&gate_up)?, oa.linear(&down)?);
+    let ym = oa.download(&oa.swiglu_mlp(&oa.upload(&x3, &[130, h])?, &agu, &ad)?)?;
+    rep.check(p, "own192 + own LoRA A swiglu_mlp M=130 vs CPU f32", rel(&ym, &yc), 8e-2);
+    rep.check(
+        p,
+        "own192 + own LoRA A swiglu_mlp: CPU error / cuBLASLt path's",
+        rel(&ym, &yc) / rel(&yb, &yc).max(1e-12),
+        1.2,
+    );
     Ok(())
 }
 

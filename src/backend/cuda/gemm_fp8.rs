@@ -75,6 +75,13 @@ impl Fp8Gemm {
             _ => 1,
         }
     }
+    /// The BF16 form's kernel (the LoRA A side), for the same tile height.
+    fn bf16_kernel(self) -> &'static str {
+        match self.consumers() {
+            Some(3) => "gemm_bf16_192",
+            _ => "gemm_bf16_128",
+        }
+    }
     /// The kernel's name.
     fn kernel(self) -> &'static str {
         match self {
@@ -138,6 +145,11 @@ impl CudaBackend {
         self.fp8_gemm_runs().consumers().is_some()
     }
 
+    /// Whether LoRA A sides go to `gemm_bf16_<rows>` when they fit it (see [`Self::gemm_bf16_own`]).
+    pub fn own_lora_a(&self) -> bool {
+        self.state.options.lora_a_own && self.own_fp8_gemm()
+    }
+
     fn fp8_gemm_runs(&self) -> Fp8Gemm {
         self.state.options.fp8_gemm.on(self.state.info.hopper())
     }
@@ -181,6 +193,59 @@ impl CudaBackend {
         ]);
         let cfg = launch_config((grid, 1, 1), threads, smem);
         self.launch(runs.kernel(), cfg, &args)?;
+        Ok(true)
+    }
+}
+
+impl CudaBackend {
+    /// Runs the BF16 GEMM `g` (a LoRA A side: `y = x·wᵀ`, N the rank) on `gemm_bf16_<rows>` and
+    /// returns true, or returns false (nothing launched) when that form is off
+    /// ([`super::CudaOptions::lora_a_own`], or no own FP8 GEMM on this GPU) or cannot take `g`.
+    pub(super) fn gemm_bf16_own(&self, g: &Gemm) -> Result<bool> {
+        let runs = self.fp8_gemm_runs();
+        let Some(nc) = runs.consumers().filter(|_| self.own_lora_a() && bf16_eligible(g)) else {
+            return Ok(false);
+        };
+        if g.m == 0 {
+            return Ok(true);
+        }
+        let rows = layout::gemm_fp8_tile_rows(nc);
+        let bf16 = |what, addr, cols, rows_all, box_cols, box_rows| Tile2d {
+            what,
+            elem: Elem::Bf16,
+            addr,
+            cols,
+            rows: rows_all,
+            row_stride: cols,
+            box_cols,
+            box_rows,
+            swizzle_128b: true,
+        };
+        let tiles = [
+            bf16("BF16 GEMM X", g.x, g.k, g.m, 64, rows),
+            bf16("BF16 GEMM W", g.w, g.k, g.n, 64, 128),
+            bf16("BF16 GEMM Y", g.y, g.n, g.m, 64, 64),
+        ];
+        let [x, w, y] = [0, 1, 2].map(|i| self.state.tensor_maps.get(&tiles[i]));
+        let unused = Arg::Map(TensorMap::unused());
+        let args = [
+            unused,
+            unused,
+            unused,
+            Arg::Map(x?),
+            Arg::Map(w?),
+            Arg::Map(y?),
+            Arg::Ptr(0),
+            Arg::I32(g.m as i32),
+            Arg::I32(g.n as i32),
+            Arg::I32(g.k as i32),
+            Arg::Ptr(0),
+            Arg::I32(0),
+            Arg::F32(1.0),
+        ];
+        let (threads, smem) = (layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
+        let grid = layout::gemm_fp8_grid(g.m, g.n, nc, 1, self.state.info.multiprocessors);
+        self.launch(runs.bf16_kernel(), launch_config((grid, 1, 1), threads, smem), &args)?;
         Ok(true)
     }
 }
@@ -230,6 +295,23 @@ fn eligible(g: &Gemm) -> bool {
         && g.x % 16 == 0
         && g.w % 16 == 0
         && g.x_scale % 16 == 0
+        && g.m <= i32::MAX as usize
+}
+
+/// What `gemm_bf16_<rows>` takes: a dense BF16 GEMM without α or β, K in whole 64-column stages,
+/// N and the operands as the TMA copies need them (16-byte aligned, rows of whole 16-byte chunks).
+fn bf16_eligible(g: &Gemm) -> bool {
+    g.kind == GemmKind::Bf16
+        && g.alpha == 1.0
+        && g.beta == 0.0
+        && g.k % 64 == 0
+        && g.n % 8 == 0
+        && g.ldx == g.k
+        && g.ldw == g.k
+        && g.ldy == g.n
+        && g.x % 16 == 0
+        && g.w % 16 == 0
+        && g.y % 16 == 0
         && g.m <= i32::MAX as usize
 }
 
@@ -286,6 +368,21 @@ mod tests {
         assert!(lora_eligible(&l));
         assert!(!lora_eligible(&LoraEpilogue { rank: 20, ..l }), "rank rows not whole 16-byte chunks");
         assert!(!lora_eligible(&LoraEpilogue { t: (1 << 20) + 8, ..l }), "T misaligned for TMA");
+    }
+
+    #[test]
+    fn the_bf16_form_takes_lora_a_sides() {
+        let a = Gemm::placeholder(GemmKind::Bf16, 64, 977, 2560);
+        assert!(bf16_eligible(&a));
+        assert!(bf16_eligible(&Gemm { n: 256, ldy: 256, ..a }));
+        assert!(!bf16_eligible(&fp8(2560, 992, 9216)), "FP8 goes to gemm_fp8");
+        assert!(
+            !bf16_eligible(&Gemm { k: 2560 + 32, ldx: 2592, ldw: 2592, ..a }),
+            "K not whole 64-column stages"
+        );
+        assert!(!bf16_eligible(&Gemm { beta: 1.0, ..a }), "an accumulating GEMM (LoRA B)");
+        assert_eq!(Fp8Gemm::Own192.bf16_kernel(), "gemm_bf16_192");
+        assert_eq!(Fp8Gemm::Own128Multicast.bf16_kernel(), "gemm_bf16_128");
     }
 
     #[test]

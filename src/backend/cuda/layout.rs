@@ -376,7 +376,7 @@ pub const fn gemm_fp8_threads(consumers: usize) -> u32 {
 /// (`slots`: SMs, or the clusters the GPU holds at once), and no more than there are, in whole
 /// clusters.
 pub fn gemm_fp8_grid(m: usize, n: usize, consumers: usize, cluster: usize, slots: usize) -> u32 {
-    let units = m.div_ceil(gemm_fp8_tile_rows(consumers)).div_ceil(cluster) * (n / 128);
+    let units = m.div_ceil(gemm_fp8_tile_rows(consumers)).div_ceil(cluster) * n.div_ceil(128);
     (units.min(slots).max(1) * cluster) as u32
 }
 
@@ -477,6 +477,8 @@ mod tests {
         // 300 rows, 2560 columns: 3 row tiles of 128 make 2 pairs, x 20 column tiles.
         assert_eq!(gemm_fp8_grid(300, 2560, 2, 1, 132), 60);
         assert_eq!(gemm_fp8_grid(300, 2560, 2, 2, 66), 80);
+        // The BF16 form's N (a LoRA rank) need not be whole tiles: 977 rows x rank 64.
+        assert_eq!(gemm_fp8_grid(977, 64, 3, 1, 132), 6);
     }
 
     #[test]

@@ -327,7 +327,9 @@ impl CudaBackend {
             w_scale: 0,
             x_scale: 0,
         };
-        self.gemm_named(&g, "gemm.lora_a").context("LoRA A GEMM")?;
+        if !self.gemm_bf16_own(&g).context("LoRA A GEMM (own kernel)")? {
+            self.gemm_named(&g, "gemm.lora_a").context("LoRA A GEMM")?;
+        }
         Ok(t)
     }
 

@@ -126,6 +126,10 @@ pub struct CudaOptions {
     /// cluster forms, or cuBLASLt (what runs off Hopper). `IMAJEV_FP8_GEMM=cublas|own|own192|
     /// own128m|own192m` in the environment sets it when left at the default.
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
+    /// Whether LoRA A sides (`T = x·Aᵀ`, BF16, N = the rank) run on the FP8 kernel's BF16 form
+    /// (`gemm_bf16_<rows>`, the tile height of `fp8_gemm`) rather than cuBLASLt, on Hopper with an
+    /// own FP8 GEMM. Opt-in until measured: `IMAJEV_LORA_A=own|cublas`.
+    pub lora_a_own: bool,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -148,6 +152,7 @@ impl Default for CudaOptions {
             attention: AttentionKernel::default(),
             narrow_gemm: narrow::NarrowGemm::default(),
             fp8_gemm: gemm_fp8::Fp8Gemm::default(),
+            lora_a_own: false,
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
@@ -268,6 +273,12 @@ impl CudaBackend {
                     options.fp8_gemm = v.parse().map_err(|e| anyhow!("IMAJEV_FP8_GEMM={v}: {e}"))?;
                 }
             }
+        }
+        match std::env::var("IMAJEV_LORA_A").as_deref() {
+            Ok("own") => options.lora_a_own = true,
+            Ok("cublas") => options.lora_a_own = false,
+            Ok("") | Err(_) => {}
+            Ok(other) => bail!("IMAJEV_LORA_A={other}: expected own or cublas (the default)"),
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
