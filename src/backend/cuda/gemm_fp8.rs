@@ -161,43 +161,13 @@ impl CudaBackend {
         let Some(nc) = runs.consumers().filter(|_| eligible(g) && lora.is_none_or(lora_eligible)) else {
             return Ok(false);
         };
-        if g.m == 0 {
-            return Ok(true);
-        }
-        let rows = layout::gemm_fp8_tile_rows(nc);
-        let mut args = Vec::with_capacity(13);
-        for tile in operand_tiles(g, lora, rows, runs.cluster()) {
-            let map = match tile {
-                Some(t) => self.state.tensor_maps.get(&t)?,
-                None => TensorMap::unused(),
-            };
-            args.push(Arg::Map(map));
-        }
-        let (threads, smem) = (layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
-        // Units of work run at once: one block an SM, or the clusters the GPCs hold at once (a
-        // cluster that had to wait for another to finish would double the time).
-        let slots = match runs.cluster() {
-            1 => self.state.info.multiprocessors,
-            _ => self.resident_clusters(runs.kernel(), threads, smem)?,
-        };
-        let grid = layout::gemm_fp8_grid(g.m, g.n, nc, runs.cluster(), slots);
+        let tiles = operand_tiles(g, lora, layout::gemm_fp8_tile_rows(nc), runs.cluster());
         let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
-        args.extend([
-            Arg::Ptr(g.w_scale),
-            Arg::I32(g.m as i32),
-            Arg::I32(g.n as i32),
-            Arg::I32(g.k as i32),
-            Arg::Ptr(win),
-            Arg::I32(col0 as i32),
-            Arg::F32(scale),
-        ]);
-        let cfg = launch_config((grid, 1, 1), threads, smem);
-        self.launch(runs.kernel(), cfg, &args)?;
+        let launch = KernelLaunch { name: runs.kernel(), consumers: nc, cluster: runs.cluster(), tiles };
+        self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale)?;
         Ok(true)
     }
-}
 
-impl CudaBackend {
     /// Runs the BF16 GEMM `g` (a LoRA A side: `y = x·wᵀ`, N the rank) on `gemm_bf16_<rows>` and
     /// returns true, or returns false (nothing launched) when that form is off
     /// ([`super::CudaOptions::lora_a_own`], or no own FP8 GEMM on this GPU) or cannot take `g`.
@@ -206,48 +176,72 @@ impl CudaBackend {
         let Some(nc) = runs.consumers().filter(|_| self.own_lora_a() && bf16_eligible(g)) else {
             return Ok(false);
         };
-        if g.m == 0 {
-            return Ok(true);
-        }
         let rows = layout::gemm_fp8_tile_rows(nc);
-        let bf16 = |what, addr, cols, rows_all, box_cols, box_rows| Tile2d {
-            what,
-            elem: Elem::Bf16,
-            addr,
-            cols,
-            rows: rows_all,
-            row_stride: cols,
-            box_cols,
-            box_rows,
-            swizzle_128b: true,
-        };
+        // The form reads only its LoRA operands and Y: X goes in T's place, W in B's.
         let tiles = [
-            bf16("BF16 GEMM X", g.x, g.k, g.m, 64, rows),
-            bf16("BF16 GEMM W", g.w, g.k, g.n, 64, 128),
-            bf16("BF16 GEMM Y", g.y, g.n, g.m, 64, 64),
+            None,
+            None,
+            None,
+            Some(Tile2d::swizzled("BF16 GEMM X", Elem::Bf16, g.x, g.k, g.m, 64, rows)),
+            Some(Tile2d::swizzled("BF16 GEMM W", Elem::Bf16, g.w, g.k, g.n, 64, 128)),
+            Some(Tile2d::swizzled("BF16 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64)),
         ];
-        let [x, w, y] = [0, 1, 2].map(|i| self.state.tensor_maps.get(&tiles[i]));
-        let unused = Arg::Map(TensorMap::unused());
-        let args = [
-            unused,
-            unused,
-            unused,
-            Arg::Map(x?),
-            Arg::Map(w?),
-            Arg::Map(y?),
-            Arg::Ptr(0),
+        let launch = KernelLaunch { name: runs.bf16_kernel(), consumers: nc, cluster: 1, tiles };
+        self.launch_gemm_kernel(&launch, g, 0, 0, 0, 1.0)?;
+        Ok(true)
+    }
+
+    /// Launches an entry of kernels/gemm_fp8.cu (they share one parameter list) over `g`'s M, N
+    /// and K on a persistent grid: its six tensor maps (from the cache; zeros where the entry reads
+    /// none), then the W scales, the sizes, the LoRA windows, first column and scale.
+    fn launch_gemm_kernel(
+        &self,
+        l: &KernelLaunch,
+        g: &Gemm,
+        w_scale: u64,
+        windows: u64,
+        col0: usize,
+        scale: f32,
+    ) -> Result<()> {
+        if g.m == 0 {
+            return Ok(());
+        }
+        let mut args = Vec::with_capacity(13);
+        for tile in &l.tiles {
+            let map = match tile {
+                Some(t) => self.state.tensor_maps.get(t)?,
+                None => TensorMap::unused(),
+            };
+            args.push(Arg::Map(map));
+        }
+        args.extend([
+            Arg::Ptr(w_scale),
             Arg::I32(g.m as i32),
             Arg::I32(g.n as i32),
             Arg::I32(g.k as i32),
-            Arg::Ptr(0),
-            Arg::I32(0),
-            Arg::F32(1.0),
-        ];
-        let (threads, smem) = (layout::gemm_fp8_threads(nc), layout::gemm_fp8_smem_bytes(nc));
-        let grid = layout::gemm_fp8_grid(g.m, g.n, nc, 1, self.state.info.multiprocessors);
-        self.launch(runs.bf16_kernel(), launch_config((grid, 1, 1), threads, smem), &args)?;
-        Ok(true)
+            Arg::Ptr(windows),
+            Arg::I32(col0 as i32),
+            Arg::F32(scale),
+        ]);
+        let (threads, smem) =
+            (layout::gemm_fp8_threads(l.consumers), layout::gemm_fp8_smem_bytes(l.consumers));
+        // Units of work run at once: one block an SM, or the clusters the GPCs hold at once (a
+        // cluster that had to wait for another to finish would double the time).
+        let slots = match l.cluster {
+            1 => self.state.info.multiprocessors,
+            _ => self.resident_clusters(l.name, threads, smem)?,
+        };
+        let grid = layout::gemm_fp8_grid(g.m, g.n, l.consumers, l.cluster, slots);
+        self.launch(l.name, launch_config((grid, 1, 1), threads, smem), &args)
     }
+}
+
+/// Which entry of kernels/gemm_fp8.cu a launch runs and what its tensor maps describe.
+struct KernelLaunch {
+    name: &'static str,
+    consumers: usize,
+    cluster: usize,
+    tiles: [Option<Tile2d>; 6],
 }
 
 /// What the kernel's six tensor maps describe, in its parameter order: X (a tile's rows x one
@@ -256,17 +250,7 @@ impl CudaBackend {
 /// same rows as X and W; None without LoRA: zero maps the kernel never reads), and Y (64 columns x
 /// a warpgroup's 64 rows).
 fn operand_tiles(g: &Gemm, lora: Option<&LoraEpilogue>, rows: usize, cluster: usize) -> [Option<Tile2d>; 6] {
-    let swizzled = |what, elem, addr, cols, rows_all, box_cols, box_rows| Tile2d {
-        what,
-        elem,
-        addr,
-        cols,
-        rows: rows_all,
-        row_stride: cols,
-        box_cols,
-        box_rows,
-        swizzle_128b: true,
-    };
+    let swizzled = Tile2d::swizzled;
     let x_scales = swizzled("FP8 GEMM X scales", Elem::F32, g.x_scale, g.m, g.k / 128, rows, 1);
     [
         Some(swizzled("FP8 GEMM X", Elem::U8, g.x, g.k, g.m, 128, rows)),
@@ -278,41 +262,37 @@ fn operand_tiles(g: &Gemm, lora: Option<&LoraEpilogue>, rows: usize, cluster: us
     ]
 }
 
-/// What `gemm_fp8` takes: block-scaled FP8 without α or β, widths in whole 128-blocks, rows a
-/// multiple of 16 (the FP8 padding), operands as dense as cuBLASLt's plans give them, and an output
-/// the TMA can store (16-byte aligned, rows of whole 16-byte chunks).
+/// What `gemm_fp8` takes: block-scaled FP8, widths in whole 128-blocks, rows a multiple of 16
+/// (the FP8 padding), an output whose rows are whole 16-byte chunks, and what every entry needs.
 fn eligible(g: &Gemm) -> bool {
     g.kind == GemmKind::Fp8Block
-        && g.alpha == 1.0
-        && g.beta == 0.0
         && g.n % 128 == 0
         && g.k % 128 == 0
         && g.m % 16 == 0
-        && g.ldw == g.k
-        && g.ldx == g.k
         && g.ldy % 8 == 0
-        && g.y % 16 == 0
-        && g.x % 16 == 0
-        && g.w % 16 == 0
         && g.x_scale % 16 == 0
-        && g.m <= i32::MAX as usize
+        && plain_dense_and_aligned(g)
 }
 
-/// What `gemm_bf16_<rows>` takes: a dense BF16 GEMM without α or β, K in whole 64-column stages,
-/// N and the operands as the TMA copies need them (16-byte aligned, rows of whole 16-byte chunks).
+/// What `gemm_bf16_<rows>` takes: BF16, K in whole 64-column stages, a dense output whose rows are
+/// whole 16-byte chunks, and what every entry needs.
 fn bf16_eligible(g: &Gemm) -> bool {
-    g.kind == GemmKind::Bf16
-        && g.alpha == 1.0
+    g.kind == GemmKind::Bf16 && g.k % 64 == 0 && g.n % 8 == 0 && g.ldy == g.n && plain_dense_and_aligned(g)
+}
+
+/// What every entry of kernels/gemm_fp8.cu needs: no α or β, operands as dense as cuBLASLt's plans
+/// give them, 16-byte aligned for the TMA, and sizes that fit its `int` parameters.
+fn plain_dense_and_aligned(g: &Gemm) -> bool {
+    g.alpha == 1.0
         && g.beta == 0.0
-        && g.k % 64 == 0
-        && g.n % 8 == 0
-        && g.ldx == g.k
         && g.ldw == g.k
-        && g.ldy == g.n
+        && g.ldx == g.k
         && g.x % 16 == 0
         && g.w % 16 == 0
         && g.y % 16 == 0
         && g.m <= i32::MAX as usize
+        && g.n <= i32::MAX as usize
+        && g.k <= i32::MAX as usize
 }
 
 /// What the epilogue's TMA copies take of a LoRA pair: 16-byte aligned T and B whose rows (the
@@ -327,6 +307,11 @@ mod tests {
 
     fn fp8(n: usize, m: usize, k: usize) -> Gemm {
         Gemm::placeholder(GemmKind::Fp8Block, n, m, k)
+    }
+
+    /// A rank-64 pair over 2,560 output columns, T of `rows` rows (placeholder addresses).
+    fn rank64_pair(rows: usize) -> LoraEpilogue {
+        LoraEpilogue { t: 1 << 20, rows, b: 2 << 20, rank: 64, col0: 0, cols: 2560, windows: 0, scale: 2.0 }
     }
 
     #[test]
@@ -355,16 +340,7 @@ mod tests {
         assert!(!eligible(&fp8(2560, 990, 9216)), "M not padded to 16");
         assert!(!eligible(&Gemm { y: (3 << 20) + 8, ..fp8(2560, 992, 9216) }), "Y not 16-byte aligned");
         assert!(!eligible(&Gemm { ldy: 2564, ..fp8(2560, 992, 9216) }), "Y rows not whole 16-byte chunks");
-        let l = LoraEpilogue {
-            t: 1 << 20,
-            rows: 992,
-            b: 2 << 20,
-            rank: 64,
-            col0: 0,
-            cols: 2560,
-            windows: 0,
-            scale: 2.0,
-        };
+        let l = rank64_pair(992);
         assert!(lora_eligible(&l));
         assert!(!lora_eligible(&LoraEpilogue { rank: 20, ..l }), "rank rows not whole 16-byte chunks");
         assert!(!lora_eligible(&LoraEpilogue { t: (1 << 20) + 8, ..l }), "T misaligned for TMA");
@@ -389,16 +365,7 @@ mod tests {
     fn operand_tiles_pass_the_tma_rules() {
         // What the kernel copies, for the shapes of the 4B model's projections: every map the
         // driver will be asked for passes its rules (encoding itself needs the driver).
-        let l = LoraEpilogue {
-            t: 1 << 20,
-            rows: 977,
-            b: 2 << 20,
-            rank: 64,
-            col0: 0,
-            cols: 2560,
-            windows: 0,
-            scale: 2.0,
-        };
+        let l = rank64_pair(977);
         for (n, k) in [(18432, 2560), (12288, 2560), (2560, 9216), (2560, 4096)] {
             for (rows, cluster) in [(128, 1), (192, 1), (128, 2), (192, 2)] {
                 let tiles = operand_tiles(&fp8(n, 992, k), Some(&l), rows, cluster);

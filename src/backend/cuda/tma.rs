@@ -66,6 +66,19 @@ pub struct Tile2d {
 }
 
 impl Tile2d {
+    /// A dense `rows` x `cols` tensor (rows follow each other) whose boxes land 128-byte swizzled.
+    pub fn swizzled(
+        what: &'static str,
+        elem: Elem,
+        addr: u64,
+        cols: usize,
+        rows: usize,
+        box_cols: usize,
+        box_rows: usize,
+    ) -> Tile2d {
+        Tile2d { what, elem, addr, cols, rows, row_stride: cols, box_cols, box_rows, swizzle_128b: true }
+    }
+
     /// The driver's rules for a tiled, non-interleaved map (CUDA driver API,
     /// `cuTensorMapEncodeTiled`), checked here so that a failure names what to fix.
     pub fn check(&self) -> Result<()> {
