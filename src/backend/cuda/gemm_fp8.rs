@@ -15,6 +15,8 @@
 //! returns `false` and goes to cuBLASLt as before.
 //!
 //! The operands reach shared memory by TMA ([`super::tma`]): one thread issues a stage's copies.
+//! The same kernel's BF16 form (`gemm_bf16_<rows>`, [`CudaBackend::gemm_bf16_own`]) can run the
+//! LoRA A sides (`IMAJEV_LORA_A=own`, opt-in until measured).
 //!
 //! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m`,
 //! [`super::CudaOptions::fp8_gemm`]). On an H100 (bench/NOTES.md, seventeenth session) it gives
