@@ -15,7 +15,7 @@
 //! returns `false` and goes to cuBLASLt as before.
 //!
 //! The operands reach shared memory by TMA ([`super::tma`]): one thread issues a stage's copies.
-//! The same kernel's BF16 form (`gemm_bf16_<rows>`, [`CudaBackend::gemm_bf16_own`]) can run the
+//! The same kernel's BF16 form (`gemm_bf16_<rows>`, `CudaBackend::gemm_bf16_own`) can run the
 //! LoRA A sides (`IMAJEV_LORA_A=own`, opt-in until measured).
 //!
 //! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m`,
@@ -147,7 +147,7 @@ impl CudaBackend {
         self.fp8_gemm_runs().consumers().is_some()
     }
 
-    /// Whether LoRA A sides go to `gemm_bf16_<rows>` when they fit it (see [`Self::gemm_bf16_own`]).
+    /// Whether LoRA A sides go to `gemm_bf16_<rows>` when they fit it (see `gemm_bf16_own`).
     pub fn own_lora_a(&self) -> bool {
         self.state.options.lora_a_own && self.own_fp8_gemm()
     }

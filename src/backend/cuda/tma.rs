@@ -6,7 +6,7 @@
 //! Why by hand: cudarc 0.19 exposes the driver's `cuTensorMapEncodeTiled` only as a raw `sys`
 //! call. This module checks the driver's rules itself (alignment, strides, box sizes) so a shape it
 //! cannot take is an error naming the operand and the rule, not `CUDA_ERROR_INVALID_VALUE`, and
-//! makes the map a kernel argument ([`super::launch::Arg::Map`]).
+//! makes the map a kernel argument (`launch::Arg::Map`).
 //!
 //! What it does not know: which kernel reads a map, or where in shared memory the box lands. A box
 //! may reach past the tensor's edges (negative coordinates too): those elements read as zeros and
