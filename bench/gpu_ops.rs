@@ -22,7 +22,8 @@
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
 //!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
 //!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue), and `_192` with
-//!   the LoRA A side on `gemm_bf16_192` (`own192+A`) at 977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
+//!   the LoRA A side on `gemm_bf16_192` (`own192+A`), at 977, 7,816 and 16,384 rows (or at
+//!   `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -242,9 +243,10 @@ impl Bench<'_> {
 
     /// `--only fp8-own` (module doc): each FP8 projection shape with a rank-64 LoRA on all its
     /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
-    /// the SwiGLU, today's default) beside `gemm_fp8_128`, `gemm_fp8_192` and their cluster forms
-    /// (LoRA B in their epilogue), at `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A GEMM
-    /// and the activation quantisation, as a forward runs them.
+    /// the SwiGLU) beside `gemm_fp8_128`, `gemm_fp8_192` (alone and with the LoRA A side on
+    /// `gemm_bf16_192`) and their cluster forms (LoRA B in their epilogue), at `rows` rows; the
+    /// plain projection (no LoRA) too. Times include the LoRA A GEMM and the activation
+    /// quantisation, as a forward runs them.
     fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
         if !g.info().hopper() {

@@ -256,29 +256,31 @@ impl CudaBackend {
     /// whole GPU runs at once: its occupancy per SM, from the driver, times the SMs. A grid of at
     /// most this many blocks runs in one wave. Asked of the driver once per shape.
     pub(super) fn resident_blocks(&self, name: &str, threads: u32, smem: usize) -> Result<usize> {
-        let key = (name.to_string(), threads, smem);
-        let mut memo = self.state.resident.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&n) = memo.get(&key) {
-            return Ok(n);
-        }
-        let per_sm = self.func(name)?.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?;
-        let n = per_sm as usize * self.state.info.multiprocessors;
-        memo.insert(key, n);
-        Ok(n)
+        self.resident_memo((name.to_string(), threads, smem), || {
+            let per_sm =
+                self.func(name)?.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?;
+            Ok(per_sm as usize * self.state.info.multiprocessors)
+        })
     }
 
     /// How many clusters of kernel `name` (compiled with `__cluster_dims__`; block size `threads`,
     /// dynamic shared memory `smem`) the whole GPU runs at once, from the driver (clusters must fit
     /// within one GPC, so this can be fewer than SMs / cluster size). Asked once per shape.
     pub(super) fn resident_clusters(&self, name: &str, threads: u32, smem: usize) -> Result<usize> {
-        let key = (format!("{name} (clusters)"), threads, smem);
+        self.resident_memo((format!("{name} (clusters)"), threads, smem), || {
+            let grid = (self.state.info.multiprocessors as u32 / 2 * 2).max(2);
+            let cfg = launch_config((grid, 1, 1), threads, smem);
+            Ok(self.func(name)?.occupancy_max_active_clusters(cfg, &self.state.stream)? as usize)
+        })
+    }
+
+    /// The driver's occupancy answer under `key` (kernel, block size, shared memory), asked once.
+    fn resident_memo(&self, key: (String, u32, usize), ask: impl FnOnce() -> Result<usize>) -> Result<usize> {
         let mut memo = self.state.resident.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&n) = memo.get(&key) {
             return Ok(n);
         }
-        let grid = (self.state.info.multiprocessors as u32 / 2 * 2).max(2);
-        let cfg = launch_config((grid, 1, 1), threads, smem);
-        let n = self.func(name)?.occupancy_max_active_clusters(cfg, &self.state.stream)? as usize;
+        let n = ask()?;
         memo.insert(key, n);
         Ok(n)
     }
@@ -298,8 +300,7 @@ impl CudaBackend {
         }
         // SAFETY: every kernel's parameter list matches the argument list its caller builds
         // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32, tensor maps as the
-        // 128-byte TmaMap), and the buffers
-        // behind the pointers outlive the launch in stream order.
+        // 128-byte TmaMap), and the buffers behind the pointers outlive the launch in stream order.
         let mut go =
             move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));
         match &self.state.profiler {

@@ -207,7 +207,8 @@ struct DeviceState {
     /// quantisation of their output for the projection that reads it (before, it would be unused).
     /// A hint only: results are the same bits with or without it.
     fp8_linears: AtomicBool,
-    /// [`CudaBackend::resident_blocks`] by (kernel, block size, dynamic shared memory).
+    /// [`CudaBackend::resident_blocks`] and `resident_clusters` by (kernel, block size, dynamic
+    /// shared memory).
     resident: std::sync::Mutex<HashMap<(String, u32, usize), usize>>,
     /// TMA tensor maps already encoded ([`tma::TensorMapCache`]).
     tensor_maps: tma::TensorMapCache,
