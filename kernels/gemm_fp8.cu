@@ -13,8 +13,10 @@
 // BF16, columns 0 .. N. LoRA (lwin != nullptr): T [lm][lr] BF16 (the A side's product; lm is the
 // real row count), B [lcols][lr] BF16 for output columns lcol0 .. lcol0 + lcols (block-diagonal
 // over the parts of a fused pair), lwin [N/128][2] the rank columns [rb, re) a column tile needs
-// (its parts'; B's other rank columns of its rows are zero), lscale the pair's scale. Rows and
-// columns past a map's edges read as zeros.
+// (its parts'; B's other rank columns of its rows are zero), lscale the pair's scale. Bias
+// (bias != nullptr): [N] f32, added to the output rounded to BF16 and rounded again, after the
+// LoRA, as `add_bias8` adds it to the stored output (the vision tower's projections: ~40 ms of
+// add_bias8 launches in a two-photo request). Rows and columns past a map's edges read as zeros.
 //
 // Shape: a persistent grid, one block an SM, the tiles of BM = 64·NC rows x 128 columns dealt out
 // round-robin in a fixed order (gemm_fp8_tile). A block is a producer warpgroup and NC consumer
@@ -88,6 +90,7 @@ struct GemmFp8Args {
   const int* lwin;
   int lcol0;
   float lscale;
+  const float* bias;
 };
 
 // The four MMAs of ring stage s into acc (not committed).
@@ -285,6 +288,18 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           gemm_fp8_promote(out, acc, p.lscale, p.lscale);
         }
       }
+      if (!PLAIN && p.bias != nullptr) {
+        // bf16(bf16(out) + bias[c]), add_bias8's arithmetic on the output it would have read.
+        // This thread's columns: 8j + 2tg and the next, for both of its rows.
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+          const float2 b = *(const float2*)(p.bias + n0 + 8 * j + 2 * tg);
+          out[4 * j + 0] = __bfloat162float(__float2bfloat16(out[4 * j + 0])) + b.x;
+          out[4 * j + 1] = __bfloat162float(__float2bfloat16(out[4 * j + 1])) + b.y;
+          out[4 * j + 2] = __bfloat162float(__float2bfloat16(out[4 * j + 2])) + b.x;
+          out[4 * j + 3] = __bfloat162float(__float2bfloat16(out[4 * j + 3])) + b.y;
+        }
+      }
       // The output: rounded to BF16 into this warpgroup's rows of the staging tile (the 128-byte
       // swizzle keeps a warp's 8 rows on distinct banks), then one thread stores them by TMA while
       // the warpgroup goes on to the next tile (the direct 4-byte stores were ~18% of the stall
@@ -323,7 +338,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
 #define GEMM_FP8_BODY(NC, CL, PLAIN) \
-  gemm_fp8<NC, CL, PLAIN>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, ws, M, N, K, lwin, lcol0, lscale});
+  gemm_fp8<NC, CL, PLAIN>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, ws, M, N, K, lwin, lcol0, lscale, bias});
 #else
 #define GEMM_FP8_BODY(NC, CL, PLAIN)
 #endif
@@ -331,7 +346,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                \
       const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w, \
       const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y, \
-      const float* ws, int M, int N, int K, const int* lwin, int lcol0, float lscale) {                       \
+      const float* ws, int M, int N, int K, const int* lwin, int lcol0, float lscale, const float* bias) {     \
     GEMM_FP8_BODY(NC, CL, PLAIN)                                                                              \
   }
 GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, )
@@ -339,6 +354,6 @@ GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, )
 GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, __cluster_dims__(2, 1, 1))
 GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, __cluster_dims__(2, 1, 1))
 // gemm_bf16_<rows>: the PLAIN form (the LoRA A side), same parameters: only lt (X), lb (A), y, M, N
-// (the rank), K (BF16 columns) and lscale (1) are read.
+// (the rank), K (BF16 columns) and lscale (1) are read (no bias).
 GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, )
 GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, )

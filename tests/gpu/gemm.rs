@@ -522,6 +522,19 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
     // two 64-column chunks from 16.
     let big_a = MemoryTensor::bf16("a1w", &[128, k2], &rng.bf16_normals(128 * k2, 0.05));
     let big_b = MemoryTensor::bf16("b1w", &[outs[1], 128], &rng.bf16_normals(outs[1] * 128, 0.05));
+    // A vision-tower-like projection with a bias (the epilogue adds it, as add_bias8 after
+    // cuBLASLt), plain and with a LoRA pair (the bias after the LoRA, as in the unfused path).
+    let (n4, k4, m4) = (1024, 1024, 977);
+    let (w4, x4) = varied_fp8_case(rng, n4, k4, m4);
+    let b4 = MemoryTensor::f32("proj.bias", &[n4], &rng.bf16_normals(n4, 0.5));
+    let (a4, bb4) = (
+        MemoryTensor::bf16("proj.A", &[16, k4], &rng.bf16_normals(16 * k4, 0.05)),
+        MemoryTensor::bf16("proj.B", &[n4, 16], &rng.bf16_normals(n4 * 16, 0.05)),
+    );
+    let biased = [LinearPart { bias: Some(b4.r()), ..w4.part() }];
+    let biased_lora = [LinearPart { bias: Some(b4.r()), ..w4.lora_part(&a4, &bb4, 2.0) }];
+    let y4b = cublas.download(&cublas.matmul(&cublas.upload(&x4, &[m4, k4])?, &cublas.linear(&biased)?)?)?;
+    let y4c = c.matmul(&c.upload(&x4, &[m4, k4])?, &c.linear(&biased_lora)?)?.data;
     let mut outputs: Vec<Vec<f32>> = Vec::new();
     for (kind, label) in [
         (Fp8Gemm::Own128, "own128"),
@@ -580,7 +593,16 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
             rel(&yw, &ywc),
             8e-2,
         );
-        outputs.push([y, y2, yw].concat());
+        let y4 = o.download(&o.matmul(&o.upload(&x4, &[m4, k4])?, &o.linear(&biased)?)?)?;
+        rep.check(
+            p,
+            format!("{label} fp8 + bias in the epilogue N={n4} K={k4} M={m4} vs cuBLASLt + add_bias8 (bitwise count)"),
+            y4.iter().zip(&y4b).filter(|(a, b)| a.to_bits() != b.to_bits()).count() as f64,
+            0.0,
+        );
+        let y4l = o.download(&o.matmul(&o.upload(&x4, &[m4, k4])?, &o.linear(&biased_lora)?)?)?;
+        rep.check(p, format!("{label} fp8 + LoRA r16 + bias M={m4} vs CPU f32"), rel(&y4l, &y4c), 8e-2);
+        outputs.push([y, y2, yw, y4, y4l].concat());
     }
     // A row's arithmetic should not depend on the tile height (each warpgroup's 64 rows run the
     // same k order and promotion): if these are the same bits, the height may follow M freely.

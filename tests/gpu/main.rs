@@ -138,6 +138,10 @@ fn wgmma_k128_attention_matches_cpu_and_ws_bitwise() {
             AttentionKernel::WgmmaK128,
         )
     });
+    // The same kernel with a head's query tiles fastest in the grid: only the blocks' order differs.
+    rep.guard("attn", "attention (wgmma-k128t vs wgmma-k128)", |rep| {
+        attention::same_bits(&d.g, rep, &mut rng, AttentionKernel::WgmmaK128, AttentionKernel::WgmmaK128Tiles)
+    });
     rep.finish("attention (wgmma-k128)");
 }
 

@@ -21,7 +21,9 @@ use std::sync::Arc;
 /// or `Rows64` is chosen, else with `attn_fwd_q128`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 (as `WgmmaK128`), 64-key tiles at
+    /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 (as `WgmmaK128Tiles` where every
+    /// query head has its own keys and values, the vision tower's: 0.92x `WgmmaK128`'s time at
+    /// 65,536 patches on an H100; as `WgmmaK128` where query heads share them), 64-key tiles at
     /// 256; else `attn_fwd_q128`.
     #[default]
     Auto,
@@ -32,6 +34,12 @@ pub enum AttentionKernel {
     /// tower; the same bits as `WarpSpecialized`, whose tiles are 128 keys there too; 1.23x the
     /// 64-key kernel at 16K patches, bench/NOTES.md), 64-key tiles at 256.
     WgmmaK128,
+    /// `WgmmaK128` with a head's query tiles fastest in the grid (`attn_fwd_wgmma_k128t_64`: the
+    /// blocks on the GPU at once share one or two heads' keys and values in L2; `WgmmaK128`'s
+    /// heads-fastest order streams every head's at once, which only a KV group's query heads
+    /// share); the same bits. `Auto`'s choice without GQA (bench/NOTES.md, eighteenth session);
+    /// 64-key tiles at 256.
+    WgmmaK128Tiles,
     /// `WgmmaK128` with the rows' softmax sums taken by the tensor cores from the BF16 P the P·V
     /// MMAs multiply (`attn_fwd_wgmma_tsum_64`: a `wgmma m64n8k16` against ones per 16 keys instead
     /// of an add per score; not `WgmmaK128`'s bits, whose sums are of the f32 P). Opt-in: on an H100
@@ -57,13 +65,14 @@ pub enum AttentionKernel {
 
 impl AttentionKernel {
     /// Every kernel by its `IMAJEV_ATTENTION` name, in the order the error message lists them.
-    pub const NAMED: [(&'static str, AttentionKernel); 9] = [
+    pub const NAMED: [(&'static str, AttentionKernel); 10] = [
         ("auto", AttentionKernel::Auto),
         ("ov", AttentionKernel::Overlap),
         ("ws", AttentionKernel::WarpSpecialized),
         ("ws3", AttentionKernel::WarpSpecialized3),
         ("wgmma", AttentionKernel::Wgmma),
         ("wgmma-k128", AttentionKernel::WgmmaK128),
+        ("wgmma-k128t", AttentionKernel::WgmmaK128Tiles),
         ("wgmma-tsum", AttentionKernel::WgmmaTensorSums),
         ("q128", AttentionKernel::Rows128),
         ("q64", AttentionKernel::Rows64),
@@ -262,6 +271,17 @@ impl CudaBackend {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_tsum_smem_bytes());
                 self.launch("attn_fwd_wgmma_tsum_64", cfg, &args(tp))?;
             } else if hopper
+                && hdp == 64
+                && (kernel == AttentionKernel::WgmmaK128Tiles
+                    || (kernel == AttentionKernel::Auto && kvh == heads))
+            {
+                let cfg = launch_config(
+                    (grid.1, grid.0, grid.2),
+                    256,
+                    layout::attention_wgmma_smem_bytes_tiles(hdp, 128),
+                );
+                self.launch("attn_fwd_wgmma_k128t_64", cfg, &args(tp))?;
+            } else if hopper
                 && matches!(kernel, AttentionKernel::Auto | AttentionKernel::WgmmaK128)
                 && hdp == 64
             {
@@ -273,6 +293,7 @@ impl CudaBackend {
                     AttentionKernel::Auto
                         | AttentionKernel::Wgmma
                         | AttentionKernel::WgmmaK128
+                        | AttentionKernel::WgmmaK128Tiles
                         | AttentionKernel::WgmmaTensorSums
                         | AttentionKernel::WarpSpecialized3
                 )
@@ -622,7 +643,7 @@ mod tests {
         assert_eq!(AttentionKernel::parse("wgmma-k64"), None);
         assert_eq!(
             AttentionKernel::expected(),
-            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-tsum, q128 or q64"
+            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-k128t, wgmma-tsum, q128 or q64"
         );
     }
 }

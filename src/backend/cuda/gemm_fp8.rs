@@ -156,9 +156,11 @@ impl CudaBackend {
         self.state.options.fp8_gemm.on(self.state.info.hopper())
     }
 
-    /// Runs `g` on `gemm_fp8_<rows>` with `lora` in the epilogue and returns true, or returns false
-    /// (nothing launched) when the kernel cannot take it.
-    pub(super) fn gemm_fp8(&self, g: &Gemm, lora: Option<&LoraEpilogue>) -> Result<bool> {
+    /// Runs `g` on `gemm_fp8_<rows>` with `lora` in the epilogue, then `bias` (a device pointer to
+    /// `g.n` f32 for `g`'s columns, 0 for none: added to the output rounded to BF16 and rounded
+    /// again, `add_bias8`'s arithmetic), and returns true, or returns false (nothing launched)
+    /// when the kernel cannot take it.
+    pub(super) fn gemm_fp8(&self, g: &Gemm, lora: Option<&LoraEpilogue>, bias: u64) -> Result<bool> {
         let runs = self.fp8_gemm_runs();
         let Some(nc) = runs.consumers().filter(|_| eligible(g) && lora.is_none_or(lora_eligible)) else {
             return Ok(false);
@@ -166,7 +168,7 @@ impl CudaBackend {
         let tiles = operand_tiles(g, lora, layout::gemm_fp8_tile_rows(nc), runs.cluster());
         let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
         let launch = KernelLaunch { name: runs.kernel(), consumers: nc, cluster: runs.cluster(), tiles };
-        self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale)?;
+        self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale, bias)?;
         Ok(true)
     }
 
@@ -189,13 +191,14 @@ impl CudaBackend {
             Some(Tile2d::swizzled("BF16 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64)),
         ];
         let launch = KernelLaunch { name: runs.bf16_kernel(), consumers: nc, cluster: 1, tiles };
-        self.launch_gemm_kernel(&launch, g, 0, 0, 0, 1.0)?;
+        self.launch_gemm_kernel(&launch, g, 0, 0, 0, 1.0, 0)?;
         Ok(true)
     }
 
     /// Launches an entry of kernels/gemm_fp8.cu (they share one parameter list) over `g`'s M, N
     /// and K on a persistent grid: its six tensor maps (from the cache; zeros where the entry reads
-    /// none), then the W scales, the sizes, the LoRA windows, first column and scale.
+    /// none), then the W scales, the sizes, the LoRA windows, first column and scale, the bias.
+    #[allow(clippy::too_many_arguments)]
     fn launch_gemm_kernel(
         &self,
         l: &KernelLaunch,
@@ -204,11 +207,12 @@ impl CudaBackend {
         windows: u64,
         col0: usize,
         scale: f32,
+        bias: u64,
     ) -> Result<()> {
         if g.m == 0 {
             return Ok(());
         }
-        let mut args = Vec::with_capacity(13);
+        let mut args = Vec::with_capacity(14);
         for tile in &l.tiles {
             let map = match tile {
                 Some(t) => self.state.tensor_maps.get(t)?,
@@ -224,6 +228,7 @@ impl CudaBackend {
             Arg::Ptr(windows),
             Arg::I32(col0 as i32),
             Arg::F32(scale),
+            Arg::Ptr(bias),
         ]);
         let (threads, smem) =
             (layout::gemm_fp8_threads(l.consumers), layout::gemm_fp8_smem_bytes(l.consumers));

@@ -230,6 +230,13 @@ impl CudaBackend {
         let y = self.alloc_bf16(rows_alloc * n)?;
         let yp = self.p(&y);
         let mut fused = false;
+        // A one-group projection's bias goes to gemm_fp8's epilogue when that kernel runs it (the
+        // vision tower's projections); otherwise add_bias8 adds it to the output below.
+        let epilogue_bias = match &w.bias {
+            Some(b) if w.groups.len() == 1 => self.p(b),
+            _ => 0,
+        };
+        let mut bias_added = false;
         for (gi, g) in w.groups.iter().enumerate() {
             let yg = yp + 2 * g.cols.start as u64;
             let gemm = match &g.weight {
@@ -282,13 +289,15 @@ impl CudaBackend {
                 }),
                 _ => None,
             });
-            let own = matches!(g.weight, GroupWeight::Fp8 { .. }) && self.gemm_fp8(&gemm, lora.as_ref())?;
+            let own = matches!(g.weight, GroupWeight::Fp8 { .. })
+                && self.gemm_fp8(&gemm, lora.as_ref(), epilogue_bias)?;
             fused |= own && lora.is_some();
+            bias_added |= own && epilogue_bias != 0;
             if !own {
                 self.gemm(&gemm).with_context(|| format!("{:?} GEMM N={} K={k} M={m}", gemm.kind, gemm.n))?;
             }
         }
-        if let Some(b) = &w.bias {
+        if let Some(b) = w.bias.as_ref().filter(|_| !bias_added) {
             let args = [Arg::Ptr(yp), Arg::Ptr(self.p(b)), Arg::I64(m as i64), Arg::I32(n as i32)];
             if m > 0 && n % 8 == 0 && yp % 16 == 0 {
                 // 128 threads of 8 columns across, row blocks down: ~2K blocks in all.
