@@ -785,10 +785,8 @@ fn main() -> Result<()> {
     let ov = CudaBackend::new(0, CudaOptions { attention: AttentionKernel::Overlap, ..g.options().clone() })?;
     let k128 =
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::WgmmaK128, ..g.options().clone() })?;
-    let k128t = CudaBackend::new(
-        0,
-        CudaOptions { attention: AttentionKernel::WgmmaK128Tiles, ..g.options().clone() },
-    )?;
+    let grouped =
+        CudaBackend::new(0, CudaOptions { attention: AttentionKernel::WgmmaGrouped, ..g.options().clone() })?;
     let tsum = CudaBackend::new(
         0,
         CudaOptions { attention: AttentionKernel::WgmmaTensorSums, ..g.options().clone() },
@@ -805,6 +803,7 @@ fn main() -> Result<()> {
         b.attention(&q64, "64-row tiles", attn, m)?;
         if hopper {
             b.attention(&wg, "wgmma", attn, m)?;
+            b.attention(&grouped, "wgmma, grouped order", attn, m)?;
             b.attention(&ov, "wgmma, softmax overlapped", attn, m)?;
         }
     }
@@ -815,7 +814,7 @@ fn main() -> Result<()> {
             b.vision(&wg, "wgmma", m)?;
             b.vision(&ov, "wgmma, softmax overlapped", m)?;
             b.vision(&k128, "wgmma, 128-key tiles", m)?;
-            b.vision(&k128t, "wgmma, 128-key tiles, tiles fastest", m)?;
+            b.vision(&grouped, "wgmma, 128-key tiles, grouped order", m)?;
             b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", m)?;
             b.vision(&ws3, "warp-specialised, 3 consumers", m)?;
         }
@@ -825,7 +824,7 @@ fn main() -> Result<()> {
         b.vision(&wg, "wgmma", 65_536)?;
         b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
         b.vision(&k128, "wgmma, 128-key tiles", 65_536)?;
-        b.vision(&k128t, "wgmma, 128-key tiles, tiles fastest", 65_536)?;
+        b.vision(&grouped, "wgmma, 128-key tiles, grouped order", 65_536)?;
         b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", 65_536)?;
         b.vision(&ws3, "warp-specialised, 3 consumers", 65_536)?;
     }

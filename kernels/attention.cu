@@ -936,16 +936,23 @@ __device__ __forceinline__ void wgmma_store_rows(const float (&o)[NO], float l0,
 
 // A block's head and its query tile counted from the last, from blockIdx: x the head and y the
 // tile (heads fastest: the query heads of a KV group read its key tiles from L2 at about the same
-// time), or with TILES_FAST x the tile and y the head (a head's query tiles run together and share
-// its key tiles in L2: where every head has its own keys and values, the vision tower's). The
-// order of the blocks is all it changes: a block's work and arithmetic are the same.
-template <bool TILES_FAST>
-__device__ __forceinline__ int block_head() {
-  return (int)(TILES_FAST ? blockIdx.y : blockIdx.x);
+// time, but the blocks on the GPU at once stream every group's keys), or GROUPED: x = r + R·tile
+// for the group's query head r < R = heads / kvh, y the KV group (a group's query tiles run
+// together, its heads fastest, so the blocks on the GPU at once share one or two groups' keys and
+// values in L2; without GQA, R = 1, a head's tiles). The order of the blocks is all it changes:
+// a block's work and arithmetic are the same.
+template <bool GROUPED>
+__device__ __forceinline__ int block_head(int heads, int kvh) {
+  if constexpr (GROUPED) {
+    const int R = heads / kvh;
+    return (int)blockIdx.y * R + (int)blockIdx.x % R;
+  } else {
+    return (int)blockIdx.x;
+  }
 }
-template <bool TILES_FAST>
-__device__ __forceinline__ int block_tile_from_last() {
-  return (int)(TILES_FAST ? blockIdx.x : blockIdx.y);
+template <bool GROUPED>
+__device__ __forceinline__ int block_tile_from_last(int heads, int kvh) {
+  return GROUPED ? (int)blockIdx.x / (heads / kvh) : (int)blockIdx.y;
 }
 
 // What one block of attn_fwd_wgmma(_ov) works on, from the segment table (its head and query tile
@@ -958,16 +965,16 @@ struct WgmmaBlock {
   int nq, shared_len, kvlen, qbase, offset, clean, ntiles;
   const bf16 *ks, *vs, *ko, *vo;
 };
-template <int BQ, int BK, bool TILES_FAST = false>
+template <int BQ, int BK, bool GROUPED = false>
 __device__ __forceinline__ bool wgmma_block(WgmmaBlock& b, const i64* segs, int heads, int kvh, int hd, int causal) {
   const i64* sg = segs + SEG * blockIdx.z;
   b.q_start = sg[0];
   b.nq = (int)sg[1];
-  const int tile = (b.nq + BQ - 1) / BQ - 1 - block_tile_from_last<TILES_FAST>();
+  const int tile = (b.nq + BQ - 1) / BQ - 1 - block_tile_from_last<GROUPED>(heads, kvh);
   if (tile < 0) return false;
   b.shared_len = (int)sg[4];
   b.kvlen = b.shared_len + (int)sg[7] + b.nq;
-  const int g = block_head<TILES_FAST>() / (heads / kvh);
+  const int g = block_head<GROUPED>(heads, kvh) / (heads / kvh);
   b.qbase = tile * BQ;
   b.offset = b.kvlen - b.nq;
   const int qlast = min(b.nq, b.qbase + BQ) - 1;
@@ -1049,7 +1056,7 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
 // TSUM (attn_fwd_wgmma_tsum_64): the softmax of wgmma_softmax_p, and after the
 // K and V buffers 4 KB of BF16 ones (1024-aligned: every buffer before it is a multiple of 1 KB),
 // the B of the rows' sums.
-template <int HDP, int BK, bool TSUM = false, bool TILES_FAST = false>
+template <int HDP, int BK, bool TSUM = false, bool GROUPED = false>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   constexpr int BQ = 128, NO = HDP / 2;
@@ -1058,9 +1065,9 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
   unsigned char* ones = Vs + 2 * BK * HDP * 2;  // TSUM: 4 KB of BF16 ones
-  const int h = block_head<TILES_FAST>();
+  const int h = block_head<GROUPED>(heads, kvh);
   WgmmaBlock B;
-  if (!wgmma_block<BQ, BK, TILES_FAST>(B, segs, heads, kvh, hd, causal)) return;
+  if (!wgmma_block<BQ, BK, GROUPED>(B, segs, heads, kvh, hd, causal)) return;
   // 256 threads x 16 bytes; the first tile's fence and barrier make them visible to the MMAs.
   if constexpr (TSUM) reinterpret_cast<uint4*>(ones)[threadIdx.x] = make_uint4(ONES2, ONES2, ONES2, ONES2);
   const i64 q_start = B.q_start;
@@ -1384,27 +1391,29 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define ATTN_WGMMA_BODY(HDP, BK, TSUM, TILES_FAST)                                                      \
-  attn_fwd_wgmma<HDP, BK, TSUM, TILES_FAST>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, \
-                                            gate_head, out);
+#define ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED)                                                        \
+  attn_fwd_wgmma<HDP, BK, TSUM, GROUPED>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, \
+                                         gate_head, out);
 #else
-#define ATTN_WGMMA_BODY(HDP, BK, TSUM, TILES_FAST)
+#define ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED)
 #endif
-#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS, TSUM, TILES_FAST)                                    \
-  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                      \
-      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
-      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    ATTN_WGMMA_BODY(HDP, BK, TSUM, TILES_FAST)                                                          \
+#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS, TSUM, GROUPED)                                      \
+  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                  \
+      const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,        \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                      \
+    ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED)                                                            \
   }
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1, false, false)
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1, false, false)
 // 128-key tiles at head dim 64 (the vision tower): half the per-tile bookkeeping per score, held to
 // 128 registers so that two blocks share an SM as attn_fwd_wgmma_64's do.
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false, false)
-// attn_fwd_wgmma_k128_64 with a head's query tiles fastest (grid: tiles, heads, sequences): the
-// blocks on the GPU at once share one or two heads' keys and values in L2 instead of streaming all
-// sixteen heads' (268 MB at 65,536 patches); the same bits.
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128t_64, 64, 128, 2, false, true)
+// The same kernels with the blocks in KV-group order (block_head; grid: R·tiles, kvh, sequences):
+// the blocks on the GPU at once share one or two groups' keys and values in L2 instead of
+// streaming every group's (268 MB at 65,536 patches of the vision tower, 16 heads without GQA; 195
+// MB at 47.7K tokens of the 4B's 4 groups); the same bits.
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_g_256, 256, 64, 1, false, true)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128g_64, 64, 128, 2, false, true)
 // attn_fwd_wgmma_k128_64 with the rows' sums on the tensor cores (wgmma_softmax_p, wgmma_row_sums): one
 // instruction fewer per score; opt-in: no faster on an H100 (bench/NOTES.md).
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true, false)

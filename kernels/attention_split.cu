@@ -35,7 +35,22 @@ __device__ __forceinline__ void issue_q_grouped_sw(unsigned char* dst, const bf1
   }
 }
 
-template <int HDP>
+// A block's (head tile, key range, sequence) from blockIdx: x, y, z (the sequences slowest: the
+// blocks on the GPU at once cover about one sequence, so each pass streams the whole shared prefix
+// from DRAM), or with SEQ_FAST x the sequence, y the head tile, z the key range (the blocks of one
+// key range run together over every sequence and every KV group: the passes of a tree read one
+// shared prefix, and each of its ranges is read from DRAM about once). The order of the blocks is
+// all it changes.
+struct SplitBlock {
+  int head_tile, range, seq;
+};
+template <bool SEQ_FAST>
+__device__ __forceinline__ SplitBlock split_block() {
+  if constexpr (SEQ_FAST) return SplitBlock{(int)blockIdx.y, (int)blockIdx.z, (int)blockIdx.x};
+  else return SplitBlock{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+}
+
+template <int HDP, bool SEQ_FAST = false>
 __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                      float scale_log2, int kv_split, int nsplit, float* part) {
   constexpr int BQ = 128, BK = 64, NO = HDP / 2;
@@ -43,8 +58,9 @@ __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, 
   unsigned char* Qs = smem_1024(smem_split);  // BQ x HDP
   unsigned char* Ks = Qs + BQ * HDP * 2;      // [2] BK x HDP
   unsigned char* Vs = Ks + 2 * BK * HDP * 2;  // [2] BK x HDP
-  const int R = heads / kvh, g = (int)blockIdx.x / R, rbase = ((int)blockIdx.x % R) * BQ;
-  const i64* sg = segs + SEG * blockIdx.z;
+  const SplitBlock blk = split_block<SEQ_FAST>();
+  const int R = heads / kvh, g = blk.head_tile / R, rbase = (blk.head_tile % R) * BQ;
+  const i64* sg = segs + SEG * blk.seq;
   const i64 q_start = sg[0];
   const int nq = (int)sg[1], rows = R * nq;
   if (rbase >= rows) return;  // the whole block
@@ -57,7 +73,7 @@ __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, 
   const int qmin = one_head ? first % nq : 0, qmax = one_head ? last % nq : nq - 1;
   const int klimit = causal ? min(kvlen, offset + qmax + 1) : kvlen;
   const int clean = causal ? min(kvlen, offset + qmin + 1) : kvlen;
-  const int kbeg = (int)blockIdx.y * kv_split, kend = min(klimit, kbeg + kv_split);
+  const int kbeg = blk.range * kv_split, kend = min(klimit, kbeg + kv_split);
   const int kt0 = kbeg / BK, ntiles = kend > kbeg ? (kend + BK - 1) / BK : kt0;
   const i64 kstride = (i64)kvh * hd;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -90,7 +106,7 @@ __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, 
     if (rho >= rows) continue;
     const int h = g * R + rho / nq, qi = rho % nq;
     const float mraw = hr == 0 ? m0 : m1;
-    float* slot = part + (((i64)blockIdx.z * heads + h) * nsplit + blockIdx.y) * (BQ * HDP + 2 * BQ);
+    float* slot = part + (((i64)blk.seq * heads + h) * nsplit + blk.range) * (BQ * HDP + 2 * BQ);
 #pragma unroll
     for (int j = 0; j < NO / 4; j++) {
       const int col = 8 * j + 2 * tg;
@@ -107,16 +123,20 @@ __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define ATTN_WGMMA_SPLIT_BODY(HDP) \
-  attn_fwd_wgmma_split<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, kv_split, nsplit, part);
+#define ATTN_WGMMA_SPLIT_BODY(HDP, SEQ_FAST) \
+  attn_fwd_wgmma_split<HDP, SEQ_FAST>(q, segs, heads, kvh, hd, causal, scale_log2, kv_split, nsplit, part);
 #else
-#define ATTN_WGMMA_SPLIT_BODY(HDP)
+#define ATTN_WGMMA_SPLIT_BODY(HDP, SEQ_FAST)
 #endif
-#define ATTN_WGMMA_SPLIT_ENTRY(HDP)                                                                        \
-  extern "C" __global__ void __launch_bounds__(256, 1) attn_fwd_wgmma_split_##HDP(                         \
+#define ATTN_WGMMA_SPLIT_ENTRY(NAME, HDP, SEQ_FAST)                                                        \
+  extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       int kv_split, int nsplit, float* part) {                                                             \
-    ATTN_WGMMA_SPLIT_BODY(HDP)                                                                             \
+    ATTN_WGMMA_SPLIT_BODY(HDP, SEQ_FAST)                                                                   \
   }
-ATTN_WGMMA_SPLIT_ENTRY(64)
-ATTN_WGMMA_SPLIT_ENTRY(256)
+ATTN_WGMMA_SPLIT_ENTRY(attn_fwd_wgmma_split_64, 64, false)
+ATTN_WGMMA_SPLIT_ENTRY(attn_fwd_wgmma_split_256, 256, false)
+// Sequences fastest (grid: sequences, heads, key ranges): the passes over one shared prefix read
+// each of its key ranges together.
+ATTN_WGMMA_SPLIT_ENTRY(attn_fwd_wgmma_splitg_64, 64, true)
+ATTN_WGMMA_SPLIT_ENTRY(attn_fwd_wgmma_splitg_256, 256, true)

@@ -81,7 +81,7 @@ pub fn hopper_cases(
         AttentionKernel::WarpSpecialized3 => "4B ws3",
         AttentionKernel::Overlap => "4B ov",
         AttentionKernel::WgmmaK128 => "4B wgmma-k128",
-        AttentionKernel::WgmmaK128Tiles => "4B wgmma-k128t",
+        AttentionKernel::WgmmaGrouped => "4B wgmma-grouped",
         AttentionKernel::WgmmaTensorSums => "4B wgmma-tsum",
         _ => "4B wgmma",
     };

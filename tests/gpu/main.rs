@@ -138,9 +138,15 @@ fn wgmma_k128_attention_matches_cpu_and_ws_bitwise() {
             AttentionKernel::WgmmaK128,
         )
     });
-    // The same kernel with a head's query tiles fastest in the grid: only the blocks' order differs.
-    rep.guard("attn", "attention (wgmma-k128t vs wgmma-k128)", |rep| {
-        attention::same_bits(&d.g, rep, &mut rng, AttentionKernel::WgmmaK128, AttentionKernel::WgmmaK128Tiles)
+    // The same kernels with the blocks in KV-group order (the sequences fastest for split passes):
+    // against the CPU on every case (the split passes over a 16K prefix and the trees among them,
+    // which same_bits does not have), and bitwise against the heads-fastest order, which is all
+    // that differs (head dim 256 with GQA, 64 without).
+    rep.guard("attn", "attention (wgmma-grouped)", |rep| {
+        attention::hopper_cases(&d.g, &d.c, rep, &mut rng, AttentionKernel::WgmmaGrouped)
+    });
+    rep.guard("attn", "attention (wgmma-grouped vs wgmma-k128)", |rep| {
+        attention::same_bits(&d.g, rep, &mut rng, AttentionKernel::WgmmaK128, AttentionKernel::WgmmaGrouped)
     });
     rep.finish("attention (wgmma-k128)");
 }

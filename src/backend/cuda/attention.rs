@@ -21,10 +21,9 @@ use std::sync::Arc;
 /// or `Rows64` is chosen, else with `attn_fwd_q128`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 (as `WgmmaK128Tiles` where every
-    /// query head has its own keys and values, the vision tower's: 0.92x `WgmmaK128`'s time at
-    /// 65,536 patches on an H100; as `WgmmaK128` where query heads share them), 64-key tiles at
-    /// 256; else `attn_fwd_q128`.
+    /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 with the blocks in KV-group order
+    /// (as `WgmmaGrouped`: 0.92x `WgmmaK128`'s time at the vision tower's 65,536 patches on an
+    /// H100), 64-key tiles at 256 (heads fastest); else `attn_fwd_q128`.
     #[default]
     Auto,
     /// `attn_fwd_wgmma` with 64-key tiles where the GPU and head dim allow it (the default at head
@@ -34,12 +33,15 @@ pub enum AttentionKernel {
     /// tower; the same bits as `WarpSpecialized`, whose tiles are 128 keys there too; 1.23x the
     /// 64-key kernel at 16K patches, bench/NOTES.md), 64-key tiles at 256.
     WgmmaK128,
-    /// `WgmmaK128` with a head's query tiles fastest in the grid (`attn_fwd_wgmma_k128t_64`: the
-    /// blocks on the GPU at once share one or two heads' keys and values in L2; `WgmmaK128`'s
-    /// heads-fastest order streams every head's at once, which only a KV group's query heads
-    /// share); the same bits. `Auto`'s choice without GQA (bench/NOTES.md, eighteenth session);
-    /// 64-key tiles at 256.
-    WgmmaK128Tiles,
+    /// `attn_fwd_wgmma` with the blocks in KV-group order (`attn_fwd_wgmma_k128g_64`: 128-key
+    /// tiles at head dim 64, `attn_fwd_wgmma_g_256`: 64-key tiles at 256): a group's query tiles
+    /// run together, its query heads fastest, so the blocks on the GPU at once share one or two
+    /// groups' keys and values in L2 (the heads-fastest order streams every group's at once, past
+    /// the L2 from ~16K keys on); the same bits as `WgmmaK128` / `Wgmma`. `Auto`'s order at head
+    /// dim 64 (bench/NOTES.md, eighteenth session). Passes over long caches split their keys with
+    /// the sequences fastest (`attn_fwd_wgmma_splitg`), so the passes over one shared prefix read
+    /// each of its key ranges together.
+    WgmmaGrouped,
     /// `WgmmaK128` with the rows' softmax sums taken by the tensor cores from the BF16 P the P·V
     /// MMAs multiply (`attn_fwd_wgmma_tsum_64`: a `wgmma m64n8k16` against ones per 16 keys instead
     /// of an add per score; not `WgmmaK128`'s bits, whose sums are of the f32 P). Opt-in: on an H100
@@ -72,7 +74,7 @@ impl AttentionKernel {
         ("ws3", AttentionKernel::WarpSpecialized3),
         ("wgmma", AttentionKernel::Wgmma),
         ("wgmma-k128", AttentionKernel::WgmmaK128),
-        ("wgmma-k128t", AttentionKernel::WgmmaK128Tiles),
+        ("wgmma-grouped", AttentionKernel::WgmmaGrouped),
         ("wgmma-tsum", AttentionKernel::WgmmaTensorSums),
         ("q128", AttentionKernel::Rows128),
         ("q64", AttentionKernel::Rows64),
@@ -271,16 +273,16 @@ impl CudaBackend {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_tsum_smem_bytes());
                 self.launch("attn_fwd_wgmma_tsum_64", cfg, &args(tp))?;
             } else if hopper
-                && hdp == 64
-                && (kernel == AttentionKernel::WgmmaK128Tiles
-                    || (kernel == AttentionKernel::Auto && kvh == heads))
+                && (kernel == AttentionKernel::WgmmaGrouped || (kernel == AttentionKernel::Auto && hdp == 64))
             {
-                let cfg = launch_config(
-                    (grid.1, grid.0, grid.2),
-                    256,
-                    layout::attention_wgmma_smem_bytes_tiles(hdp, 128),
-                );
-                self.launch("attn_fwd_wgmma_k128t_64", cfg, &args(tp))?;
+                // Grid: x = r + R·(tile from the last) for query head r of its group, y the group.
+                let r = (heads / kvh) as u32;
+                let (name, smem) = match hdp {
+                    64 => ("attn_fwd_wgmma_k128g_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
+                    _ => ("attn_fwd_wgmma_g_256", layout::attention_wgmma_smem_bytes(hdp)),
+                };
+                let cfg = launch_config((r * grid.1, kvh as u32, grid.2), 256, smem);
+                self.launch(name, cfg, &args(tp))?;
             } else if hopper
                 && matches!(kernel, AttentionKernel::Auto | AttentionKernel::WgmmaK128)
                 && hdp == 64
@@ -293,7 +295,6 @@ impl CudaBackend {
                     AttentionKernel::Auto
                         | AttentionKernel::Wgmma
                         | AttentionKernel::WgmmaK128
-                        | AttentionKernel::WgmmaK128Tiles
                         | AttentionKernel::WgmmaTensorSums
                         | AttentionKernel::WarpSpecialized3
                 )
@@ -316,6 +317,14 @@ impl CudaBackend {
         let range = Arg::I32(layout::ATTENTION_KEY_RANGE as i32);
         let grid = (heads as u32, nsplit as u32, split.len() as u32);
         if hopper && !matches!(kernel, AttentionKernel::Rows128 | AttentionKernel::Rows64) {
+            // WgmmaGrouped: the sequences fastest (grid: sequences, heads, ranges), so the passes
+            // over one shared prefix read each of its key ranges together.
+            let (name, grid) = match kernel {
+                AttentionKernel::WgmmaGrouped => {
+                    (format!("attn_fwd_wgmma_splitg_{hdp}"), (grid.2, grid.0, grid.1))
+                }
+                _ => (format!("attn_fwd_wgmma_split_{hdp}"), grid),
+            };
             // A KV group's query heads stacked in tiles of 128 rows: at most heads / kvh tiles per
             // group (sequences that split have at most 128 rows), so `heads` blocks across.
             let a = [
@@ -331,7 +340,7 @@ impl CudaBackend {
                 Arg::Ptr(self.p(&part)),
             ];
             let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
-            self.launch(&format!("attn_fwd_wgmma_split_{hdp}"), cfg, &a)?;
+            self.launch(&name, cfg, &a)?;
         } else {
             let mut a = args(self.p(&table));
             a.extend([range, Arg::I32(nsplit as i32), Arg::Ptr(self.p(&part))]);
@@ -643,7 +652,7 @@ mod tests {
         assert_eq!(AttentionKernel::parse("wgmma-k64"), None);
         assert_eq!(
             AttentionKernel::expected(),
-            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-k128t, wgmma-tsum, q128 or q64"
+            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-grouped, wgmma-tsum, q128 or q64"
         );
     }
 }
