@@ -787,6 +787,10 @@ fn main() -> Result<()> {
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::WgmmaK128, ..g.options().clone() })?;
     let grouped =
         CudaBackend::new(0, CudaOptions { attention: AttentionKernel::WgmmaGrouped, ..g.options().clone() })?;
+    let grouped3 = CudaBackend::new(
+        0,
+        CudaOptions { attention: AttentionKernel::WgmmaGrouped3, ..g.options().clone() },
+    )?;
     let tsum = CudaBackend::new(
         0,
         CudaOptions { attention: AttentionKernel::WgmmaTensorSums, ..g.options().clone() },
@@ -815,6 +819,7 @@ fn main() -> Result<()> {
             b.vision(&ov, "wgmma, softmax overlapped", m)?;
             b.vision(&k128, "wgmma, 128-key tiles", m)?;
             b.vision(&grouped, "wgmma, 128-key tiles, grouped order", m)?;
+            b.vision(&grouped3, "wgmma, 128-key tiles, grouped order, 3 buffers", m)?;
             b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", m)?;
             b.vision(&ws3, "warp-specialised, 3 consumers", m)?;
         }
@@ -825,6 +830,7 @@ fn main() -> Result<()> {
         b.vision(&ov, "wgmma, softmax overlapped", 65_536)?;
         b.vision(&k128, "wgmma, 128-key tiles", 65_536)?;
         b.vision(&grouped, "wgmma, 128-key tiles, grouped order", 65_536)?;
+        b.vision(&grouped3, "wgmma, 128-key tiles, grouped order, 3 buffers", 65_536)?;
         b.vision(&tsum, "wgmma, 128-key tiles, tensor-core sums", 65_536)?;
         b.vision(&ws3, "warp-specialised, 3 consumers", 65_536)?;
     }

@@ -990,17 +990,20 @@ __device__ __forceinline__ bool wgmma_block(WgmmaBlock& b, const i64* segs, int 
 }
 
 // The start of key tile kt of a block's walk from tile kt0 (attn_fwd_wgmma's loops): waits for
-// its copies (and Q's, before the first), makes them visible to the tensor cores, and starts tile
-// kt + 1's copies into the other buffer. Returns tile kt's buffer.
-template <int HDP, int BK>
+// its copies (and Q's, before the first), makes them visible to the tensor cores, and starts the
+// copies of tile kt + ST - 1 into the buffer tile kt - 1 used (ST = 2: double buffering; ST = 3:
+// the copies two tiles ahead, tile kt + 1's still in flight, one copy group a tile, empty past the
+// last). Returns tile kt's buffer.
+template <int HDP, int BK, int ST = 2>
 __device__ __forceinline__ int wgmma_tile_begin(const KvTileCopies<HDP, BK>& kv, int kt, int kt0, int ntiles,
                                                 int kvlen, int hd) {
-  cp_async_wait_group<0>();
+  static_assert(ST == 2 || ST == 3, "two or three K/V buffers");
+  cp_async_wait_group<ST - 2>();
   fence_proxy_async();
   __syncthreads();  // tile kt (and Q) landed, visible to the tensor cores; tile kt - 1 is done
-  const int buf = (kt - kt0) & 1;
-  if (kt + 1 < ntiles) {
-    const int nb = buf ^ 1, j0 = (kt + 1) * BK;
+  const int buf = (kt - kt0) % ST;
+  if (kt + ST - 1 < ntiles) {
+    const int nb = (buf + ST - 1) % ST, j0 = (kt + ST - 1) * BK;
     kv.issue_both(nb, j0, kvlen - j0, hd);
   }
   cp_async_commit();
@@ -1014,13 +1017,13 @@ __device__ __forceinline__ int wgmma_tile_begin(const KvTileCopies<HDP, BK>& kv,
 // (attn_fwd_wgmma_tsum_64) the softmax is wgmma_softmax_p and each tile's row sums come
 // from the tensor cores (wgmma_row_sums over the BF16 ones at ones_lo, a descriptor's low word,
 // into accumulators live only during the P V MMAs), added to the running sums after the wait.
-template <int HDP, int BQ, int BK, int NO, bool TSUM = false>
+template <int HDP, int BQ, int BK, int NO, bool TSUM = false, int ST = 2>
 __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv, const WgmmaDescs<HDP, BK>& desc,
                                                 int kt0, int ntiles, int clean, int kvlen, int causal, int offset,
                                                 int qi0, int qi1, int tg, float scale_log2, int hd, float (&o)[NO],
                                                 float& m0, float& m1, float& l0, float& l1, unsigned ones_lo = 0) {
   for (int kt = kt0; kt < ntiles; kt++) {
-    const int buf = wgmma_tile_begin(kv, kt, kt0, ntiles, kvlen, hd);
+    const int buf = wgmma_tile_begin<HDP, BK, ST>(kv, kt, kt0, ntiles, kvlen, hd);
 
     // S = Q K^T (64 rows x BK keys per warpgroup).
     float s[BK / 2];
@@ -1055,16 +1058,16 @@ __device__ __forceinline__ void wgmma_key_tiles(const KvTileCopies<HDP, BK>& kv,
 
 // TSUM (attn_fwd_wgmma_tsum_64): the softmax of wgmma_softmax_p, and after the
 // K and V buffers 4 KB of BF16 ones (1024-aligned: every buffer before it is a multiple of 1 KB),
-// the B of the rows' sums.
-template <int HDP, int BK, bool TSUM = false, bool GROUPED = false>
+// the B of the rows' sums. ST: K/V buffers (wgmma_tile_begin).
+template <int HDP, int BK, bool TSUM = false, bool GROUPED = false, int ST = 2>
 __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal,
                                float scale_log2, const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   constexpr int BQ = 128, NO = HDP / 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* Qs = smem_1024(smem_raw);      // BQ x HDP
-  unsigned char* Ks = Qs + BQ * HDP * 2;        // [2] BK x HDP
-  unsigned char* Vs = Ks + 2 * BK * HDP * 2;    // [2] BK x HDP
-  unsigned char* ones = Vs + 2 * BK * HDP * 2;  // TSUM: 4 KB of BF16 ones
+  unsigned char* Qs = smem_1024(smem_raw);       // BQ x HDP
+  unsigned char* Ks = Qs + BQ * HDP * 2;         // [ST] BK x HDP
+  unsigned char* Vs = Ks + ST * BK * HDP * 2;    // [ST] BK x HDP
+  unsigned char* ones = Vs + ST * BK * HDP * 2;  // TSUM: 4 KB of BF16 ones
   const int h = block_head<GROUPED>(heads, kvh);
   WgmmaBlock B;
   if (!wgmma_block<BQ, BK, GROUPED>(B, segs, heads, kvh, hd, causal)) return;
@@ -1080,6 +1083,10 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   const KvTileCopies<HDP, BK> kv(Ks, Vs, B.ks, B.ko, B.vs, B.vo, shared_len, kstride, hd);
   if (ntiles > 0) kv.issue_both(0, 0, kvlen, hd);
   cp_async_commit();
+  if constexpr (ST == 3) {  // the second tile in flight too (an empty group when there is none)
+    if (ntiles > 1) kv.issue_both(1, BK, kvlen - BK, hd);
+    cp_async_commit();
+  }
 
   float o[NO];
 #pragma unroll
@@ -1091,9 +1098,9 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
   // The warpgroup's 64 rows of Q start 64 rows (8 swizzle groups) into each column block.
   const WgmmaDescs<HDP, BK> desc(Qs + wg * 64 * 128, Ks, Vs);
 
-  wgmma_key_tiles<HDP, BQ, BK, NO, TSUM>(kv, desc, 0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg,
-                                         scale_log2, hd, o, m0, m1, l0, l1,
-                                         TSUM ? kept_u32(smem_desc_lo(ones, 1024)) : 0u);
+  wgmma_key_tiles<HDP, BQ, BK, NO, TSUM, ST>(kv, desc, 0, ntiles, clean, kvlen, causal, offset, qi0, qi1, tg,
+                                             scale_log2, hd, o, m0, m1, l0, l1,
+                                             TSUM ? kept_u32(smem_desc_lo(ones, 1024)) : 0u);
   cp_async_wait_group<0>();
   wgmma_store_rows<NO>(o, l0, l1, qi0, qi1, nq, hd, tg, out, gate, gate_row, gate_head, q_start, heads, h);
 }
@@ -1391,32 +1398,36 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED)                                                        \
-  attn_fwd_wgmma<HDP, BK, TSUM, GROUPED>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, \
-                                         gate_head, out);
+#define ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED, ST)                                                        \
+  attn_fwd_wgmma<HDP, BK, TSUM, GROUPED, ST>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, \
+                                             gate_head, out);
 #else
-#define ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED)
+#define ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED, ST)
 #endif
-#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS, TSUM, GROUPED)                                      \
+#define ATTN_WGMMA_ENTRY(NAME, HDP, BK, MIN_BLOCKS, TSUM, GROUPED, ST)                                  \
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                  \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,        \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                      \
-    ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED)                                                            \
+    ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED, ST)                                                        \
   }
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1, false, false)
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1, false, false)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1, false, false, 2)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_256, 256, 64, 1, false, false, 2)
 // 128-key tiles at head dim 64 (the vision tower): half the per-tile bookkeeping per score, held to
 // 128 registers so that two blocks share an SM as attn_fwd_wgmma_64's do.
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false, false)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128_64, 64, 128, 2, false, false, 2)
 // The same kernels with the blocks in KV-group order (block_head; grid: R·tiles, kvh, sequences):
 // the blocks on the GPU at once share one or two groups' keys and values in L2 instead of
 // streaming every group's (268 MB at 65,536 patches of the vision tower, 16 heads without GQA; 195
 // MB at 47.7K tokens of the 4B's 4 groups); the same bits.
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_g_256, 256, 64, 1, false, true)
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128g_64, 64, 128, 2, false, true)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_g_256, 256, 64, 1, false, true, 2)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128g_64, 64, 128, 2, false, true, 2)
+// attn_fwd_wgmma_k128g_64 with three K/V buffers (the copies two tiles ahead): 113 KB of shared
+// memory, so two blocks still share an SM (228 KB); for the barrier stalls at each tile's start
+// (the top stall of the two-buffer kernel, ncu: bench/NOTES.md). The same bits.
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128g3_64, 64, 128, 2, false, true, 3)
 // attn_fwd_wgmma_k128_64 with the rows' sums on the tensor cores (wgmma_softmax_p, wgmma_row_sums): one
 // instruction fewer per score; opt-in: no faster on an H100 (bench/NOTES.md).
-ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true, false)
+ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true, false, 2)
 
 #ifdef IMAJEV_WGMMA
 #define ATTN_WS_BODY(HDP, NC) \

@@ -82,6 +82,7 @@ pub fn hopper_cases(
         AttentionKernel::Overlap => "4B ov",
         AttentionKernel::WgmmaK128 => "4B wgmma-k128",
         AttentionKernel::WgmmaGrouped => "4B wgmma-grouped",
+        AttentionKernel::WgmmaGrouped3 => "4B wgmma-grouped3",
         AttentionKernel::WgmmaTensorSums => "4B wgmma-tsum",
         _ => "4B wgmma",
     };

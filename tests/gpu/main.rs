@@ -148,6 +148,16 @@ fn wgmma_k128_attention_matches_cpu_and_ws_bitwise() {
     rep.guard("attn", "attention (wgmma-grouped vs wgmma-k128)", |rep| {
         attention::same_bits(&d.g, rep, &mut rng, AttentionKernel::WgmmaK128, AttentionKernel::WgmmaGrouped)
     });
+    // Three K/V buffers (opt-in): the copies run further ahead, the arithmetic is the same.
+    rep.guard("attn", "attention (wgmma-grouped3 vs wgmma-grouped)", |rep| {
+        attention::same_bits(
+            &d.g,
+            rep,
+            &mut rng,
+            AttentionKernel::WgmmaGrouped,
+            AttentionKernel::WgmmaGrouped3,
+        )
+    });
     rep.finish("attention (wgmma-k128)");
 }
 

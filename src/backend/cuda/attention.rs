@@ -44,6 +44,10 @@ pub enum AttentionKernel {
     /// the sequences fastest (`attn_fwd_wgmma_splitg`), so the passes over one shared prefix read
     /// each of its key ranges together.
     WgmmaGrouped,
+    /// `WgmmaGrouped` with three K/V buffers at head dim 64 (`attn_fwd_wgmma_k128g3_64`: each tile's
+    /// copies issued two tiles ahead, for the barrier stalls at every tile's start; 113 KB of shared
+    /// memory, two blocks an SM as before); the same bits. Opt-in until measured (bench/NOTES.md).
+    WgmmaGrouped3,
     /// `WgmmaK128` with the rows' softmax sums taken by the tensor cores from the BF16 P the P·V
     /// MMAs multiply (`attn_fwd_wgmma_tsum_64`: a `wgmma m64n8k16` against ones per 16 keys instead
     /// of an add per score; not `WgmmaK128`'s bits, whose sums are of the f32 P). Opt-in: on an H100
@@ -69,7 +73,7 @@ pub enum AttentionKernel {
 
 impl AttentionKernel {
     /// Every kernel by its `IMAJEV_ATTENTION` name, in the order the error message lists them.
-    pub const NAMED: [(&'static str, AttentionKernel); 10] = [
+    pub const NAMED: [(&'static str, AttentionKernel); 11] = [
         ("auto", AttentionKernel::Auto),
         ("ov", AttentionKernel::Overlap),
         ("ws", AttentionKernel::WarpSpecialized),
@@ -77,6 +81,7 @@ impl AttentionKernel {
         ("wgmma", AttentionKernel::Wgmma),
         ("wgmma-k128", AttentionKernel::WgmmaK128),
         ("wgmma-grouped", AttentionKernel::WgmmaGrouped),
+        ("wgmma-grouped3", AttentionKernel::WgmmaGrouped3),
         ("wgmma-tsum", AttentionKernel::WgmmaTensorSums),
         ("q128", AttentionKernel::Rows128),
         ("q64", AttentionKernel::Rows64),
@@ -275,12 +280,16 @@ impl CudaBackend {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_tsum_smem_bytes());
                 self.launch("attn_fwd_wgmma_tsum_64", cfg, &args(tp))?;
             } else if hopper
-                && (kernel == AttentionKernel::WgmmaGrouped || (kernel == AttentionKernel::Auto && hdp == 64))
+                && (matches!(kernel, AttentionKernel::WgmmaGrouped | AttentionKernel::WgmmaGrouped3)
+                    || (kernel == AttentionKernel::Auto && hdp == 64))
             {
                 // Grid: x = r + R·(tile from the last) for query head r of its group, y the group.
                 let r = (heads / kvh) as u32;
-                let (name, smem) = match hdp {
-                    64 => ("attn_fwd_wgmma_k128g_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
+                let (name, smem) = match (hdp, kernel) {
+                    (64, AttentionKernel::WgmmaGrouped3) => {
+                        ("attn_fwd_wgmma_k128g3_64", layout::attention_wgmma_smem_bytes_ring(64, 128, 3))
+                    }
+                    (64, _) => ("attn_fwd_wgmma_k128g_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
                     _ => ("attn_fwd_wgmma_g_256", layout::attention_wgmma_smem_bytes(hdp)),
                 };
                 let cfg = launch_config((r * grid.1, kvh as u32, grid.2), 256, smem);
@@ -323,7 +332,7 @@ impl CudaBackend {
             // passes over one shared prefix read each of its key ranges together (0.956x the time
             // of 11 passes x 73 over 16K on an H100; the same bits).
             let (name, grid) = match kernel {
-                AttentionKernel::Auto | AttentionKernel::WgmmaGrouped => {
+                AttentionKernel::Auto | AttentionKernel::WgmmaGrouped | AttentionKernel::WgmmaGrouped3 => {
                     (format!("attn_fwd_wgmma_splitg_{hdp}"), (grid.2, grid.0, grid.1))
                 }
                 _ => (format!("attn_fwd_wgmma_split_{hdp}"), grid),
@@ -655,7 +664,7 @@ mod tests {
         assert_eq!(AttentionKernel::parse("wgmma-k64"), None);
         assert_eq!(
             AttentionKernel::expected(),
-            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-grouped, wgmma-tsum, q128 or q64"
+            "auto, ov, ws, ws3, wgmma, wgmma-k128, wgmma-grouped, wgmma-grouped3, wgmma-tsum, q128 or q64"
         );
     }
 }

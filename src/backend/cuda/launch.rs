@@ -134,6 +134,7 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("attn_fwd_wgmma_g_256", layout::attention_wgmma_smem_bytes(256)),
             k_smem("attn_fwd_wgmma_k128_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
             k_smem("attn_fwd_wgmma_k128g_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
+            k_smem("attn_fwd_wgmma_k128g3_64", layout::attention_wgmma_smem_bytes_ring(64, 128, 3)),
             k_smem("attn_fwd_wgmma_tsum_64", layout::attention_wgmma_tsum_smem_bytes()),
             k_smem("attn_fwd_wgmma_split_64", layout::attention_wgmma_smem_bytes(64)),
             k_smem("attn_fwd_wgmma_split_256", layout::attention_wgmma_smem_bytes(256)),

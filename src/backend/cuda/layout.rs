@@ -172,7 +172,13 @@ pub const fn attention_wgmma_smem_bytes(hdp: usize) -> usize {
 
 /// [`attention_wgmma_smem_bytes`] with key tiles of `bk` rows (`attn_fwd_wgmma_k128_64`: 128).
 pub const fn attention_wgmma_smem_bytes_tiles(hdp: usize, bk: usize) -> usize {
-    1024 + (128 + 4 * bk) * hdp * 2
+    attention_wgmma_smem_bytes_ring(hdp, bk, 2)
+}
+
+/// [`attention_wgmma_smem_bytes_tiles`] with `stages` K and V buffers each
+/// (`attn_fwd_wgmma_k128g3_64`: 3).
+pub const fn attention_wgmma_smem_bytes_ring(hdp: usize, bk: usize, stages: usize) -> usize {
+    1024 + (128 + 2 * stages * bk) * hdp * 2
 }
 
 /// Bytes of BF16 ones after `attn_fwd_wgmma_tsum_64`'s K and V buffers: the B operand of its rows'
@@ -583,6 +589,8 @@ mod tests {
         assert!(attention_wgmma_smem_bytes(256) + 1024 <= 228 * 1024);
         // Two blocks of the 128-key head-dim-64 kernel per SM (each block also reserves 1 KB).
         assert!(2 * (attention_wgmma_smem_bytes_tiles(64, 128) + 1024) <= 228 * 1024);
+        // Three buffers still leave two blocks an SM (1 KB of each block is the system's).
+        assert!(2 * (attention_wgmma_smem_bytes_ring(64, 128, 3) + 1024) <= 228 * 1024);
         // And of the tensor-core-sums variant, whose ones are one 16-byte store per thread of 256.
         assert!(2 * (attention_wgmma_tsum_smem_bytes() + 1024) <= 228 * 1024);
         assert_eq!(ATTENTION_TSUM_ONES_BYTES, 256 * 16);
