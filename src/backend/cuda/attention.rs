@@ -23,8 +23,8 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
     /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 with the blocks in KV-group order
-    /// (as `WgmmaGrouped`: 0.92x `WgmmaK128`'s time at the vision tower's 65,536 patches on an
-    /// H100), 64-key tiles at 256 (heads fastest: the group order measured no faster there), split
+    /// and three K/V buffers (as `WgmmaGrouped3`: 0.90-0.95x `WgmmaK128`'s time at the vision
+    /// tower's 65,536 patches on an H100), 64-key tiles at 256 (heads fastest: the group order measured no faster there), split
     /// passes with the sequences fastest (as `WgmmaGrouped`); else `attn_fwd_q128`.
     #[default]
     Auto,
@@ -46,7 +46,8 @@ pub enum AttentionKernel {
     WgmmaGrouped,
     /// `WgmmaGrouped` with three K/V buffers at head dim 64 (`attn_fwd_wgmma_k128g3_64`: each tile's
     /// copies issued two tiles ahead, for the barrier stalls at every tile's start; 113 KB of shared
-    /// memory, two blocks an SM as before); the same bits. Opt-in until measured (bench/NOTES.md).
+    /// memory, two blocks an SM as before); the same bits. `Auto` at head dim 64: 0.984x
+    /// `WgmmaGrouped`'s time at 65,536 patches, 0.993x at 16K on an H100 (bench/NOTES.md).
     WgmmaGrouped3,
     /// `WgmmaK128` with the rows' softmax sums taken by the tensor cores from the BF16 P the P·V
     /// MMAs multiply (`attn_fwd_wgmma_tsum_64`: a `wgmma m64n8k16` against ones per 16 keys instead
@@ -286,7 +287,7 @@ impl CudaBackend {
                 // Grid: x = r + R·(tile from the last) for query head r of its group, y the group.
                 let r = (heads / kvh) as u32;
                 let (name, smem) = match (hdp, kernel) {
-                    (64, AttentionKernel::WgmmaGrouped3) => {
+                    (64, AttentionKernel::WgmmaGrouped3 | AttentionKernel::Auto) => {
                         ("attn_fwd_wgmma_k128g3_64", layout::attention_wgmma_smem_bytes_ring(64, 128, 3))
                     }
                     (64, _) => ("attn_fwd_wgmma_k128g_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
