@@ -1199,7 +1199,7 @@ __device__ __forceinline__ void issue_whole_tile_by128(unsigned char* dst, const
   for (int u = 0; u < ROWS / RS; u++, src += (i64)RS * stride * 2, d += RS * 128) cp_async16(d, src, true);
 }
 
-template <int HDP, int NC = 2>
+template <int HDP, int NC = 2, bool GROUPED = false>
 __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,
                             const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
   using T = WsTiles<HDP, NC>;
@@ -1215,12 +1215,12 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   unsigned long long* empty_k = bars + 2 * ST;
   unsigned long long* empty_v = bars + 3 * ST;
 
-  const int h = blockIdx.x;
+  const int h = block_head<GROUPED>(heads, kvh);
   const i64* sg = segs + SEG * blockIdx.z;
   const i64 q_start = sg[0];
   const int nq = (int)sg[1];
   const int tiles = (nq + BQ - 1) / BQ;
-  const int tile = tiles - 1 - (int)blockIdx.y;
+  const int tile = tiles - 1 - block_tile_from_last<GROUPED>(heads, kvh);
   if (tile < 0) return;  // the whole block, before any barrier
   const int shared_len = (int)sg[4];
   const int kvlen = shared_len + (int)sg[7] + nq;
@@ -1430,21 +1430,23 @@ ATTN_WGMMA_ENTRY(attn_fwd_wgmma_k128g3_64, 64, 128, 2, false, true, 3)
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true, false, 2)
 
 #ifdef IMAJEV_WGMMA
-#define ATTN_WS_BODY(HDP, NC) \
-  attn_fwd_ws<HDP, NC>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+#define ATTN_WS_BODY(HDP, NC, GROUPED) \
+  attn_fwd_ws<HDP, NC, GROUPED>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
 #else
-#define ATTN_WS_BODY(HDP, NC)
+#define ATTN_WS_BODY(HDP, NC, GROUPED)
 #endif
-#define ATTN_WS_ENTRY(NAME, HDP, NC)                                                                       \
+#define ATTN_WS_ENTRY(NAME, HDP, NC, GROUPED)                                                              \
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(                                    \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
-    ATTN_WS_BODY(HDP, NC)                                                                                  \
+    ATTN_WS_BODY(HDP, NC, GROUPED)                                                                         \
   }
-ATTN_WS_ENTRY(attn_fwd_ws_64, 64, 2)
-ATTN_WS_ENTRY(attn_fwd_ws_256, 256, 2)
+ATTN_WS_ENTRY(attn_fwd_ws_64, 64, 2, false)
+ATTN_WS_ENTRY(attn_fwd_ws_256, 256, 2, false)
 // FlashAttention-3's shape at head dim 64 (the vision tower): three consumers over 192 query rows,
 // so one block per SM keeps three warpgroups on the MMAs and the softmax (attn_fwd_ws_64 has two,
 // where attn_fwd_wgmma_k128_64's two blocks have four); each K/V tile serves 192 rows. Opt-in: on an
-// H100 it matches k128 at 65,536 patches (41.3 vs 41.2 ms) and is 7% slower at 16K (bench/NOTES.md).
-ATTN_WS_ENTRY(attn_fwd_ws3_64, 64, 3)
+// H100 it matched k128 at 65,536 patches (41.3 vs 41.2 ms) and was 7% slower at 16K (bench/NOTES.md),
+// both in the heads-first order; its blocks now run in KV-group order (block_head) as Auto's
+// vision kernel does (unmeasured in that order).
+ATTN_WS_ENTRY(attn_fwd_ws3_64, 64, 3, true)

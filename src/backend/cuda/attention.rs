@@ -64,7 +64,8 @@ pub enum AttentionKernel {
     /// `attn_fwd_ws3_64` at head dim 64 (the vision tower): `WarpSpecialized` with three consumers
     /// over 192 query rows, FlashAttention-3's tiles there (`WgmmaK128`'s bits); other head dims
     /// as `Auto`. Opt-in: on an H100 as fast as `WgmmaK128` at 65,536 patches and 7% slower at
-    /// 16K (bench/NOTES.md).
+    /// 16K (bench/NOTES.md), both in the heads-first order; its blocks run in KV-group order (as
+    /// `WgmmaGrouped`) since the eighteenth session, not yet measured so.
     WarpSpecialized3,
     /// `attn_fwd_q128` (mma.sync, 128 query rows per block).
     Rows128,
@@ -266,8 +267,10 @@ impl CudaBackend {
                 );
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
             } else if hopper && kernel == AttentionKernel::WarpSpecialized3 && hdp == 64 {
+                // KV-group order, as WgmmaGrouped: x = r + R·(tile from the last), y the group.
                 let rows = layout::attention_ws_query_rows(3);
-                let grid = (grid.0, longest(&whole).div_ceil(rows) as u32, grid.2);
+                let r = (heads / kvh) as u32;
+                let grid = (r * longest(&whole).div_ceil(rows) as u32, kvh as u32, grid.2);
                 let cfg = launch_config(
                     grid,
                     layout::attention_ws_threads(3),
