@@ -15,6 +15,8 @@
 //! returns `false` and goes to cuBLASLt as before.
 //!
 //! The operands reach shared memory by TMA ([`super::tma`]): one thread issues a stage's copies.
+//! A one-group projection's bias (the vision tower's) is added in the same epilogue, with
+//! `add_bias8`'s arithmetic (bitwise: tests/gpu `own_fp8_gemm_matches_cpu_and_cublas`).
 //! The same kernel's BF16 form (`gemm_bf16_<rows>`, `CudaBackend::gemm_bf16_own`) can run the
 //! LoRA A sides (`IMAJEV_LORA_A=own`, opt-in until measured).
 //!
