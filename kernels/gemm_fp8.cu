@@ -279,7 +279,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         // separate B GEMM to the stored output (and PEFT to the base layer's BF16 output): the
         // kernel moves where the sum happens, not the arithmetic.
 #pragma unroll
-        for (int i = 0; i < 64; i++) out[i] = __bfloat162float(__float2bfloat16(out[i]));
+        for (int i = 0; i < 64; i++) out[i] = bf(to_bf(out[i]));
         const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
         for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
           const int s = it % ST;
@@ -294,10 +294,10 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 #pragma unroll
         for (int j = 0; j < 16; j++) {
           const float2 b = *(const float2*)(p.bias + n0 + 8 * j + 2 * tg);
-          out[4 * j + 0] = __bfloat162float(__float2bfloat16(out[4 * j + 0])) + b.x;
-          out[4 * j + 1] = __bfloat162float(__float2bfloat16(out[4 * j + 1])) + b.y;
-          out[4 * j + 2] = __bfloat162float(__float2bfloat16(out[4 * j + 2])) + b.x;
-          out[4 * j + 3] = __bfloat162float(__float2bfloat16(out[4 * j + 3])) + b.y;
+          out[4 * j + 0] = bf(to_bf(out[4 * j + 0])) + b.x;
+          out[4 * j + 1] = bf(to_bf(out[4 * j + 1])) + b.y;
+          out[4 * j + 2] = bf(to_bf(out[4 * j + 2])) + b.x;
+          out[4 * j + 3] = bf(to_bf(out[4 * j + 3])) + b.y;
         }
       }
       // The output: rounded to BF16 into this warpgroup's rows of the staging tile (the 128-byte

@@ -568,14 +568,7 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         );
         let y2 = o.download(&o.matmul(&o.upload(&x2, &[m2, k2])?, &l2)?)?;
         let name = format!("{label} [{}] + LoRA r16/r32 on parts 0, 2", l2.summary());
-        rep.check(p, format!("{name} M={m2} vs CPU f32"), rel(&y2, &y2c), 8e-2);
-        rep.check(
-            p,
-            format!("{name}: CPU error / cuBLASLt+lora_b's ({:.3e})", rel(&y2b, &y2c)),
-            rel(&y2, &y2c) / rel(&y2b, &y2c).max(1e-12),
-            1.2,
-        );
-        rep.check(p, format!("{name} vs cuBLASLt + lora_b (max)"), rel(&y2, &y2b), 3e-2);
+        as_close_as(rep, &format!("{name} M={m2}"), &y2, ("cuBLASLt + lora_b", &y2b), &y2c);
         invariance(&o, rep, &name, &l2, &x2, k2, &y2)?;
 
         let wide = [
@@ -671,14 +664,7 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
     let ya = oa.download(&oa.matmul(&oa.upload(&x2, &[m2, k2])?, &la2)?)?;
     let y192 = o192.download(&o192.matmul(&o192.upload(&x2, &[m2, k2])?, &l192)?)?;
     let name = "own192 + own LoRA A, in_proj-like r16/r32";
-    rep.check(p, format!("{name} M={m2} vs CPU f32"), rel(&ya, &y2c), 8e-2);
-    rep.check(
-        p,
-        format!("{name}: CPU error / with cuBLASLt's A side ({:.3e})", rel(&y192, &y2c)),
-        rel(&ya, &y2c) / rel(&y192, &y2c).max(1e-12),
-        1.2,
-    );
-    rep.check(p, format!("{name} vs cuBLASLt's A side (max)"), rel(&ya, &y192), 3e-2);
+    as_close_as(rep, &format!("{name} M={m2}"), &ya, ("own192 with cuBLASLt's A side", &y192), &y2c);
     invariance(&oa, rep, name, &la2, &x2, k2, &ya)?;
     let (agu, ad) = (oa.linear(&gate_up)?, oa.linear(&down)?);
     let ym = oa.download(&oa.swiglu_mlp(&oa.upload(&x3, &[130, h])?, &agu, &ad)?)?;
@@ -690,6 +676,21 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         1.2,
     );
     Ok(())
+}
+
+/// A projection `y` on another kernel path than `reference` (its label and output), both against
+/// the CPU's f32 `cpu`: `y` within 8e-2 of the CPU, its CPU error at most 1.2x the reference's,
+/// and within 3e-2 of the reference.
+fn as_close_as(rep: &mut Report, name: &str, y: &[f32], (label, reference): (&str, &[f32]), cpu: &[f32]) {
+    let p = "gemm";
+    rep.check(p, format!("{name} vs CPU f32"), rel(y, cpu), 8e-2);
+    rep.check(
+        p,
+        format!("{name}: CPU error / {label}'s ({:.3e})", rel(reference, cpu)),
+        rel(y, cpu) / rel(reference, cpu).max(1e-12),
+        1.2,
+    );
+    rep.check(p, format!("{name} vs {label} (max)"), rel(y, reference), 3e-2);
 }
 
 /// Weights of a fused projection's parts of `outs` rows each: the first `fp8` parts block-FP8, the

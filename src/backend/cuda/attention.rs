@@ -24,8 +24,9 @@ use std::sync::Arc;
 pub enum AttentionKernel {
     /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 with the blocks in KV-group order
     /// and three K/V buffers (as `WgmmaGrouped3`: 0.90-0.95x `WgmmaK128`'s time at the vision
-    /// tower's 65,536 patches on an H100), 64-key tiles at 256 (heads fastest: the group order measured no faster there), split
-    /// passes with the sequences fastest (as `WgmmaGrouped`); else `attn_fwd_q128`.
+    /// tower's 65,536 patches on an H100), 64-key tiles at 256 (heads fastest: the group order
+    /// measured no faster there), split passes with the sequences fastest (as `WgmmaGrouped`);
+    /// else `attn_fwd_q128`.
     #[default]
     Auto,
     /// `attn_fwd_wgmma` with 64-key tiles where the GPU and head dim allow it (the default at head
@@ -100,6 +101,13 @@ impl AttentionKernel {
         let (last, rest) = names.split_last().expect("kernels have names");
         format!("{} or {last}", rest.join(", "))
     }
+}
+
+/// The grid of a kernel whose blocks run in KV-group order (`block_head` in
+/// kernels/attention.cu): x = r + R·(query tile from the last) for query head r < R = heads / kvh
+/// of its group, y the group, z the sequence; `tiles` query tiles of the longest sequence.
+fn group_order_grid(tiles: usize, heads: usize, kvh: usize, sequences: u32) -> (u32, u32, u32) {
+    ((heads / kvh * tiles) as u32, kvh as u32, sequences)
 }
 
 /// Keys and values of one attention layer of one sequence: an optional immutable shared prefix
@@ -267,10 +275,9 @@ impl CudaBackend {
                 );
                 self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
             } else if hopper && kernel == AttentionKernel::WarpSpecialized3 && hdp == 64 {
-                // KV-group order, as WgmmaGrouped: x = r + R·(tile from the last), y the group.
+                // KV-group order, as WgmmaGrouped.
                 let rows = layout::attention_ws_query_rows(3);
-                let r = (heads / kvh) as u32;
-                let grid = (r * longest(&whole).div_ceil(rows) as u32, kvh as u32, grid.2);
+                let grid = group_order_grid(longest(&whole).div_ceil(rows), heads, kvh, grid.2);
                 let cfg = launch_config(
                     grid,
                     layout::attention_ws_threads(3),
@@ -287,8 +294,6 @@ impl CudaBackend {
                 && (matches!(kernel, AttentionKernel::WgmmaGrouped | AttentionKernel::WgmmaGrouped3)
                     || (kernel == AttentionKernel::Auto && hdp == 64))
             {
-                // Grid: x = r + R·(tile from the last) for query head r of its group, y the group.
-                let r = (heads / kvh) as u32;
                 let (name, smem) = match (hdp, kernel) {
                     (64, AttentionKernel::WgmmaGrouped3 | AttentionKernel::Auto) => {
                         ("attn_fwd_wgmma_k128g3_64", layout::attention_wgmma_smem_bytes_ring(64, 128, 3))
@@ -296,7 +301,7 @@ impl CudaBackend {
                     (64, _) => ("attn_fwd_wgmma_k128g_64", layout::attention_wgmma_smem_bytes_tiles(64, 128)),
                     _ => ("attn_fwd_wgmma_g_256", layout::attention_wgmma_smem_bytes(hdp)),
                 };
-                let cfg = launch_config((r * grid.1, kvh as u32, grid.2), 256, smem);
+                let cfg = launch_config(group_order_grid(grid.1 as usize, heads, kvh, grid.2), 256, smem);
                 self.launch(name, cfg, &args(tp))?;
             } else if hopper
                 && matches!(kernel, AttentionKernel::Auto | AttentionKernel::WgmmaK128)
