@@ -17,8 +17,9 @@
 //!   across the row counts (a pin must keep batch invariance); last, the `IMAJEV_GEMM_PINS` value
 //!   that would pin the winners (see src/backend/cuda/gemm.rs);
 //! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
-//!   16,384 rows (or at `--lengths`), the gate/up LoRA B side as its own GEMM and fused into the
-//!   SwiGLU (`mlp_lora_fused`), and their ratio;
+//!   16,384 rows (or at `--lengths`): on Hopper the gate/up output stored then the SwiGLU kernel
+//!   against the GLU form (`swiglu_epilogue`), elsewhere the gate/up LoRA B side as its own GEMM
+//!   against it fused into the SwiGLU (`mlp_lora_fused`), and their ratio;
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
 //!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
 //!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue), and `_192` with
@@ -200,12 +201,25 @@ impl Bench<'_> {
         Ok(())
     }
 
-    /// Qwen3.5-4B's MLP with LoRA (rank 64 on gate, up and down) at `rows` rows, the gate/up
-    /// LoRA B side as its own GEMM and fused into the SwiGLU (`mlp_lora_fused`), side by side.
+    /// Qwen3.5-4B's MLP with LoRA (rank 64 on gate, up and down) at `rows` rows, side by side: on
+    /// Hopper's own FP8 GEMM the gate/up output stored then `swiglu_quant_1x128`, against the GLU
+    /// form (`swiglu_epilogue`: the SwiGLU in the GEMM's epilogue); elsewhere the gate/up LoRA B
+    /// side as its own GEMM against it fused into the SwiGLU (`mlp_lora_fused`).
     fn mlp(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
-        let unfused = CudaBackend::new(0, CudaOptions { mlp_lora_fused: false, ..g.options().clone() })?;
-        let fused = CudaBackend::new(0, CudaOptions { mlp_lora_fused: true, ..g.options().clone() })?;
+        let hopper = g.info().hopper();
+        let (base_label, new_label) =
+            if hopper { ("gate/up stored", "GLU form") } else { ("LoRA B GEMM", "LoRA B fused") };
+        // (Off Hopper `swiglu_epilogue` does nothing; on Hopper `mlp_lora_fused` does nothing: the
+        // own GEMM takes the LoRA B side in its epilogue.)
+        let unfused = CudaBackend::new(
+            0,
+            CudaOptions { mlp_lora_fused: false, swiglu_epilogue: false, ..g.options().clone() },
+        )?;
+        let fused = CudaBackend::new(
+            0,
+            CudaOptions { mlp_lora_fused: true, swiglu_epilogue: true, ..g.options().clone() },
+        )?;
         let (h, k, r) = (2560usize, 9216usize, 64usize);
         let mut t = |name: &str, shape: &[usize], std: f32, fp8: bool| {
             let v = self.rng.bf16_normals(shape.iter().product(), std);
@@ -225,7 +239,7 @@ impl Bench<'_> {
         for &m in rows {
             let x_h = self.rng.bf16_normals(m * h, 1.0);
             let mut times = Vec::new();
-            for (label, be) in [("LoRA B GEMM", &unfused), ("LoRA B fused", &fused)] {
+            for (label, be) in [(base_label, &unfused), (new_label, &fused)] {
                 let (gu, d) = (be.linear(&gate_up)?, be.linear(&down)?);
                 let x = bf16_tensor(be, &x_h, &[m, h])?;
                 let ms = time_ms(be, 10, &mut || be.swiglu_mlp(&x, &gu, &d).map(|_| ()))?;
@@ -236,7 +250,7 @@ impl Bench<'_> {
                     println!("  kernels of the {label} runs (warm-up included):\n{report}");
                 }
             }
-            println!("  MLP M={m}: fused / unfused = {:.3}", times[1] / times[0]);
+            println!("  MLP M={m}: {new_label} / {base_label} = {:.3}", times[1] / times[0]);
         }
         Ok(())
     }

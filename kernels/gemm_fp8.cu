@@ -37,6 +37,18 @@
 //   stage four wgmma m64n128k16 (BF16) into acc, then out += lscale · acc, out having been rounded
 //   to BF16 before the first. Then out is rounded to BF16 into a staging tile in shared memory
 //   and stored by TMA.
+// GLU form (gemm_fp8_glu_<rows>, the MLP's gate/up projection, W's rows [gate; up] of N/2 each):
+// column tile t holds gate's W rows 64t .. 64t + 64 and up's N/2 + 64t .. (two 64-row TMA boxes
+// into the halves of the W tile, each with its own W scale; LoRA B's rows likewise), so a thread
+// holds gate and up of the same h columns; a unit is the pair of tiles 2i, 2i + 1 (one 128-block of
+// h). The epilogue rounds gate and up to BF16 (the values the plain form stores), computes
+// h = bf16(silu(gate) · up) (swiglu_quant_1x128's arithmetic), stores h, and after the pair's
+// second tile quantises the 128 h columns of each row as quant_act_1x128 would from h (the first
+// tile's values read back from its staging slice): codes by TMA, scales directly. The 2·N/2-wide
+// gate/up output is never stored or read again; the bits are those of the plain form followed by
+// swiglu_quant_1x128 (tests/gpu swiglu_epilogue_matches_unfused_bitwise). Opt-in: the epilogue's
+// arithmetic (expf and divisions per element) holds the tensor cores ~3 µs a tile, as much as the
+// stored output and swiglu_quant_1x128 cost (bench/NOTES.md, nineteenth session).
 // Batch invariance: the tile shape, the k order and the promotion are the same whatever M is, so a
 // row's result is the same bits whatever else shares the call (tests/gpu checks it bitwise). The
 // results are also cuBLASLt's bits (its block-scaled kernel promotes the same way; measured on an
@@ -84,13 +96,15 @@ struct GemmFp8Args {
   const TmaMap* w;   // W [N][K] u8, box 128 x 128 / CL rows, 128-byte swizzle
   const TmaMap* lt;  // T [lm][lr] bf16, box 64 x BM rows, 128-byte swizzle (LoRA only)
   const TmaMap* lb;  // B [lcols][lr] bf16, box 64 x 128 / CL rows, 128-byte swizzle (LoRA only)
-  const TmaMap* y;   // Y [M][ldy] bf16 (columns 0 .. N), box 64 x 64 rows, 128-byte swizzle
+  const TmaMap* y;   // Y [M][ldy] bf16 (columns 0 .. N), box 64 x 64 rows, 128-byte swizzle (GLU: h)
+  const TmaMap* q;   // GLU only: h's FP8 codes [M][N/2] u8, box 128 x 64 rows, 128-byte swizzle
   const float* ws;
   int M, N, K;
   const int* lwin;
   int lcol0;
   float lscale;
   const float* bias;
+  float* qs;  // GLU only: h's activation scales [N/256][M]
 };
 
 // The four MMAs of ring stage s into acc (not committed).
@@ -133,6 +147,118 @@ __device__ __forceinline__ void gemm_fp8_promote(float (&out)[64], const float (
   }
 }
 
+// gemm_fp8_promote for a GLU tile, whose two 64-column halves (gate's and up's rows of W) have
+// their own W scales: columns 0 .. 63 (j < 8) take f0 / f1, columns 64 .. 127 take g0 / g1.
+__device__ __forceinline__ void gemm_fp8_promote_halves(float (&out)[64], const float (&acc)[64], float f0, float f1,
+                                                        float g0, float g1) {
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    const float a = j < 8 ? f0 : g0, b = j < 8 ? f1 : g1;
+    out[4 * j + 0] = fmaf(acc[4 * j + 0], a, out[4 * j + 0]);
+    out[4 * j + 1] = fmaf(acc[4 * j + 1], a, out[4 * j + 1]);
+    out[4 * j + 2] = fmaf(acc[4 * j + 2], b, out[4 * j + 2]);
+    out[4 * j + 3] = fmaf(acc[4 * j + 3], b, out[4 * j + 3]);
+  }
+}
+
+// This thread's 64 h values of a GLU tile as bf16 pairs in the warpgroup's 64 x 128-byte slice of
+// a staging half (the output tile's swizzle): h[4j], h[4j + 1] at row rw, h[4j + 2], h[4j + 3] at
+// rw + 8, columns 8j + 2tg and the next.
+__device__ __forceinline__ void glu_stage_h(unsigned char* slice, const float (&h)[32], int rw, int tg) {
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    unsigned char* at = slice + 4 * tg + ((j ^ (rw & 7)) << 4);
+    *(unsigned*)(at + rw * 128) = pack_f32(h[4 * j + 0], h[4 * j + 1]);
+    *(unsigned*)(at + (rw + 8) * 128) = pack_f32(h[4 * j + 2], h[4 * j + 3]);
+  }
+}
+
+// The epilogue of a GLU tile (kernel doc): h = bf16(silu(gate) · up) of this thread's 2 rows x 16
+// columns, from the tile's gate half (out[0 .. 31]) and up half (out[32 .. 63]) each rounded to
+// BF16 as the stored gate/up output was, with swiglu_quant_1x128's arithmetic. Tile `half` 0 of a
+// pair stores its h and keeps its rows' partial amax; tile 1 stores its h, completes the amax of
+// the pair's 128 h columns, and quantises both tiles' values (tile 0's read back from its staging
+// slice) into h's FP8 codes and scales, as quant_act_1x128 would from h.
+template <int NC>
+__device__ __forceinline__ void gemm_fp8_glu_epilogue(const GemmFp8Args& p, const float (&out)[64], float (&amax)[2],
+                                                      unsigned char* staged, int half, int cw, int rw, int rl,
+                                                      int tg, int m0, int nt) {
+  using T = GemmFp8Tiles<NC>;
+  float h[32], a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; i++) {
+    const float g = bf(to_bf(out[i])), u = bf(to_bf(out[32 + i]));
+    h[i] = bf(to_bf(silu_f(g) * u));
+    if (i & 2) a1 = fmaxf(a1, fabsf(h[i]));
+    else a0 = fmaxf(a0, fabsf(h[i]));
+  }
+  unsigned char* first = staged + cw * 64 * 128;  // tile 0's h, then the pair's codes
+  unsigned char* second = staged + T::OUT_HALF + cw * 64 * 128;
+  const bool leader = (threadIdx.x & 127) == 0;
+  if (half == 0) {
+    if (leader) bulk_wait_read0();  // the previous pair's stores have read the staging slices
+    named_bar_sync(1 + cw, 128);
+    glu_stage_h(first, h, rw, tg);
+    fence_proxy_async();
+    named_bar_sync(1 + cw, 128);
+    if (leader) {
+      tma_store_2d(p.y, first, 64 * nt, m0 + cw * 64);
+      bulk_commit();
+    }
+    amax[0] = a0;
+    amax[1] = a1;
+    return;
+  }
+  // The amax of each row's 128 h columns: this thread's 16 of each tile, then the row's 4 threads.
+  a0 = fmaxf(a0, amax[0]);
+  a1 = fmaxf(a1, amax[1]);
+  a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, 1));
+  a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, 2));
+  a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, 1));
+  a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, 2));
+  const float sc0 = act_scale_1x128(a0), sc1 = act_scale_1x128(a1);
+  float h0[32];  // tile 0's values, where this thread staged them
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const unsigned char* at = first + 4 * tg + ((j ^ (rw & 7)) << 4);
+    const unsigned r0 = *(const unsigned*)(at + rw * 128), r1 = *(const unsigned*)(at + (rw + 8) * 128);
+    h0[4 * j + 0] = __uint_as_float(r0 << 16);
+    h0[4 * j + 1] = __uint_as_float(r0 & 0xffff0000u);
+    h0[4 * j + 2] = __uint_as_float(r1 << 16);
+    h0[4 * j + 3] = __uint_as_float(r1 & 0xffff0000u);
+  }
+  if (leader) bulk_wait_read0();  // tile 0's store has read `first`
+  named_bar_sync(1 + cw, 128);
+  glu_stage_h(second, h, rw, tg);
+  // The codes: a 128-byte row of the pair's h columns, tile 0's at 8j + 2tg, tile 1's 64 further.
+  auto codes = [](float x, float y, float sc) {
+    return (unsigned short)(act_code_e4m3(x, sc) | (act_code_e4m3(y, sc) << 8));
+  };
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+      const float* v = t == 0 ? h0 : h;
+      const int chunk = 4 * t + (j >> 1), within = 8 * (j & 1) + 2 * tg;
+      unsigned char* at = first + within + ((chunk ^ (rw & 7)) << 4);
+      *(unsigned short*)(at + rw * 128) = codes(v[4 * j + 0], v[4 * j + 1], sc0);
+      *(unsigned short*)(at + (rw + 8) * 128) = codes(v[4 * j + 2], v[4 * j + 3], sc1);
+    }
+  }
+  fence_proxy_async();
+  named_bar_sync(1 + cw, 128);
+  if (leader) {
+    tma_store_2d(p.y, second, 64 * nt, m0 + cw * 64);
+    tma_store_2d(p.q, first, 128 * (nt >> 1), m0 + cw * 64);
+    bulk_commit();
+  }
+  if (tg == 0) {
+    const int r = m0 + rl;
+    if (r < p.M) p.qs[(i64)(nt >> 1) * p.M + r] = sc0;
+    if (r + 8 < p.M) p.qs[(i64)(nt >> 1) * p.M + r + 8] = sc1;
+  }
+}
+
 // The row block mt and column block nt of this block's unit u: with clusters of two (CL = 2) a unit
 // is a pair of row blocks sharing a column block, the cluster's block of rank r taking row block
 // 2·mt2 + r (past the last row block when mtiles is odd: its rows read as zeros and are not
@@ -149,10 +275,14 @@ __device__ __forceinline__ void gemm_fp8_unit(int u, int mtiles, int ntiles, uns
 // PLAIN: a BF16 GEMM Y = T·Bᵀ over K BF16 columns and nothing else (the LoRA A side, T = X·Aᵀ:
 // N is the pair's rank, not a multiple of 128, its last column tile cut by the maps' edges): no
 // FP8 k-blocks, the LoRA stages over the whole K with scale 1.
-template <int NC, int CL, bool PLAIN>
+// GLU: the MLP's gate/up projection (W's rows [gate; up], N/2 each) with the SwiGLU and the down
+// projection's FP8 input in the epilogue (kernel doc); CL = 1 only.
+template <int NC, int CL, bool PLAIN, bool GLU = false>
 __device__ void gemm_fp8(const GemmFp8Args& p) {
+  static_assert(!GLU || (CL == 1 && !PLAIN), "the GLU form is one block, FP8");
   using T = GemmFp8Tiles<NC>;
   constexpr int BM = T::BM, ST = T::ST;
+  constexpr int TPU = GLU ? 2 : 1;  // column tiles a unit: a GLU unit is the pair of one 128-block of h
   // The bytes a stage's full barrier waits for: the X tile, the W tile (all of it, from whichever
   // block of the cluster) and the X scales; a LoRA stage's T and B tiles are as many bytes as X
   // and W.
@@ -169,7 +299,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   // (PLAIN: N need not be whole 128-column tiles, and K is all LoRA stages' columns.)
   const int mtiles = (p.M + BM - 1) / BM, ntiles = PLAIN ? (p.N + 127) / 128 : p.N / 128;
   const int kblocks = PLAIN ? 0 : p.K / 128;
-  const int units = (mtiles + CL - 1) / CL * ntiles, unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
+  const int units = (mtiles + CL - 1) / CL * (ntiles / TPU), unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
+  const int up0 = p.N / 2;  // GLU: up's first row of W (and of B)
   if (threadIdx.x == 0) {
     for (int i = 0; i < ST; i++) {
       mbar_init(full + i, 1);             // the producer's arrival (with the bytes it expects)
@@ -198,40 +329,68 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         if (it >= ST) mbar_wait(empty + s, ((it / ST) - 1) & 1);
       };
       for (int u = unit0; u < units; u += unit_step) {
-        int mt, nt;
-        gemm_fp8_unit<CL>(u, mtiles, ntiles, rank, mt, nt);
-        const int m0 = mt * BM, n0 = nt * 128, wrow = n0 + (int)rank * (128 / CL);
-        float wpart = 0.f;  // lane l: the W scale of k-block 32·⌊kb / 32⌋ + l
-        for (int kb = 0; kb < kblocks; kb++, it++) {
-          if ((kb & 31) == 0) wpart = kb + lane < kblocks ? p.ws[(i64)nt * kblocks + kb + lane] : 0.f;
-          const float wscale = __shfl_sync(0xffffffffu, wpart, kb & 31);
-          const int s = it % ST;
-          acquire(s);
-          if (issue) {
-            unsigned char* A = stages + s * T::STAGE;
-            unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
-            sw[2 * s] = wscale;  // visible to the consumers through the arrival's release
-            mbar_arrive_expect_tx(full + s, STAGE_TX);
-            tma_load_2d(A, p.x, kb * 128, m0, full + s);
-            tma_load_2d(sa + s * BM, p.xs, m0, kb, full + s);
-            if constexpr (CL > 1) tma_load_2d_multicast(B, p.w, kb * 128, wrow, full + s, (1 << CL) - 1);
-            else tma_load_2d(B, p.w, kb * 128, wrow, full + s);
+        int mt, nu;
+        gemm_fp8_unit<CL>(u, mtiles, ntiles / TPU, rank, mt, nu);
+        for (int half = 0; half < TPU; half++) {
+          const int nt = nu * TPU + half;
+          const int m0 = mt * BM, n0 = nt * 128, wrow = n0 + (int)rank * (128 / CL);
+          // GLU: the tile's 64 gate rows of W (and B) and the up rows of the same h columns; their
+          // W scales are those of 128-row blocks nt / 2 and up0 / 128 + nt / 2.
+          const int grow = 64 * nt, urow = up0 + 64 * nt;
+          float wpart = 0.f, upart = 0.f;  // lane l: the W scale(s) of k-block 32·⌊kb / 32⌋ + l
+          for (int kb = 0; kb < kblocks; kb++, it++) {
+            if ((kb & 31) == 0) {
+              const bool in = kb + lane < kblocks;
+              if constexpr (GLU) {
+                wpart = in ? p.ws[(i64)(nt >> 1) * kblocks + kb + lane] : 0.f;
+                upart = in ? p.ws[(i64)(up0 / 128 + (nt >> 1)) * kblocks + kb + lane] : 0.f;
+              } else {
+                wpart = in ? p.ws[(i64)nt * kblocks + kb + lane] : 0.f;
+              }
+            }
+            const float wscale = __shfl_sync(0xffffffffu, wpart, kb & 31);
+            const float uscale = GLU ? __shfl_sync(0xffffffffu, upart, kb & 31) : 0.f;
+            const int s = it % ST;
+            acquire(s);
+            if (issue) {
+              unsigned char* A = stages + s * T::STAGE;
+              unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
+              sw[2 * s] = wscale;  // visible to the consumers through the arrival's release
+              if constexpr (GLU) sw[2 * s + 1] = uscale;
+              mbar_arrive_expect_tx(full + s, STAGE_TX);
+              tma_load_2d(A, p.x, kb * 128, m0, full + s);
+              tma_load_2d(sa + s * BM, p.xs, m0, kb, full + s);
+              if constexpr (GLU) {
+                tma_load_2d(B, p.w, kb * 128, grow, full + s);
+                tma_load_2d(B + T::B_BYTES / 2, p.w, kb * 128, urow, full + s);
+              } else if constexpr (CL > 1) {
+                tma_load_2d_multicast(B, p.w, kb * 128, wrow, full + s, (1 << CL) - 1);
+              } else {
+                tma_load_2d(B, p.w, kb * 128, wrow, full + s);
+              }
+            }
           }
-        }
-        if (!PLAIN && p.lwin == nullptr) continue;
-        const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
-        for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
-          // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
-          // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
-          const int s = it % ST;
-          acquire(s);
-          if (issue) {
-            unsigned char* A = stages + s * T::STAGE;
-            unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
-            mbar_arrive_expect_tx(full + s, LORA_TX);
-            tma_load_2d(A, p.lt, r, m0, full + s);
-            if constexpr (CL > 1) tma_load_2d_multicast(B, p.lb, r, wrow - p.lcol0, full + s, (1 << CL) - 1);
-            else tma_load_2d(B, p.lb, r, wrow - p.lcol0, full + s);
+          if (!PLAIN && p.lwin == nullptr) continue;
+          const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
+          for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
+            // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
+            // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
+            const int s = it % ST;
+            acquire(s);
+            if (issue) {
+              unsigned char* A = stages + s * T::STAGE;
+              unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
+              mbar_arrive_expect_tx(full + s, LORA_TX);
+              tma_load_2d(A, p.lt, r, m0, full + s);
+              if constexpr (GLU) {
+                tma_load_2d(B, p.lb, r, grow - p.lcol0, full + s);
+                tma_load_2d(B + T::B_BYTES / 2, p.lb, r, urow - p.lcol0, full + s);
+              } else if constexpr (CL > 1) {
+                tma_load_2d_multicast(B, p.lb, r, wrow - p.lcol0, full + s, (1 << CL) - 1);
+              } else {
+                tma_load_2d(B, p.lb, r, wrow - p.lcol0, full + s);
+              }
+            }
           }
         }
       }
@@ -260,19 +419,30 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         }
       }
     };
+    float glu_amax[2];  // GLU: the partial amax of this thread's rows over the pair's first tile
     for (int u = unit0; u < units; u += unit_step) {
-      int mt, nt;
-      gemm_fp8_unit<CL>(u, mtiles, ntiles, rank, mt, nt);
+      int mt, nu;
+      gemm_fp8_unit<CL>(u, mtiles, ntiles / TPU, rank, mt, nu);
+#pragma unroll 1
+      for (int half = 0; half < TPU; half++) {
+      const int nt = nu * TPU + half;
       const int m0 = mt * BM, n0 = nt * 128;
 #pragma unroll
       for (int i = 0; i < 64; i++) out[i] = 0.f;
       for (int kb = 0; kb < kblocks; kb++, it++) {
         const int s = it % ST;
         gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-        // This thread's two rows' promotion factors: their X scales times the W scale.
+        // This thread's two rows' promotion factors: their X scales times the W scale (GLU: the
+        // gate half's and the up half's).
         const float w = sw[2 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
-        release(s);
-        gemm_fp8_promote(out, acc, f0, f1);
+        if constexpr (GLU) {
+          const float wu = sw[2 * s + 1], g0 = sa[s * BM + rl] * wu, g1 = sa[s * BM + rl + 8] * wu;
+          release(s);
+          gemm_fp8_promote_halves(out, acc, f0, f1, g0, g1);
+        } else {
+          release(s);
+          gemm_fp8_promote(out, acc, f0, f1);
+        }
       }
       if (PLAIN || p.lwin != nullptr) {
         // The LoRA is added to the base projection rounded to BF16, as the cuBLASLt path adds its
@@ -287,6 +457,10 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           release(s);
           gemm_fp8_promote(out, acc, p.lscale, p.lscale);
         }
+      }
+      if constexpr (GLU) {
+        gemm_fp8_glu_epilogue<NC>(p, out, glu_amax, staged, half, cw, warp * 16 + (lane >> 2), rl, tg, m0, nt);
+        continue;
       }
       if (!PLAIN && p.bias != nullptr) {
         // bf16(bf16(out) + bias[c]), add_bias8's arithmetic on the output it would have read.
@@ -322,6 +496,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         tma_store_2d(p.y, staged + T::OUT_HALF + cw * 64 * 128, n0 + 64, m0 + cw * 64);
         bulk_commit();
       }
+      }
     }
     if ((threadIdx.x & 127) == 0) bulk_wait0();  // the shared memory stays until the stores read it
   }
@@ -337,23 +512,28 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // from L2 and more rows of padding at small M; the _m forms run in clusters of two blocks that
 // share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
-#define GEMM_FP8_BODY(NC, CL, PLAIN) \
-  gemm_fp8<NC, CL, PLAIN>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, ws, M, N, K, lwin, lcol0, lscale, bias});
+#define GEMM_FP8_BODY(NC, CL, PLAIN, GLU) \
+  gemm_fp8<NC, CL, PLAIN, GLU>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, &q, ws, M, N, K, lwin, lcol0, lscale, bias, qs});
 #else
-#define GEMM_FP8_BODY(NC, CL, PLAIN)
+#define GEMM_FP8_BODY(NC, CL, PLAIN, GLU)
 #endif
-#define GEMM_FP8_ENTRY(NAME, NC, CL, PLAIN, ATTRS)                                                              \
-  extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                \
-      const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w, \
-      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y, \
-      const float* ws, int M, int N, int K, const int* lwin, int lcol0, float lscale, const float* bias) {     \
-    GEMM_FP8_BODY(NC, CL, PLAIN)                                                                              \
+#define GEMM_FP8_ENTRY(NAME, NC, CL, PLAIN, GLU, ATTRS)                                                          \
+  extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                  \
+      const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w,   \
+      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,   \
+      const __grid_constant__ TmaMap q, const float* ws, int M, int N, int K, const int* lwin, int lcol0,      \
+      float lscale, const float* bias, float* qs) {                                                            \
+    GEMM_FP8_BODY(NC, CL, PLAIN, GLU)                                                                           \
   }
-GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, )
-GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, )
-GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, __cluster_dims__(2, 1, 1))
-GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, )
+GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, false, )
+GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, false, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, false, __cluster_dims__(2, 1, 1))
 // gemm_bf16_<rows>: the PLAIN form (the LoRA A side), same parameters: only lt (X), lb (A), y, M, N
 // (the rank), K (BF16 columns) and lscale (1) are read (no bias).
-GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, )
-GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, )
+GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, false, )
+GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, false, )
+// gemm_fp8_glu_<rows>: the GLU form (the MLP's gate/up projection with the SwiGLU and its FP8
+// quantisation in the epilogue): y is h [M][N/2] bf16, q and qs its codes and scales (no bias).
+GEMM_FP8_ENTRY(gemm_fp8_glu_128, 2, 1, false, true, )
+GEMM_FP8_ENTRY(gemm_fp8_glu_192, 3, 1, false, true, )

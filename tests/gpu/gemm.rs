@@ -454,6 +454,81 @@ pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
     Ok(())
 }
 
+/// The MLP on the FP8 kernel's GLU form (`swiglu_epilogue`, opt-in on Hopper: the SwiGLU and the
+/// down projection's FP8 input in the gate/up GEMM's epilogue) against the same MLP with the gate/up
+/// output stored and `swiglu_quant_1x128` (the same kernels otherwise): bitwise, with rank-64 LoRA
+/// pairs on gate and up, with a LoRA on up alone (rank 16: windows that cover one part), and
+/// without LoRA; against the CPU (within the quantisation error); and batch-invariant (the rows of
+/// a 37-row call bit for bit the first rows of a 4,097-row call).
+pub fn swiglu_epilogue(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = "gemm";
+    if !g.info().hopper() {
+        rep.flag(p, "GLU form: not a Hopper GPU, never launched, not checked", true, "");
+        return Ok(());
+    }
+    let on = variant(g, |o| o.swiglu_epilogue = true)?;
+    let off = variant(g, |o| o.swiglu_epilogue = false)?;
+    let (h, k) = (2560usize, 9216usize);
+    let w = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
+        MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, 0.02))
+    };
+    let lora = |name: &str, o: usize, i: usize, r: usize, rng: &mut SplitMix| {
+        (
+            MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
+            MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
+        )
+    };
+    let (wg, wu, wd) = (w("gate", k, h, rng), w("up", k, h, rng), w("down", h, k, rng));
+    let ((ga, gb), (ua, ub), (da, db)) =
+        (lora("gate", k, h, 64, rng), lora("up", k, h, 64, rng), lora("down", h, k, 64, rng));
+    let (ua16, ub16) = lora("up16", k, h, 16, rng);
+    let down = [wd.lora_part(&da, &db, 2.0)];
+    let cases: [(&str, Vec<LinearPart>); 3] = [
+        ("LoRA r64 on gate and up", vec![wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)]),
+        ("LoRA r16 on up", vec![wg.part(), wu.lora_part(&ua16, &ub16, 0.5)]),
+        ("no LoRA", vec![wg.part(), wu.part()]),
+    ];
+    let x_all = rng.bf16_normals(4097 * h, 1.0);
+    for (what, gate_up) in &cases {
+        let (ogu, od) = (on.linear(gate_up)?, on.linear(&down)?);
+        let (fgu, fd) = (off.linear(gate_up)?, off.linear(&down)?);
+        rep.flag(
+            p,
+            format!("GLU form ({what}): [{}] takes it, not with the switch off", ogu.summary()),
+            on.swiglu_epilogue_takes(&ogu) && !off.swiglu_epilogue_takes(&fgu),
+            "CudaBackend::swiglu_epilogue_takes",
+        );
+        let (cgu, cd) = (c.linear(gate_up)?, c.linear(&down)?);
+        let mut first_rows = Vec::new();
+        for m in [1usize, 37, 130, 977, 4097] {
+            let x = &x_all[..m * h];
+            let yo = on.download(&on.swiglu_mlp(&on.upload(x, &[m, h])?, &ogu, &od)?)?;
+            let yf = off.download(&off.swiglu_mlp(&off.upload(x, &[m, h])?, &fgu, &fd)?)?;
+            rep.check(
+                p,
+                format!("GLU form vs gate/up + swiglu_quant ({what}), M={m} (bitwise)"),
+                rel(&yo, &yf),
+                0.0,
+            );
+            if m == 37 || m == 130 {
+                let want = c.swiglu_mlp(&c.upload(x, &[m, h])?, &cgu, &cd)?.data;
+                rep.check(p, format!("GLU form vs CPU f32 ({what}), M={m}"), rel(&yo, &want), 8e-2);
+            }
+            if m == 37 {
+                first_rows = yo;
+            } else if m == 4097 {
+                rep.check(
+                    p,
+                    format!("GLU form ({what}): rows of a 37-row call vs a 4,097-row call's (bitwise)"),
+                    rel(&first_rows, &yo[..37 * h]),
+                    0.0,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The f32 readout head.
 pub fn readout(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
     let (p, d) = ("gemm", 2560);

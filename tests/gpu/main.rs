@@ -73,6 +73,16 @@ fn own_fp8_gemm_matches_cpu_and_cublas() {
     rep.finish("gemm (own FP8)");
 }
 
+/// The MLP on the FP8 kernel's GLU form (the SwiGLU in the gate/up GEMM's epilogue; Hopper only):
+/// bitwise against the stored gate/up output + `swiglu_quant_1x128`, and against the CPU.
+#[test]
+fn swiglu_epilogue_matches_unfused_bitwise() {
+    let Some(d) = gpu("gemm (GLU form)") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(17));
+    rep.guard("gemm", "GLU form", |rep| gemm::swiglu_epilogue(&d.g, &d.c, rep, &mut rng));
+    rep.finish("gemm (GLU form)");
+}
+
 #[test]
 fn attention_matches_cpu() {
     let Some(d) = gpu("attention") else { return };

@@ -18,7 +18,9 @@
 //! A one-group projection's bias (the vision tower's) is added in the same epilogue, with
 //! `add_bias8`'s arithmetic (bitwise: tests/gpu `own_fp8_gemm_matches_cpu_and_cublas`).
 //! The same kernel's BF16 form (`gemm_bf16_<rows>`, `CudaBackend::gemm_bf16_own`) can run the
-//! LoRA A sides (`IMAJEV_LORA_A=own`, opt-in until measured).
+//! LoRA A sides (`IMAJEV_LORA_A=own`, opt-in), and its GLU form (`gemm_fp8_glu_<rows>`,
+//! `CudaBackend::gemm_fp8_glu`) the MLP's gate/up projection with the SwiGLU and the down
+//! projection's FP8 input in the epilogue (`IMAJEV_SWIGLU_EPILOGUE=1`, opt-in: slower at short M).
 //!
 //! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m`,
 //! [`super::CudaOptions::fp8_gemm`]). On an H100 (bench/NOTES.md, seventeenth session) it gives
@@ -31,6 +33,7 @@
 use super::gemm::{Gemm, GemmKind};
 use super::launch::{launch_config, Arg};
 use super::layout;
+use super::tensor::ActFp8;
 use super::tma::{Elem, TensorMap, Tile2d};
 use super::CudaBackend;
 use anyhow::{bail, Result};
@@ -86,6 +89,14 @@ impl Fp8Gemm {
             _ => "gemm_bf16_128",
         }
     }
+    /// The GLU form's kernel (the MLP's gate/up projection with the SwiGLU in its epilogue), for
+    /// the same tile height; it runs without clusters.
+    fn glu_kernel(self) -> &'static str {
+        match self.consumers() {
+            Some(3) => "gemm_fp8_glu_192",
+            _ => "gemm_fp8_glu_128",
+        }
+    }
     /// The kernel's name.
     fn kernel(self) -> &'static str {
         match self {
@@ -137,7 +148,8 @@ pub struct LoraEpilogue {
     pub rank: usize,
     pub col0: usize,
     pub cols: usize,
-    /// `[group columns / 128][2]` i32 rank windows ([`layout::lora_rank_windows`]).
+    /// `[group columns / 128][2]` i32 rank windows ([`layout::lora_rank_windows`]; for the GLU
+    /// form [`layout::lora_rank_windows_glu`]).
     pub windows: u64,
     pub scale: f32,
 }
@@ -169,8 +181,45 @@ impl CudaBackend {
         };
         let tiles = operand_tiles(g, lora, layout::gemm_fp8_tile_rows(nc), runs.cluster());
         let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
-        let launch = KernelLaunch { name: runs.kernel(), consumers: nc, cluster: runs.cluster(), tiles };
-        self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale, bias)?;
+        let launch = KernelLaunch {
+            name: runs.kernel(),
+            consumers: nc,
+            cluster: runs.cluster(),
+            tiles_per_unit: 1,
+            tiles,
+        };
+        self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale, bias, 0)?;
+        Ok(true)
+    }
+
+    /// Runs the MLP's gate/up projection `g` (W's rows: gate's `g.n / 2`, then up's) on
+    /// `gemm_fp8_glu_<rows>`: writes `h = silu(gate)·up` `[g.m][g.n / 2]` in BF16 to `g.y` (row
+    /// stride `g.ldy` = `g.n / 2`) and its per-token 1×128 FP8 quantisation to `q` (what
+    /// `swiglu_quant_1x128` writes from the stored gate/up output: the same bits), with `lora` in
+    /// the epilogue (its windows per GLU tile, [`layout::lora_rank_windows_glu`]). Returns false
+    /// (nothing launched) when the kernel cannot take it.
+    pub(super) fn gemm_fp8_glu(&self, g: &Gemm, lora: Option<&LoraEpilogue>, q: &ActFp8) -> Result<bool> {
+        let runs = self.fp8_gemm_runs();
+        let Some(nc) = runs.consumers().filter(|_| {
+            self.state.options.swiglu_epilogue
+                && eligible(g)
+                && g.n % 256 == 0
+                && g.ldy == g.n / 2
+                && q.mpad == g.m
+                && lora.is_none_or(lora_eligible)
+        }) else {
+            return Ok(false);
+        };
+        let rows = layout::gemm_fp8_tile_rows(nc);
+        let mut tiles = operand_tiles(g, lora, rows, 2);
+        let h = g.n / 2;
+        tiles[5] =
+            Some(Tile2d { row_stride: g.ldy, ..Tile2d::swizzled("GLU h", Elem::Bf16, g.y, h, g.m, 64, 64) });
+        tiles[6] = Some(Tile2d::swizzled("GLU h codes", Elem::U8, self.p(&q.q), h, g.m, 128, 64));
+        let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
+        let launch =
+            KernelLaunch { name: runs.glu_kernel(), consumers: nc, cluster: 1, tiles_per_unit: 2, tiles };
+        self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale, 0, self.p(&q.s))?;
         Ok(true)
     }
 
@@ -191,15 +240,18 @@ impl CudaBackend {
             Some(Tile2d::swizzled("BF16 GEMM X", Elem::Bf16, g.x, g.k, g.m, 64, rows)),
             Some(Tile2d::swizzled("BF16 GEMM W", Elem::Bf16, g.w, g.k, g.n, 64, 128)),
             Some(Tile2d::swizzled("BF16 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64)),
+            None,
         ];
-        let launch = KernelLaunch { name: runs.bf16_kernel(), consumers: nc, cluster: 1, tiles };
-        self.launch_gemm_kernel(&launch, g, 0, 0, 0, 1.0, 0)?;
+        let launch =
+            KernelLaunch { name: runs.bf16_kernel(), consumers: nc, cluster: 1, tiles_per_unit: 1, tiles };
+        self.launch_gemm_kernel(&launch, g, 0, 0, 0, 1.0, 0, 0)?;
         Ok(true)
     }
 
     /// Launches an entry of kernels/gemm_fp8.cu (they share one parameter list) over `g`'s M, N
-    /// and K on a persistent grid: its six tensor maps (from the cache; zeros where the entry reads
-    /// none), then the W scales, the sizes, the LoRA windows, first column and scale, the bias.
+    /// and K on a persistent grid: its seven tensor maps (from the cache; zeros where the entry
+    /// reads none), then the W scales, the sizes, the LoRA windows, first column and scale, the
+    /// bias and the GLU form's activation scales.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemm_kernel(
         &self,
@@ -210,11 +262,12 @@ impl CudaBackend {
         col0: usize,
         scale: f32,
         bias: u64,
+        glu_scales: u64,
     ) -> Result<()> {
         if g.m == 0 {
             return Ok(());
         }
-        let mut args = Vec::with_capacity(14);
+        let mut args = Vec::with_capacity(16);
         for tile in &l.tiles {
             let map = match tile {
                 Some(t) => self.state.tensor_maps.get(t)?,
@@ -231,6 +284,7 @@ impl CudaBackend {
             Arg::I32(col0 as i32),
             Arg::F32(scale),
             Arg::Ptr(bias),
+            Arg::Ptr(glu_scales),
         ]);
         let (threads, smem) =
             (layout::gemm_fp8_threads(l.consumers), layout::gemm_fp8_smem_bytes(l.consumers));
@@ -240,7 +294,7 @@ impl CudaBackend {
             1 => self.state.info.multiprocessors,
             _ => self.resident_clusters(l.name, threads, smem)?,
         };
-        let grid = layout::gemm_fp8_grid(g.m, g.n, l.consumers, l.cluster, slots);
+        let grid = layout::gemm_fp8_grid(g.m, g.n / l.tiles_per_unit, l.consumers, l.cluster, slots);
         self.launch(l.name, launch_config((grid, 1, 1), threads, smem), &args)
     }
 }
@@ -250,24 +304,28 @@ struct KernelLaunch {
     name: &'static str,
     consumers: usize,
     cluster: usize,
-    tiles: [Option<Tile2d>; 6],
+    /// Column tiles a unit of work: 2 for the GLU form (the pair quantised together), else 1.
+    tiles_per_unit: usize,
+    tiles: [Option<Tile2d>; 7],
 }
 
-/// What the kernel's six tensor maps describe, in its parameter order: X (a tile's rows x one
+/// What the kernel's seven tensor maps describe, in its parameter order: X (a tile's rows x one
 /// 128-byte k-block, swizzled), the X scales (a tile's rows of one k-block), W (a column tile's
-/// rows, or half of them per block of a cluster of two), the LoRA's T and B (64 rank columns, the
-/// same rows as X and W; None without LoRA: zero maps the kernel never reads), and Y (64 columns x
-/// a warpgroup's 64 rows).
-fn operand_tiles(g: &Gemm, lora: Option<&LoraEpilogue>, rows: usize, cluster: usize) -> [Option<Tile2d>; 6] {
+/// rows, or half of them: per block of a cluster of two, or per half of a GLU tile, `parts` = 2),
+/// the LoRA's T and B (64 rank columns, the same rows as X and W; None without LoRA: zero maps the
+/// kernel never reads), Y (64 columns x a warpgroup's 64 rows) and the GLU form's codes (None: the
+/// caller sets them).
+fn operand_tiles(g: &Gemm, lora: Option<&LoraEpilogue>, rows: usize, parts: usize) -> [Option<Tile2d>; 7] {
     let swizzled = Tile2d::swizzled;
     let x_scales = swizzled("FP8 GEMM X scales", Elem::F32, g.x_scale, g.m, g.k / 128, rows, 1);
     [
         Some(swizzled("FP8 GEMM X", Elem::U8, g.x, g.k, g.m, 128, rows)),
         Some(Tile2d { swizzle_128b: false, ..x_scales }),
-        Some(swizzled("FP8 GEMM W", Elem::U8, g.w, g.k, g.n, 128, 128 / cluster)),
+        Some(swizzled("FP8 GEMM W", Elem::U8, g.w, g.k, g.n, 128, 128 / parts)),
         lora.map(|l| swizzled("LoRA T", Elem::Bf16, l.t, l.rank, l.rows, 64, rows)),
-        lora.map(|l| swizzled("LoRA B", Elem::Bf16, l.b, l.rank, l.cols, 64, 128 / cluster)),
+        lora.map(|l| swizzled("LoRA B", Elem::Bf16, l.b, l.rank, l.cols, 64, 128 / parts)),
         Some(Tile2d { row_stride: g.ldy, ..swizzled("FP8 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64) }),
+        None,
     ]
 }
 
@@ -378,7 +436,7 @@ mod tests {
         for (n, k) in [(18432, 2560), (12288, 2560), (2560, 9216), (2560, 4096)] {
             for (rows, cluster) in [(128, 1), (192, 1), (128, 2), (192, 2)] {
                 let tiles = operand_tiles(&fp8(n, 992, k), Some(&l), rows, cluster);
-                assert!(tiles.iter().all(|t| t.is_some()));
+                assert!(tiles[..6].iter().all(|t| t.is_some()));
                 for t in tiles.iter().flatten() {
                     t.check().unwrap_or_else(|e| panic!("N={n} K={k} rows {rows}: {e}"));
                 }

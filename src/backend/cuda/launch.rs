@@ -80,6 +80,8 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gemm_fp8_192m", layout::gemm_fp8_smem_bytes(3)),
             k_smem("gemm_bf16_128", layout::gemm_fp8_smem_bytes(2)),
             k_smem("gemm_bf16_192", layout::gemm_fp8_smem_bytes(3)),
+            k_smem("gemm_fp8_glu_128", layout::gemm_fp8_smem_bytes(2)),
+            k_smem("gemm_fp8_glu_192", layout::gemm_fp8_smem_bytes(3)),
         ],
     },
     KernelFile {

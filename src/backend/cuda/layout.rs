@@ -403,7 +403,34 @@ pub const fn gemm_fp8_smem_bytes(consumers: usize) -> usize {
 /// kernel cannot take the pair: a part outside the group, or a rank or the group width not a
 /// multiple of 8 / 128 (the kernel copies 8 rank columns, 16 bytes, at a time).
 pub fn lora_rank_windows(parts: &[(Range<usize>, usize)], group: &Range<usize>) -> Option<Vec<i32>> {
-    if group.len() % FP8_BLOCK != 0 || parts.is_empty() {
+    if group.len() % FP8_BLOCK != 0 {
+        return None;
+    }
+    let tile = |t: usize| [group.start + t * FP8_BLOCK..group.start + (t + 1) * FP8_BLOCK, 0..0];
+    rank_windows(parts, group, tile)
+}
+
+/// [`lora_rank_windows`] for the tiles of `gemm_fp8_glu_<rows>` over the group: tile t holds the
+/// group's columns `64t .. 64t + 64` (gate's rows of W) and `half + 64t .. half + 64t + 64` (up's),
+/// `half` = the group's width / 2 (the h columns `64t .. 64t + 64`). None as there, or when the
+/// group is not whole 256-column blocks (a pair of tiles quantises one 128-block of h).
+pub fn lora_rank_windows_glu(parts: &[(Range<usize>, usize)], group: &Range<usize>) -> Option<Vec<i32>> {
+    if group.len() % (2 * FP8_BLOCK) != 0 {
+        return None;
+    }
+    let (g0, half) = (group.start, group.len() / 2);
+    let tile = |t: usize| [g0 + 64 * t..g0 + 64 * (t + 1), g0 + half + 64 * t..g0 + half + 64 * (t + 1)];
+    rank_windows(parts, group, tile)
+}
+
+/// The rank window of each of a group's `len / 128` tiles, whose output columns `tile(t)` gives
+/// (two ranges, the second possibly empty): the ranks of the parts overlapping them.
+fn rank_windows(
+    parts: &[(Range<usize>, usize)],
+    group: &Range<usize>,
+    tile: impl Fn(usize) -> [Range<usize>; 2],
+) -> Option<Vec<i32>> {
+    if parts.is_empty() {
         return None;
     }
     let mut offsets = Vec::with_capacity(parts.len());
@@ -418,10 +445,9 @@ pub fn lora_rank_windows(parts: &[(Range<usize>, usize)], group: &Range<usize>) 
     let tiles = group.len() / FP8_BLOCK;
     let mut w = Vec::with_capacity(2 * tiles);
     for t in 0..tiles {
-        let tile = group.start + t * FP8_BLOCK..group.start + (t + 1) * FP8_BLOCK;
         let (mut b, mut e) = (usize::MAX, 0);
         for ((cols, r), &o) in parts.iter().zip(&offsets) {
-            if cols.start < tile.end && tile.start < cols.end {
+            if tile(t).iter().any(|c| cols.start < c.end && c.start < cols.end) {
                 b = b.min(o);
                 e = e.max(o + r);
             }
@@ -507,6 +533,27 @@ mod tests {
         assert!(lora_rank_windows(&[(0..128, 12)], &(0..128)).is_none());
         assert!(lora_rank_windows(&[(0..128, 16)], &(0..100)).is_none());
         assert!(lora_rank_windows(&[(0..256, 16)], &(0..128)).is_none());
+    }
+
+    #[test]
+    fn glu_rank_windows_cover_both_halves_of_a_tile() {
+        // gate (0..9216, rank 64) and up (9216..18432, rank 64): every GLU tile holds 64 columns of
+        // each, so it needs both parts' ranks; the plain tiles need one part's.
+        let parts = [(0..9216, 64), (9216..18432, 64)];
+        let w = lora_rank_windows_glu(&parts, &(0..18432)).unwrap();
+        assert_eq!(w.len(), 2 * 144);
+        assert!(w.chunks(2).all(|c| c == [0, 128]));
+        let plain = lora_rank_windows(&parts, &(0..18432)).unwrap();
+        assert_eq!((&plain[..2], &plain[2 * 72..2 * 73]), (&[0, 64][..], &[64, 128][..]));
+        // Only up adapted (rank 16): every GLU tile needs it; with gate's LoRA on its first 64
+        // columns alone, only tile 0.
+        assert!(lora_rank_windows_glu(&[(9216..18432, 16)], &(0..18432))
+            .unwrap()
+            .chunks(2)
+            .all(|c| c == [0, 16]));
+        let w = lora_rank_windows_glu(&[(0..64, 8)], &(0..18432)).unwrap();
+        assert_eq!((&w[..2], &w[2..4]), (&[0, 8][..], &[0, 0][..]));
+        assert!(lora_rank_windows_glu(&parts, &(0..18432 - 128)).is_none(), "not whole 256-column blocks");
     }
 
     #[test]

@@ -48,6 +48,18 @@ pub(super) struct CudaLora {
     /// every adapted column, and its tiles' rank windows (`layout::lora_rank_windows`); None
     /// when no FP8 group holds them all or the kernel cannot take the ranks.
     epilogue: Option<(usize, CudaSlice<i32>)>,
+    /// The same for the GLU form's tiles (`layout::lora_rank_windows_glu`), when the FP8 group of
+    /// `epilogue` is the whole projection and whole 256-column blocks (an MLP's gate/up projection
+    /// has this shape; `swiglu_project` is what uses it).
+    glu_windows: Option<CudaSlice<i32>>,
+}
+
+/// What `gemm_fp8_glu_<rows>` reads of an MLP's gate/up projection: its one FP8 group's weights and
+/// scales, and its LoRA pair with the GLU tiles' rank windows.
+struct GluForm<'a> {
+    w: &'a CudaSlice<u8>,
+    scales: &'a CudaSlice<f32>,
+    lora: Option<(&'a CudaLora, &'a CudaSlice<i32>)>,
 }
 
 /// A projection: its parts concatenated along the output dim and grouped into one FP8 or BF16
@@ -277,16 +289,7 @@ impl CudaBackend {
                 },
             };
             let lora = epilogue.and_then(|(l, t)| match &l.epilogue {
-                Some((eg, windows)) if *eg == gi => Some(LoraEpilogue {
-                    t: self.p(t),
-                    rows: m,
-                    b: self.p(&l.b),
-                    rank: l.rank,
-                    col0: l.cols.start - g.cols.start,
-                    cols: l.cols.len(),
-                    windows: self.p(windows),
-                    scale: l.scale,
-                }),
+                Some((eg, windows)) if *eg == gi => Some(self.lora_epilogue(l, t, m, g.cols.start, windows)),
                 _ => None,
             });
             let own = matches!(g.weight, GroupWeight::Fp8 { .. })
@@ -309,6 +312,97 @@ impl CudaBackend {
             }
         }
         Ok((y, fused))
+    }
+
+    /// What `gemm_fp8`'s epilogue reads of pair `l` over a group starting at output column
+    /// `group_col0`: its A side's product `t` (`m` rows), B, and the tiles' rank `windows`.
+    fn lora_epilogue(
+        &self,
+        l: &CudaLora,
+        t: &CudaSlice<bf16>,
+        m: usize,
+        group_col0: usize,
+        windows: &CudaSlice<i32>,
+    ) -> LoraEpilogue {
+        LoraEpilogue {
+            t: self.p(t),
+            rows: m,
+            b: self.p(&l.b),
+            rank: l.rank,
+            col0: l.cols.start - group_col0,
+            cols: l.cols.len(),
+            windows: self.p(windows),
+            scale: l.scale,
+        }
+    }
+
+    /// The MLP's gate/up projection `w` of `x` with the SwiGLU and the down projection's FP8 input
+    /// in its epilogue (`gemm_fp8_glu_<rows>`, [`CudaBackend::gemm_fp8_glu`]): returns
+    /// `h = silu(gate)·up` `[rows, out_dim / 2]` in BF16 (rows: the FP8 padded row count; the down
+    /// projection's LoRA A side reads its first `m`) and its quantisation, the bits
+    /// `matmul` + `swiglu_quant_1x128` give; or None (nothing launched) when the form cannot take
+    /// `w`: not one FP8 group over all columns, a bias, a LoRA pair outside that group's
+    /// epilogue, a width that is not whole 256-column blocks, or the kernel off.
+    pub(super) fn swiglu_project(
+        &self,
+        x: &CudaTensor,
+        w: &CudaLinear,
+    ) -> Result<Option<(CudaSlice<bf16>, ActFp8)>> {
+        let (m, k) = x.rows_cols();
+        let Some(GluForm { w: wq, scales, lora }) = self.glu_form(w).filter(|_| m > 0 && k == w.in_dim)
+        else {
+            return Ok(None);
+        };
+        let h = w.out_dim / 2;
+        let xs = self.bf16_of(x)?;
+        with_input_fp8(self, x, xs.s(), w, |fp8| {
+            let a = fp8.expect("an FP8 projection's input is quantised");
+            let t = lora.map(|(l, _)| self.lora_a(xs.s(), m, k, l)).transpose()?;
+            let epilogue =
+                lora.zip(t.as_ref()).map(|((l, windows), t)| self.lora_epilogue(l, t, m, 0, windows));
+            let y = self.alloc_bf16(a.mpad * h)?;
+            let q = self.alloc_act_fp8(m, h)?;
+            let gemm = Gemm {
+                kind: GemmKind::Fp8Block,
+                n: w.out_dim,
+                m: a.mpad,
+                k,
+                w: self.p(wq),
+                ldw: k,
+                x: self.p(&a.q),
+                ldx: k,
+                y: self.p(&y),
+                ldy: h,
+                alpha: 1.0,
+                beta: 0.0,
+                w_scale: self.p(scales),
+                x_scale: self.p(&a.s),
+            };
+            Ok(self.gemm_fp8_glu(&gemm, epilogue.as_ref(), &q)?.then_some((y, q)))
+        })
+    }
+
+    /// Whether [`CudaBackend::swiglu_project`] runs the MLP whose gate/up projection is `w` (for
+    /// tests and logs).
+    pub fn swiglu_epilogue_takes(&self, w: &CudaLinear) -> bool {
+        self.glu_form(w).is_some()
+    }
+
+    /// What the GLU form reads of `w`, or None when it cannot run `w` (see `swiglu_project`).
+    fn glu_form<'a>(&self, w: &'a CudaLinear) -> Option<GluForm<'a>> {
+        let [g] = &w.groups[..] else { return None };
+        let GroupWeight::Fp8 { w: wq, scales } = &g.weight else { return None };
+        let lora = match &w.loras[..] {
+            [] => None,
+            [l] => Some((l, l.glu_windows.as_ref()?)),
+            _ => return None,
+        };
+        let takes = self.own_fp8_gemm()
+            && self.state.options.swiglu_epilogue
+            && w.bias.is_none()
+            && g.cols == (0..w.out_dim)
+            && w.out_dim % 256 == 0;
+        takes.then_some(GluForm { w: wq, scales, lora })
     }
 
     /// A LoRA pair's A side: `x·Aᵀ` `[m, rank]` in BF16 (`gemm.lora_a`).
@@ -472,9 +566,14 @@ pub(super) fn linear(be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinea
             .iter()
             .enumerate()
             .filter(|(_, g)| matches!(g.weight, GroupWeight::Fp8 { .. }))
-            .find_map(|(gi, g)| layout::lora_rank_windows(&parts, &g.cols).map(|w| (gi, w)))
-            .map(|(gi, w)| be.htod(&w).map(|w| (gi, w)))
-            .transpose()?;
+            .find_map(|(gi, g)| layout::lora_rank_windows(&parts, &g.cols).map(|w| (gi, w)));
+        let glu_windows = match &epilogue {
+            Some((gi, _)) if groups[*gi].cols == (0..out_dim) => {
+                layout::lora_rank_windows_glu(&parts, &groups[*gi].cols).map(|w| be.htod(&w)).transpose()?
+            }
+            _ => None,
+        };
+        let epilogue = epilogue.map(|(gi, w)| be.htod(&w).map(|w| (gi, w))).transpose()?;
         loras.push(CudaLora {
             cols: span,
             rank,
@@ -483,6 +582,7 @@ pub(super) fn linear(be: &CudaBackend, parts: &[LinearPart]) -> Result<CudaLinea
             b: be.htod(&b)?,
             scale: if same { common } else { 1.0 },
             epilogue,
+            glu_windows,
         });
     }
     let linear = CudaLinear { in_dim, out_dim, groups, bias, loras };

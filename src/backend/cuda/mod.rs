@@ -25,6 +25,8 @@
 //!   `quant_act_1x128` on that output). That quantisation travels with the tensor
 //!   ([`CudaTensor`]'s attachment, dropped by any in-place change), and `matmul` uses it instead
 //!   of launching `quant_act_1x128`; norms attach it once an FP8 projection has been loaded.
+//!   Opt-in on Hopper with the own FP8 GEMM (`swiglu_epilogue`): the MLP's SwiGLU and its
+//!   quantisation in the gate/up GEMM's epilogue instead (`gemm_fp8_glu_<rows>`).
 //!   Opt-in (`mlp_lora_fused`): the MLP's gate/up LoRA B side inside that SwiGLU kernel
 //!   (`swiglu_mlp`, `swiglu_lora_quant_1x128_<r>`; its CPU twin is matmul + swiglu).
 //! * One stream; cudarc's per-buffer event tracking is off (everything is stream-ordered, buffers
@@ -130,6 +132,16 @@ pub struct CudaOptions {
     /// (`gemm_bf16_<rows>`, the tile height of `fp8_gemm`) rather than cuBLASLt, on Hopper with an
     /// own FP8 GEMM. Opt-in until measured: `IMAJEV_LORA_A=own|cublas`.
     pub lora_a_own: bool,
+    /// Whether the MLP's gate/up projection runs on the FP8 kernel's GLU form
+    /// (`gemm_fp8_glu_<rows>`: the SwiGLU and the down projection's FP8 input in its epilogue, so
+    /// the 2·9,216-wide gate/up output is never stored) rather than the GEMM then
+    /// `swiglu_quant_1x128`; the same bits. On Hopper with an own FP8 GEMM. Opt-in: on an H100
+    /// (bench/NOTES.md, nineteenth session) the MLP took 1.39x as long at 977 rows, 1.01x at
+    /// 7,816 and 0.99x at 16,384 (the SwiGLU's `expf` and divisions and the codes' divisions run
+    /// on the consumer warpgroups while the tensor cores wait, ~3 µs a tile, and a GLU tile needs
+    /// both parts' LoRA ranks); whole requests 1.11x at 256 tokens, 1.00x at 4K-16K.
+    /// `IMAJEV_SWIGLU_EPILOGUE=1` (or `0`) in the environment sets it.
+    pub swiglu_epilogue: bool,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -153,6 +165,7 @@ impl Default for CudaOptions {
             narrow_gemm: narrow::NarrowGemm::default(),
             fp8_gemm: gemm_fp8::Fp8Gemm::default(),
             lora_a_own: false,
+            swiglu_epilogue: false,
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
@@ -280,6 +293,14 @@ impl CudaBackend {
             Ok("cublas") => options.lora_a_own = false,
             Ok("") | Err(_) => {}
             Ok(other) => bail!("IMAJEV_LORA_A={other}: expected own or cublas (the default)"),
+        }
+        match std::env::var("IMAJEV_SWIGLU_EPILOGUE").as_deref() {
+            Ok("1") => options.swiglu_epilogue = true,
+            Ok("0") => options.swiglu_epilogue = false,
+            Ok("") | Err(_) => {}
+            Ok(other) => bail!(
+                "IMAJEV_SWIGLU_EPILOGUE={other}: expected 1 (the SwiGLU in the gate/up GEMM's epilogue) or 0 (the default)"
+            ),
         }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;

@@ -143,7 +143,10 @@ pub(super) fn swiglu_matmul(be: &CudaBackend, gate_up: &CudaTensor, w: &CudaLine
     be.matmul_quantised(&xs, Some(&a), m, k, w)
 }
 
-/// `Backend::swiglu_mlp` (the trait documents the contract). With `mlp_lora_fused` and a gate/up
+/// `Backend::swiglu_mlp` (the trait documents the contract). On Hopper's own FP8 GEMM with
+/// `swiglu_epilogue` (opt-in): the gate/up GEMM's GLU form writes the SwiGLU and the down
+/// projection's FP8 input (`CudaBackend::swiglu_project`), then the down projection. Else with
+/// `mlp_lora_fused` and a gate/up
 /// projection whose one LoRA pair is gate's and up's of equal rank (every Qwen3.5 MLP; see
 /// `CudaLinear::swiglu_lora`): the gate/up GEMMs and LoRA A GEMM, then
 /// `swiglu_lora_quant_1x128_<r>` (the LoRA B side, the SwiGLU and the down projection's FP8
@@ -156,6 +159,12 @@ pub(super) fn swiglu_mlp(
     down: &CudaLinear,
 ) -> Result<CudaTensor> {
     let (m, k) = (x.rows_cols().0, gate_up.out_dim / 2);
+    // On gemm_fp8's GLU form the SwiGLU and its quantisation are the gate/up GEMM's epilogue.
+    if m > 0 && k == down.in_dim && down.has_fp8() && be.fuse_act_quant(k) {
+        if let Some((h, a)) = be.swiglu_project(x, gate_up)? {
+            return be.matmul_quantised(&h, Some(&a), m, k, down);
+        }
+    }
     // With gemm_fp8 the gate/up GEMM adds its LoRA in its own epilogue: the plain SwiGLU follows.
     let fusable = be.state.options.mlp_lora_fused
         && !be.own_fp8_gemm()
