@@ -34,7 +34,8 @@
 //!   (plain, pipelined and the wide plain one: the same bits, the rest of the mixer the same
 //!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
 //!   own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper's default) beside the by-length scans
-//!   (alone with `--only deltanet-wg`);
+//!   (alone with `--only deltanet-wg`), and its one-warpgroup kernel beside the paired one
+//!   (`gdn_wg_pair`);
 //! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
 //!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
 //!   977 rows (the 256-token request's forward), 4K, 16K and 47,692 rows (the 2-image request)
@@ -897,6 +898,12 @@ fn main() -> Result<()> {
     };
     let (wg_one, wg_producer) = (wg_kernel(false)?, wg_kernel(true)?);
     let wg_kernels = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, producer", &wg_producer)];
+    // The one-warpgroup kernel beside the paired one (two warpgroups a block sharing the copies).
+    let wg_paired = CudaBackend::new(
+        0,
+        CudaOptions { gdn_wg_producer: Some(false), gdn_wg_pair: true, ..warpgroup.options().clone() },
+    )?;
+    let wg_pairing = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, paired", &wg_paired)];
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;
         for pair in &tf32 {
@@ -906,6 +913,7 @@ fn main() -> Result<()> {
     for &m in lengths.iter().filter(|_| run("deltanet") || run("deltanet-wg")) {
         b.deltanet(&wg_pair, delta, m, m == 2048)?;
         b.deltanet(&wg_kernels, delta, m, m == 2048)?;
+        b.deltanet(&wg_pairing, delta, m, m == 2048)?;
     }
     println!(
         "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",

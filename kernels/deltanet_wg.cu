@@ -143,7 +143,13 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned lo, int kk) {
 
 constexpr int WG_LDV = CHUNK + 8;  // V row stride: a warp's R reads (8 columns x 4 rows) hit 32 banks
 
-template <int DK, bool WS>
+// PAIR (gdn_chunk_scan_wg2_<DK>, without WS): two consumer warpgroups, one block per (sequence,
+// value head, 128 value columns), warpgroup w taking columns 64w .. 64w + 64: the K, Q, K^T, T, P
+// tiles and the gates of a chunk are copied once for both (by warpgroup 0; each copies its own V),
+// so a short launch runs half as many blocks of one SM each. K and Q have one buffer (two would not
+// fit beside a second V): the next chunk's are copied once every warp is past the first products,
+// with its V. Each warpgroup's products are wg1's, in the same order: the same bits.
+template <int DK, bool WS, bool PAIR = false>
 __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                               const float* tp, const float* ktg, const int* chunks, const i64* segs, int kh, int vh,
                               int dv, float* out) {
@@ -152,18 +158,26 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
   // these are shared-memory addresses (LDS, not generic loads).
   unsigned char* base =
       smem_wg_raw + ((1024u - ((unsigned)__cvta_generic_to_shared(smem_wg_raw) & 1023u)) & 1023u);
+  static_assert(!(PAIR && WS), "the paired form has no producer");
   constexpr int QKB = CHUNK * DK * 4;        // bytes of one chunk's K (or Q)
   constexpr int NS = DK / 2;                 // state accumulators per thread
-  unsigned char* KQ = base;                  // [2][K | Q]
-  unsigned char* Ktb = KQ + 4 * QKB;         // K^T: DK rows x 64
+  constexpr int KQBUF = PAIR ? 1 : 2;        // K, Q buffers
+  constexpr int NWG = PAIR ? 2 : 1;          // consumer warpgroups
+  unsigned char* KQ = base;                  // [KQBUF][K | Q]
+  unsigned char* Ktb = KQ + 2 * KQBUF * QKB;  // K^T: DK rows x 64
   unsigned char* Tb = Ktb + QKB;             // T: 64 rows x 64
   unsigned char* Pb = Tb + CHUNK * CHUNK * 4;
-  float* V = (float*)(Pb + CHUNK * CHUNK * 4);  // [64][WG_LDV]
-  float* gates = V + CHUNK * WG_LDV;            // [2][3][64]: e^gamma, decay factors, beta
+  float* Vs = (float*)(Pb + CHUNK * CHUNK * 4);  // [NWG][64][WG_LDV]
+  float* gates = Vs + NWG * CHUNK * WG_LDV;      // [2][3][64]: e^gamma, decay factors, beta
   unsigned long long* bars = (unsigned long long*)(gates + 6 * CHUNK);
   unsigned long long *full_a = bars, *empty_a = bars + 2;  // [2] each: K, Q and the gates of a chunk
   unsigned long long *full_v = bars + 4, *empty_v = bars + 5, *full_b = bars + 6, *empty_b = bars + 7;
-  const int s = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * 64, hk = hv / (vh / kh);
+  const int wgi = PAIR ? (int)(threadIdx.x >> 7) : 0;  // this consumer warpgroup (PAIR)
+  float* V = Vs + wgi * CHUNK * WG_LDV;                  // its V
+  const int s = blockIdx.x, hv = blockIdx.y, c0 = PAIR ? blockIdx.z * 128 + 64 * wgi : blockIdx.z * 64;
+  const int hk = hv / (vh / kh);
+  // Who copies the shared tiles and writes the gates (PAIR: warpgroup 0, its warp 0).
+  const bool copier = !PAIR || threadIdx.x < 128;
   const int first = (int)segs[4 * s], nch = (int)segs[4 * s + 1], end = first + nch;
   const int ncols = min(64, dv - c0);
   const i64 vrs = (i64)vh * dv;
@@ -254,13 +268,13 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
     // same order (empty when nothing is copied): {K,Q,V of the first chunk} {K^T,T,P of it}, then
     // per chunk c {K,Q of c+1} {V of c+1} {K^T,T,P of c+1}.
     if (nch > 0) {
-      copy_kq(0, first);
+      if (copier) copy_kq(0, first);
       copy_v(first);
     }
     cp_async_commit();
-    if (nch > 0) copy_tpk(first);
+    if (nch > 0 && copier) copy_tpk(first);
     cp_async_commit();
-    if (nch > 0 && warp == 0) write_gates(0, first);
+    if (nch > 0 && copier && warp == 0) write_gates(0, first);
   }
 
   // ---- consumers: the products and the outputs, one warpgroup.
@@ -287,7 +301,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 #pragma unroll
   for (int e = 0; e < 32; e++) x[e] = y[e] = vn[e] = 0.f;
   for (int ck = first; ck < end; ck++) {
-    const int n = ck - first, b = n & 1;
+    const int n = ck - first, b = n & 1, kb = PAIR ? 0 : b;  // gates' buffer, K and Q's
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
     const float* G = gates + b * 3 * CHUNK;
@@ -299,15 +313,15 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       cp_async_wait_group<1>();  // K, Q, V of this chunk (its K^T, T, P may still fly)
       fence_proxy_async();
       __syncthreads();  // ... visible to all; chunk ck-1 is done with buffer b^1 and the gates b^1
-      if (has_next) copy_kq(b ^ 1, ck + 1);
-      cp_async_commit();
+      if (!PAIR && has_next) copy_kq(b ^ 1, ck + 1);
+      cp_async_commit();  // (PAIR: empty, so both forms count the same groups)
     }
     // X = S^T K^T and Y = S^T Q^T.
     {
       unsigned as[DK / 8][4];
 #pragma unroll
       for (int kk = 0; kk < DK / 8; kk++) wg_a_frag(as[kk], sa, kk);
-      const unsigned klo = kq_lo + ((2 * b * QKB) >> 4), qlo = kq_lo + (((2 * b + 1) * QKB) >> 4);
+      const unsigned klo = kq_lo + ((2 * kb * QKB) >> 4), qlo = kq_lo + (((2 * kb + 1) * QKB) >> 4);
       fence_regs(as);
       fence_regs(x);
       fence_regs(y);
@@ -335,10 +349,14 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       mbar_wait(full_b, n & 1);  // K^T, T and P of this chunk
       fence_proxy_async();
     } else {
-      __syncthreads();  // every thread is done with V (and warp 0 may overwrite the gates b^1)
-      if (has_next) copy_v(ck + 1);
+      __syncthreads();  // every thread is done with V (and warp 0 may overwrite the gates b^1; PAIR:
+                        // with K and Q, read by the first products)
+      if (has_next) {
+        if (PAIR && copier) copy_kq(0, ck + 1);
+        copy_v(ck + 1);
+      }
       cp_async_commit();
-      if (has_next && warp == 0) write_gates(b ^ 1, ck + 1);
+      if (has_next && copier && warp == 0) write_gates(b ^ 1, ck + 1);
       cp_async_wait_group<2>();  // K^T, T, P of this chunk
       fence_proxy_async();
       __syncthreads();
@@ -399,7 +417,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       release(empty_a + b);  // K and Q were read by the first products, the gates up to here
     } else {
       __syncthreads();  // every warp's products are done with K^T, T and P
-      if (has_next) copy_tpk(ck + 1);
+      if (has_next && copier) copy_tpk(ck + 1);
       cp_async_commit();
     }
     {
@@ -431,24 +449,28 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define SCAN_WG_BODY(DK, WS) \
-  chunk_scan_wg<DK, WS>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
+#define SCAN_WG_BODY(DK, WS, PAIR) \
+  chunk_scan_wg<DK, WS, PAIR>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
 #else
-#define SCAN_WG_BODY(DK, WS)
+#define SCAN_WG_BODY(DK, WS, PAIR)
 #endif
 // gdn_chunk_scan_wg_<DK>: the producer warpgroup and the consumer warpgroup (256 threads);
 // gdn_chunk_scan_wg1_<DK>: one warpgroup that copies between its products (128 threads), for short
-// launches (the same products in the same order on the same values: the same bits).
-#define SCAN_WG_ENTRY(NAME, DK, WS, THREADS)                                                                    \
+// launches (the same products in the same order on the same values: the same bits);
+// gdn_chunk_scan_wg2_<DK>: two such warpgroups sharing a (sequence, head)'s tiles (PAIR above).
+#define SCAN_WG_ENTRY(NAME, DK, WS, PAIR, THREADS)                                                              \
   extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                   \
       NAME(const float* qn, const float* kn, const float* v, const float* beta, const float* g,              \
            const float* tp, const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv,     \
            float* out) {                                                                                     \
-    SCAN_WG_BODY(DK, WS)                                                                                     \
+    SCAN_WG_BODY(DK, WS, PAIR)                                                                               \
   }
-SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg_64, 64, true, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg_128, 128, true, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg1_32, 32, false, 128)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg1_64, 64, false, 128)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg1_128, 128, false, 128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, false, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_64, 64, true, false, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_128, 128, true, false, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_32, 32, false, false, 128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_64, 64, false, false, 128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_128, 128, false, false, 128)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg2_32, 32, false, true, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg2_64, 64, false, true, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg2_128, 128, false, true, 256)

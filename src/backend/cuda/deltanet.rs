@@ -213,7 +213,9 @@ pub fn split_kernels(options: &CudaOptions, dk: usize, dv: usize) -> Option<[(St
 /// [`PIPELINED_MIN_CHUNKS`] chunks, `gdn_chunk_scan_wg1_<dk>` (one warpgroup copying between its
 /// products) below, unless `gdn_wg_producer` forces one: with two chunks a sequence there is nothing
 /// for a producer to run ahead of (11 passes of 73 tokens: mixer 0.229 ms with one warpgroup, 0.272
-/// with the producer on the H100, NOTES).
+/// with the producer on the H100, NOTES). With `gdn_wg_pair` (and more than 64 value columns) the
+/// short launches run `gdn_chunk_scan_wg2_<dk>` instead: two such warpgroups a block sharing the
+/// copies of one (sequence, head), half the blocks (the same bits).
 pub fn warpgroup_kernel(
     options: &CudaOptions,
     dk: usize,
@@ -225,6 +227,14 @@ pub fn warpgroup_kernel(
         return None;
     }
     let producer = options.gdn_wg_producer.unwrap_or(longest_chunks >= PIPELINED_MIN_CHUNKS);
+    if !producer && options.gdn_wg_pair && dv > 64 {
+        return Some(ScanKernel {
+            name: format!("gdn_chunk_scan_wg2_{dk}"),
+            smem: layout::delta_wg2_smem_bytes(dk),
+            threads: 256,
+            column_blocks: dv.div_ceil(128) as u32,
+        });
+    }
     let (kind, threads) = if producer { ("wg", WARPGROUP_SCAN_THREADS) } else { ("wg1", 128) };
     Some(ScanKernel {
         name: format!("gdn_chunk_scan_{kind}_{dk}"),
@@ -774,13 +784,18 @@ mod tests {
 
     #[test]
     fn the_warpgroup_scan_is_launched_with_the_threads_its_kernel_is_built_for() {
-        // kernels/deltanet_wg.cu: SCAN_WG_ENTRY(name, dk, producer, launch-bounds threads).
+        // kernels/deltanet_wg.cu: SCAN_WG_ENTRY(name, dk, producer, paired, launch-bounds threads).
         let src = KERNELS.iter().find(|f| f.name == "deltanet").expect("deltanet unit").source;
         assert!(src.contains("__launch_bounds__(THREADS, 1)"));
         for dk in [32, 64, 128] {
-            for (producer, threads) in [(true, WARPGROUP_SCAN_THREADS), (false, 128)] {
-                let kind = if producer { "wg" } else { "wg1" };
-                let entry = format!("SCAN_WG_ENTRY(gdn_chunk_scan_{kind}_{dk}, {dk}, {producer}, {threads})");
+            for (kind, producer, paired, threads) in [
+                ("wg", true, false, WARPGROUP_SCAN_THREADS),
+                ("wg1", false, false, 128),
+                ("wg2", false, true, 256),
+            ] {
+                let entry = format!(
+                    "SCAN_WG_ENTRY(gdn_chunk_scan_{kind}_{dk}, {dk}, {producer}, {paired}, {threads})"
+                );
                 assert!(src.contains(&entry), "kernels/deltanet_wg.cu must declare {entry}");
             }
         }
@@ -793,6 +808,23 @@ mod tests {
         );
         let short = warpgroup_kernel(&opts, 128, 128, long - 1, true).expect("short launch");
         assert_eq!((short.name.as_str(), short.threads), ("gdn_chunk_scan_wg1_128", 128));
+        // Paired: the short launches take two warpgroups a block over 128 value columns; the long
+        // ones and 64-column heads are as before.
+        let paired = CudaOptions { gdn_wg_pair: true, ..opts.clone() };
+        let k = warpgroup_kernel(&paired, 128, 128, long - 1, true).expect("short launch");
+        assert_eq!(
+            (k.name.as_str(), k.threads, k.column_blocks, k.smem),
+            ("gdn_chunk_scan_wg2_128", 256, 1, layout::delta_wg2_smem_bytes(128))
+        );
+        assert_eq!(warpgroup_kernel(&paired, 128, 256, 1, true).map(|k| k.column_blocks), Some(2));
+        assert_eq!(
+            warpgroup_kernel(&paired, 128, 128, long, true).map(|k| k.name),
+            Some("gdn_chunk_scan_wg_128".into())
+        );
+        assert_eq!(
+            warpgroup_kernel(&paired, 128, 64, 1, true).map(|k| k.name),
+            Some("gdn_chunk_scan_wg1_128".into())
+        );
         let forced = CudaOptions { gdn_wg_producer: Some(true), ..opts.clone() };
         assert_eq!(
             warpgroup_kernel(&forced, 64, 128, 1, true).map(|k| k.name),

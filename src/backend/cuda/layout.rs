@@ -278,6 +278,14 @@ pub const fn delta_wg_smem_bytes(dk: usize) -> usize {
     1024 + (4 * c * dk + dk * c + 2 * c * c + c * (c + 8) + 6 * c) * 4 + 8 * 8
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_wg2_<dk>` (kernels/deltanet_wg.cu, PAIR): as
+/// [`delta_wg_smem_bytes`] with one K, Q buffer instead of two and a V tile for each of its two
+/// warpgroups. 170,560 bytes at DK 128.
+pub const fn delta_wg2_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    1024 + (2 * c * dk + dk * c + 2 * c * c + 2 * c * (c + 8) + 6 * c) * 4 + 8 * 8
+}
+
 /// The row of a chunk (or the key dim) whose values `gdn_chunk_scan_wg_<dk>` keeps in accumulator
 /// column / shared row `n` (`wg_row` in kernels/deltanet_wg.cu, the same arithmetic): within each
 /// group of 8, `n = 8a + 2t + e` holds `8a + t + 4e`. A TF32 A fragment's lane holds the k columns
@@ -668,6 +676,8 @@ mod tests {
         assert!(tcp <= 227 * 1024 && tcp + 1024 <= 228 * 1024, "{tcp}");
         assert_eq!(delta_split_state_smem_bytes(128), 187_904);
         assert_eq!(delta_wg_smem_bytes(128), 217_664);
+        assert_eq!(delta_wg2_smem_bytes(128), 170_560);
+        assert!(delta_wg2_smem_bytes(128) + 1024 <= 228 * 1024);
         assert!(delta_wg_smem_bytes(128) + 1024 <= 228 * 1024);
         for dk in [16, 32, 64, 128] {
             for b in [

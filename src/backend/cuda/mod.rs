@@ -104,6 +104,11 @@ pub struct CudaOptions {
     /// `Some(true)` / `Some(false)` always one of them. Both give the same bits. Default:
     /// `IMAJEV_GDN_WG=producer|one` in the environment (read only when left at `None`).
     pub gdn_wg_producer: Option<bool>,
+    /// Whether the warpgroup scan's short launches (no producer) run two consumer warpgroups a
+    /// block that share one (sequence, value head)'s copies (`gdn_chunk_scan_wg2_<dk>`) rather than
+    /// a block per 64 value columns (`gdn_chunk_scan_wg1_<dk>`): half the blocks, the same bits.
+    /// `IMAJEV_GDN_WG_PAIR=1` (or `0`) in the environment sets it.
+    pub gdn_wg_pair: bool,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
@@ -159,6 +164,7 @@ impl Default for CudaOptions {
             gdn_scan: GdnScan::default(),
             gdn_tf32: true,
             gdn_wg_producer: None,
+            gdn_wg_pair: false,
             unfused_act_quant: false,
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
@@ -267,6 +273,12 @@ impl CudaBackend {
                 Ok("") | Ok("by-length") | Err(_) => {}
                 Ok(other) => bail!("IMAJEV_GDN_WG={other}: expected by-length, producer or one"),
             }
+        }
+        match std::env::var("IMAJEV_GDN_WG_PAIR").as_deref() {
+            Ok("1") => options.gdn_wg_pair = true,
+            Ok("0") => options.gdn_wg_pair = false,
+            Ok("") | Err(_) => {}
+            Ok(other) => bail!("IMAJEV_GDN_WG_PAIR={other}: expected 1 (two warpgroups a block) or 0"),
         }
         match std::env::var("IMAJEV_GDN_TF32").as_deref() {
             Ok("1") => options.gdn_tf32 = true,
