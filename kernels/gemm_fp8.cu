@@ -331,8 +331,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       for (int u = unit0; u < units; u += unit_step) {
         int mt, nu;
         gemm_fp8_unit<CL>(u, mtiles, ntiles / TPU, rank, mt, nu);
-        for (int half = 0; half < TPU; half++) {
-          const int nt = nu * TPU + half;
+        for (int ti = 0; ti < TPU; ti++) {  // the unit's column tiles (GLU: the pair's)
+          const int nt = nu * TPU + ti;
           const int m0 = mt * BM, n0 = nt * 128, wrow = n0 + (int)rank * (128 / CL);
           // GLU: the tile's 64 gate rows of W (and B) and the up rows of the same h columns; their
           // W scales are those of 128-row blocks nt / 2 and up0 / 128 + nt / 2.
@@ -424,78 +424,78 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       int mt, nu;
       gemm_fp8_unit<CL>(u, mtiles, ntiles / TPU, rank, mt, nu);
 #pragma unroll 1
-      for (int half = 0; half < TPU; half++) {
-      const int nt = nu * TPU + half;
-      const int m0 = mt * BM, n0 = nt * 128;
+      for (int ti = 0; ti < TPU; ti++) {  // the unit's column tiles (GLU: the pair's)
+        const int nt = nu * TPU + ti;
+        const int m0 = mt * BM, n0 = nt * 128;
 #pragma unroll
-      for (int i = 0; i < 64; i++) out[i] = 0.f;
-      for (int kb = 0; kb < kblocks; kb++, it++) {
-        const int s = it % ST;
-        gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-        // This thread's two rows' promotion factors: their X scales times the W scale (GLU: the
-        // gate half's and the up half's).
-        const float w = sw[2 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
-        if constexpr (GLU) {
-          const float wu = sw[2 * s + 1], g0 = sa[s * BM + rl] * wu, g1 = sa[s * BM + rl + 8] * wu;
-          release(s);
-          gemm_fp8_promote_halves(out, acc, f0, f1, g0, g1);
-        } else {
-          release(s);
-          gemm_fp8_promote(out, acc, f0, f1);
-        }
-      }
-      if (PLAIN || p.lwin != nullptr) {
-        // The LoRA is added to the base projection rounded to BF16, as the cuBLASLt path adds its
-        // separate B GEMM to the stored output (and PEFT to the base layer's BF16 output): the
-        // kernel moves where the sum happens, not the arithmetic.
-#pragma unroll
-        for (int i = 0; i < 64; i++) out[i] = bf(to_bf(out[i]));
-        const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
-        for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
+        for (int i = 0; i < 64; i++) out[i] = 0.f;
+        for (int kb = 0; kb < kblocks; kb++, it++) {
           const int s = it % ST;
-          gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-          release(s);
-          gemm_fp8_promote(out, acc, p.lscale, p.lscale);
+          gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
+          // This thread's two rows' promotion factors: their X scales times the W scale (GLU: the
+          // gate half's and the up half's).
+          const float w = sw[2 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
+          if constexpr (GLU) {
+            const float wu = sw[2 * s + 1], g0 = sa[s * BM + rl] * wu, g1 = sa[s * BM + rl + 8] * wu;
+            release(s);
+            gemm_fp8_promote_halves(out, acc, f0, f1, g0, g1);
+          } else {
+            release(s);
+            gemm_fp8_promote(out, acc, f0, f1);
+          }
         }
-      }
-      if constexpr (GLU) {
-        gemm_fp8_glu_epilogue<NC>(p, out, glu_amax, staged, half, cw, warp * 16 + (lane >> 2), rl, tg, m0, nt);
-        continue;
-      }
-      if (!PLAIN && p.bias != nullptr) {
-        // bf16(bf16(out) + bias[c]), add_bias8's arithmetic on the output it would have read.
-        // This thread's columns: 8j + 2tg and the next, for both of its rows.
+        if (PLAIN || p.lwin != nullptr) {
+          // The LoRA is added to the base projection rounded to BF16, as the cuBLASLt path adds its
+          // separate B GEMM to the stored output (and PEFT to the base layer's BF16 output): the
+          // kernel moves where the sum happens, not the arithmetic.
+#pragma unroll
+          for (int i = 0; i < 64; i++) out[i] = bf(to_bf(out[i]));
+          const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
+          for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
+            const int s = it % ST;
+            gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
+            release(s);
+            gemm_fp8_promote(out, acc, p.lscale, p.lscale);
+          }
+        }
+        if constexpr (GLU) {
+          gemm_fp8_glu_epilogue<NC>(p, out, glu_amax, staged, ti, cw, warp * 16 + (lane >> 2), rl, tg, m0, nt);
+          continue;
+        }
+        if (!PLAIN && p.bias != nullptr) {
+          // bf16(bf16(out) + bias[c]), add_bias8's arithmetic on the output it would have read.
+          // This thread's columns: 8j + 2tg and the next, for both of its rows.
+#pragma unroll
+          for (int j = 0; j < 16; j++) {
+            const float2 b = *(const float2*)(p.bias + n0 + 8 * j + 2 * tg);
+            out[4 * j + 0] = bf(to_bf(out[4 * j + 0])) + b.x;
+            out[4 * j + 1] = bf(to_bf(out[4 * j + 1])) + b.y;
+            out[4 * j + 2] = bf(to_bf(out[4 * j + 2])) + b.x;
+            out[4 * j + 3] = bf(to_bf(out[4 * j + 3])) + b.y;
+          }
+        }
+        // The output: rounded to BF16 into this warpgroup's rows of the staging tile (the 128-byte
+        // swizzle keeps a warp's 8 rows on distinct banks), then one thread stores them by TMA while
+        // the warpgroup goes on to the next tile (the direct 4-byte stores were ~18% of the stall
+        // samples: the LSU queue full under the copies' traffic, ncu).
+        const bool leader = (threadIdx.x & 127) == 0;
+        if (leader) bulk_wait_read0();  // the previous tile's store has read the staging rows
+        named_bar_sync(1 + cw, 128);
+        const int rw = warp * 16 + (lane >> 2);  // this thread's rows within the warpgroup's 64
 #pragma unroll
         for (int j = 0; j < 16; j++) {
-          const float2 b = *(const float2*)(p.bias + n0 + 8 * j + 2 * tg);
-          out[4 * j + 0] = bf(to_bf(out[4 * j + 0])) + b.x;
-          out[4 * j + 1] = bf(to_bf(out[4 * j + 1])) + b.y;
-          out[4 * j + 2] = bf(to_bf(out[4 * j + 2])) + b.x;
-          out[4 * j + 3] = bf(to_bf(out[4 * j + 3])) + b.y;
+          unsigned char* half = staged + (j >> 3) * T::OUT_HALF + cw * 64 * 128 + 4 * tg;
+          const int c = j & 7;
+          *(unsigned*)(half + rw * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
+          *(unsigned*)(half + (rw + 8) * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
         }
-      }
-      // The output: rounded to BF16 into this warpgroup's rows of the staging tile (the 128-byte
-      // swizzle keeps a warp's 8 rows on distinct banks), then one thread stores them by TMA while
-      // the warpgroup goes on to the next tile (the direct 4-byte stores were ~18% of the stall
-      // samples: the LSU queue full under the copies' traffic, ncu).
-      const bool leader = (threadIdx.x & 127) == 0;
-      if (leader) bulk_wait_read0();  // the previous tile's store has read the staging rows
-      named_bar_sync(1 + cw, 128);
-      const int rw = warp * 16 + (lane >> 2);  // this thread's rows within the warpgroup's 64
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        unsigned char* half = staged + (j >> 3) * T::OUT_HALF + cw * 64 * 128 + 4 * tg;
-        const int c = j & 7;
-        *(unsigned*)(half + rw * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
-        *(unsigned*)(half + (rw + 8) * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
-      }
-      fence_proxy_async();
-      named_bar_sync(1 + cw, 128);
-      if (leader) {
-        tma_store_2d(p.y, staged + cw * 64 * 128, n0, m0 + cw * 64);
-        tma_store_2d(p.y, staged + T::OUT_HALF + cw * 64 * 128, n0 + 64, m0 + cw * 64);
-        bulk_commit();
-      }
+        fence_proxy_async();
+        named_bar_sync(1 + cw, 128);
+        if (leader) {
+          tma_store_2d(p.y, staged + cw * 64 * 128, n0, m0 + cw * 64);
+          tma_store_2d(p.y, staged + T::OUT_HALF + cw * 64 * 128, n0 + 64, m0 + cw * 64);
+          bulk_commit();
+        }
       }
     }
     if ((threadIdx.x & 127) == 0) bulk_wait0();  // the shared memory stays until the stores read it
