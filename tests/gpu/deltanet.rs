@@ -240,16 +240,21 @@ pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
     twin_cases(&one, ("producer warpgroup scan", &producer), c, rep, rng, "one-warpgroup scan")?;
     // The paired kernel (two warpgroups a block sharing the copies) for every launch, BITWISE
     // against the one-warpgroup kernel.
-    let pair = variant(&be, |o| {
-        o.gdn_scan = GdnScan::Warpgroup;
-        o.gdn_wg_producer = Some(false);
-        o.gdn_wg_pair = true;
-    })?;
+    let pair = paired_scan(&be)?;
     if !pair.options().gdn_wg_pair {
         rep.flag("gdn", "paired warpgroup scan", false, "IMAJEV_GDN_WG_PAIR forces it off: unset it");
         return Ok(());
     }
     twin_cases(&pair, ("one-warpgroup scan", &one), c, rep, rng, "paired warpgroup scan")
+}
+
+/// The warpgroup scan with its paired kernel (`gdn_chunk_scan_wg2_<dk>`) for every launch.
+fn paired_scan(g: &CudaBackend) -> Result<CudaBackend> {
+    variant(g, |o| {
+        o.gdn_scan = GdnScan::Warpgroup;
+        o.gdn_wg_producer = Some(false);
+        o.gdn_wg_pair = true;
+    })
 }
 
 /// Final states that are not kept (`keep` false, as for read-out-only passes), under each scan:
@@ -274,14 +279,7 @@ pub fn unkept_state_cases(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix)
         ("by length", tc_scan(g, GdnScan::ByLength, None)?),
         ("split", tc_scan(g, GdnScan::Split, None)?),
         ("warpgroup", tc_scan(g, GdnScan::Warpgroup, None)?),
-        (
-            "paired warpgroup",
-            variant(g, |o| {
-                o.gdn_scan = GdnScan::Warpgroup;
-                o.gdn_wg_producer = Some(false);
-                o.gdn_wg_pair = true;
-            })?,
-        ),
+        ("paired warpgroup", paired_scan(g)?),
         ("FMA", variant(g, |o| o.gdn_ffma = true)?),
     ];
     for (name, be) in &variants {
