@@ -197,12 +197,13 @@ impl CudaBackend {
     /// stride `g.ldy` = `g.n / 2`) and its per-token 1×128 FP8 quantisation to `q` (what
     /// `swiglu_quant_1x128` writes from the stored gate/up output: the same bits), with `lora` in
     /// the epilogue (its windows per GLU tile, [`layout::lora_rank_windows_glu`]). Returns false
-    /// (nothing launched) when the kernel cannot take it.
+    /// (nothing launched) when the kernel cannot take it (not Hopper, or `g`'s shape).
     pub(super) fn gemm_fp8_glu(&self, g: &Gemm, lora: Option<&LoraEpilogue>, q: &ActFp8) -> Result<bool> {
         let runs = self.fp8_gemm_runs();
+        // (Whether the GLU form is wanted at all, `swiglu_epilogue`, is the caller's choice:
+        // `CudaBackend::swiglu_project`.)
         let Some(nc) = runs.consumers().filter(|_| {
-            self.state.options.swiglu_epilogue
-                && eligible(g)
+            eligible(g)
                 && g.n % 256 == 0
                 && g.ldy == g.n / 2
                 && q.mpad == g.m

@@ -252,25 +252,15 @@ impl CudaBackend {
         for (gi, g) in w.groups.iter().enumerate() {
             let yg = yp + 2 * g.cols.start as u64;
             let gemm = match &g.weight {
-                GroupWeight::Fp8 { w: wq, scales } => {
-                    let a = fp8.expect("quantised by the caller");
-                    Gemm {
-                        kind: GemmKind::Fp8Block,
-                        n: g.cols.len(),
-                        m: a.mpad,
-                        k,
-                        w: self.p(wq),
-                        ldw: k,
-                        x: self.p(&a.q),
-                        ldx: k,
-                        y: yg,
-                        ldy: n,
-                        alpha: 1.0,
-                        beta: 0.0,
-                        w_scale: self.p(scales),
-                        x_scale: self.p(&a.s),
-                    }
-                }
+                GroupWeight::Fp8 { w: wq, scales } => self.fp8_gemm_of(
+                    wq,
+                    scales,
+                    fp8.expect("quantised by the caller"),
+                    g.cols.len(),
+                    k,
+                    yg,
+                    n,
+                ),
                 GroupWeight::Bf16(wb) => Gemm {
                     kind: GemmKind::Bf16,
                     n: g.cols.len(),
@@ -312,6 +302,37 @@ impl CudaBackend {
             }
         }
         Ok((y, fused))
+    }
+
+    /// The block-scaled FP8 GEMM of an FP8 group (`wq`, `scales`: `n` rows of `k`) over the
+    /// quantised input `a` (all its padded rows), into `y` with row stride `ldy`.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_of(
+        &self,
+        wq: &CudaSlice<u8>,
+        scales: &CudaSlice<f32>,
+        a: &ActFp8,
+        n: usize,
+        k: usize,
+        y: u64,
+        ldy: usize,
+    ) -> Gemm {
+        Gemm {
+            kind: GemmKind::Fp8Block,
+            n,
+            m: a.mpad,
+            k,
+            w: self.p(wq),
+            ldw: k,
+            x: self.p(&a.q),
+            ldx: k,
+            y,
+            ldy,
+            alpha: 1.0,
+            beta: 0.0,
+            w_scale: self.p(scales),
+            x_scale: self.p(&a.s),
+        }
     }
 
     /// What `gemm_fp8`'s epilogue reads of pair `l` over a group starting at output column
@@ -362,22 +383,7 @@ impl CudaBackend {
                 lora.zip(t.as_ref()).map(|((l, windows), t)| self.lora_epilogue(l, t, m, 0, windows));
             let y = self.alloc_bf16(a.mpad * h)?;
             let q = self.alloc_act_fp8(m, h)?;
-            let gemm = Gemm {
-                kind: GemmKind::Fp8Block,
-                n: w.out_dim,
-                m: a.mpad,
-                k,
-                w: self.p(wq),
-                ldw: k,
-                x: self.p(&a.q),
-                ldx: k,
-                y: self.p(&y),
-                ldy: h,
-                alpha: 1.0,
-                beta: 0.0,
-                w_scale: self.p(scales),
-                x_scale: self.p(&a.s),
-            };
+            let gemm = self.fp8_gemm_of(wq, scales, a, w.out_dim, k, self.p(&y), h);
             Ok(self.gemm_fp8_glu(&gemm, epilogue.as_ref(), &q)?.then_some((y, q)))
         })
     }
