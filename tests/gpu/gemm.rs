@@ -399,20 +399,8 @@ pub fn swiglu_mlp(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut S
         rep.flag(p, "swiglu_mlp fused vs unfused", false, "IMAJEV_MLP_LORA_FUSED forces one: unset it");
         return Ok(());
     }
-    let w = |name: &str, o: usize, i: usize, std: f32, rng: &mut SplitMix| {
-        MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, std))
-    };
-    let lora = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
-        (
-            MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
-            MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
-        )
-    };
-    let (wg, wu, wd) = (w("gate", k, h, 0.02, rng), w("up", k, h, 0.02, rng), w("down", h, k, 0.02, rng));
-    let ((ga, gb), (ua, ub), (da, db)) =
-        (lora("gate", k, h, rng), lora("up", k, h, rng), lora("down", h, k, rng));
-    let gate_up = [wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)];
-    let down = [wd.lora_part(&da, &db, 2.0)];
+    let mlp = LoraMlp::random(rng, h, k, r);
+    let (gate_up, down) = (mlp.gate_up(), mlp.down());
     let (fgu, fd) = (fused.linear(&gate_up)?, fused.linear(&down)?);
     let (pgu, pd) = (plain.linear(&gate_up)?, plain.linear(&down)?);
     let (cgu, cd) = (c.linear(&gate_up)?, c.linear(&down)?);
@@ -469,24 +457,13 @@ pub fn swiglu_epilogue(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
     let on = variant(g, |o| o.swiglu_epilogue = true)?;
     let off = variant(g, |o| o.swiglu_epilogue = false)?;
     let (h, k) = (2560usize, 9216usize);
-    let w = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
-        MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, 0.02))
-    };
-    let lora = |name: &str, o: usize, i: usize, r: usize, rng: &mut SplitMix| {
-        (
-            MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
-            MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
-        )
-    };
-    let (wg, wu, wd) = (w("gate", k, h, rng), w("up", k, h, rng), w("down", h, k, rng));
-    let ((ga, gb), (ua, ub), (da, db)) =
-        (lora("gate", k, h, 64, rng), lora("up", k, h, 64, rng), lora("down", h, k, 64, rng));
-    let (ua16, ub16) = lora("up16", k, h, 16, rng);
-    let down = [wd.lora_part(&da, &db, 2.0)];
+    let mlp = LoraMlp::random(rng, h, k, 64);
+    let (ua16, ub16) = lora_factors("up16", k, h, 16, rng);
+    let down = mlp.down();
     let cases: [(&str, Vec<LinearPart>); 3] = [
-        ("LoRA r64 on gate and up", vec![wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)]),
-        ("LoRA r16 on up", vec![wg.part(), wu.lora_part(&ua16, &ub16, 0.5)]),
-        ("no LoRA", vec![wg.part(), wu.part()]),
+        ("LoRA r64 on gate and up", mlp.gate_up().to_vec()),
+        ("LoRA r16 on up", vec![mlp.gate.part(), mlp.up.lora_part(&ua16, &ub16, 0.5)]),
+        ("no LoRA", vec![mlp.gate.part(), mlp.up.part()]),
     ];
     let x_all = rng.bf16_normals(4097 * h, 1.0);
     for (what, gate_up) in &cases {
@@ -689,21 +666,9 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         );
     }
     // The MLP with the gate/up LoRA in the epilogue (and the down projection's).
-    let (h, k3, r) = (2560usize, 9216usize, 64usize);
-    let lora = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
-        (
-            MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
-            MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
-        )
-    };
-    let w = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
-        MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, 0.02))
-    };
-    let (wg, wu, wdn) = (w("gate", k3, h, rng), w("up", k3, h, rng), w("down", h, k3, rng));
-    let ((ga, gb), (ua, ub), (da, db)) =
-        (lora("gate", k3, h, rng), lora("up", k3, h, rng), lora("down", h, k3, rng));
-    let gate_up = [wg.lora_part(&ga, &gb, 2.0), wu.lora_part(&ua, &ub, 2.0)];
-    let down = [wdn.lora_part(&da, &db, 2.0)];
+    let h = 2560usize;
+    let mlp = LoraMlp::random(rng, h, 9216, 64);
+    let (gate_up, down) = (mlp.gate_up(), mlp.down());
     let o = variant(g, |o| o.fp8_gemm = Fp8Gemm::Own128)?;
     let (ogu, od) = (o.linear(&gate_up)?, o.linear(&down)?);
     let (bgu, bd) = (cublas.linear(&gate_up)?, cublas.linear(&down)?);
@@ -751,6 +716,52 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         1.2,
     );
     Ok(())
+}
+
+/// An MLP's FP8 gate, up (`[k, h]`) and down (`[h, k]`) weights and a rank-`r` LoRA pair on each,
+/// drawn from `rng` in that order (weights, then the pairs; std 0.02), applied with scale 2.
+struct LoraMlp {
+    gate: MemoryTensor,
+    up: MemoryTensor,
+    down: MemoryTensor,
+    loras: [(MemoryTensor, MemoryTensor); 3],
+}
+
+impl LoraMlp {
+    fn random(rng: &mut SplitMix, h: usize, k: usize, r: usize) -> Self {
+        let w = |name: &str, o: usize, i: usize, rng: &mut SplitMix| {
+            MemoryTensor::fp8(name, &[o, i], &rng.bf16_normals(o * i, 0.02))
+        };
+        let (gate, up, down) = (w("gate", k, h, rng), w("up", k, h, rng), w("down", h, k, rng));
+        let loras = [
+            lora_factors("gate", k, h, r, rng),
+            lora_factors("up", k, h, r, rng),
+            lora_factors("down", h, k, r, rng),
+        ];
+        LoraMlp { gate, up, down, loras }
+    }
+    fn gate_up(&self) -> [LinearPart<'_>; 2] {
+        let [(ga, gb), (ua, ub), _] = &self.loras;
+        [self.gate.lora_part(ga, gb, 2.0), self.up.lora_part(ua, ub, 2.0)]
+    }
+    fn down(&self) -> [LinearPart<'_>; 1] {
+        let (da, db) = &self.loras[2];
+        [self.down.lora_part(da, db, 2.0)]
+    }
+}
+
+/// A rank-`r` LoRA pair of an `[o, i]` projection: A `[r, i]`, B `[o, r]`, BF16 of std 0.02.
+fn lora_factors(
+    name: &str,
+    o: usize,
+    i: usize,
+    r: usize,
+    rng: &mut SplitMix,
+) -> (MemoryTensor, MemoryTensor) {
+    (
+        MemoryTensor::bf16(&format!("{name}.A"), &[r, i], &rng.bf16_normals(r * i, 0.02)),
+        MemoryTensor::bf16(&format!("{name}.B"), &[o, r], &rng.bf16_normals(o * r, 0.02)),
+    )
 }
 
 /// A projection `y` on another kernel path than `reference` (its label and output), both against
