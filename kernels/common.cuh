@@ -12,21 +12,6 @@ typedef long long i64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// Programmatic dependent launch (sm_90 and newer; the host side is CudaBackend::launch in
-// src/backend/cuda/launch.rs). With it on, the driver may start a kernel while the kernel before it
-// in the stream is still running, so its blocks are resident and its launch latency is hidden when
-// that kernel ends (~600 launches a forward of a short request). Every kernel calls this first,
-// before it touches global memory: `griddepcontrol.wait` returns once the grids it depends on have
-// completed and their memory is visible (as stream order would have it), then
-// `griddepcontrol.launch_dependents` lets the next kernel launch. Launched without the attribute
-// (other GPUs, or IMAJEV_PDL=0), both are no-ops: the same instructions, the same bits.
-__device__ __forceinline__ void pdl_begin() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Grid-stride loop over [0, n).
 #define FOR_EACH(i, n) \
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)

@@ -463,7 +463,6 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       NAME(const float* qn, const float* kn, const float* v, const float* beta, const float* g,              \
            const float* tp, const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv,     \
            float* out) {                                                                                     \
-    pdl_begin();                                                                                             \
     SCAN_WG_BODY(DK, WS, PAIR)                                                                               \
   }
 SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, false, 256)

@@ -523,7 +523,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,   \
       const __grid_constant__ TmaMap q, const float* ws, int M, int N, int K, const int* lwin, int lcol0,      \
       float lscale, const float* bias, float* qs) {                                                            \
-    pdl_begin();                                                                                               \
     GEMM_FP8_BODY(NC, CL, PLAIN, GLU)                                                                           \
   }
 GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, )

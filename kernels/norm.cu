@@ -111,7 +111,6 @@ __device__ __forceinline__ void quant_pad_row(unsigned char* qr, float* s, int m
 
 // One block per row of length d: y = x * rsqrt(mean(x^2) + eps) * (offset + w).
 extern "C" __global__ void rms_norm(const bf16* x, const float* w, bf16* y, int d, float eps, float offset) {
-  pdl_begin();
   __shared__ float sh[32];
   const bf16* xr = x + (i64)blockIdx.x * d;
   bf16* yr = y + (i64)blockIdx.x * d;
@@ -124,7 +123,6 @@ extern "C" __global__ void rms_norm(const bf16* x, const float* w, bf16* y, int 
 // CPU twin: cpu::norm::rms_norm then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y, unsigned char* q, float* s, int M,
                                           int Mpad, int d, float eps, float offset) {
-  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {  // whole block: no barrier below is reached by part of it
@@ -143,7 +141,6 @@ extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y
 // stored: block_sum's __syncthreads orders those writes first.
 extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, bf16* out, int d, float eps,
                                         float offset) {
-  pdl_begin();
   __shared__ float sh[32];
   bf16* xr = x + (i64)blockIdx.x * d;
   bf16* orow = out + (i64)blockIdx.x * d;
@@ -157,7 +154,6 @@ extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, 
 // cpu::norm::rms_norm, then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void add_rms_norm_quant(bf16* x, const bf16* y, const float* w, bf16* out, unsigned char* q,
                                               float* s, int M, int Mpad, int d, float eps, float offset) {
-  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {
@@ -232,7 +228,6 @@ __device__ __forceinline__ void ln_out_quant(const bf16* xr, const float* w, con
 
 // One block per row: y = LayerNorm(x) · w + b.
 extern "C" __global__ void layer_norm(const bf16* x, const float* w, const float* b, bf16* y, int d, float eps) {
-  pdl_begin();
   __shared__ float sh[32];
   const bf16* xr = x + (i64)blockIdx.x * d;
   bf16* yr = y + (i64)blockIdx.x * d;
@@ -245,7 +240,6 @@ extern "C" __global__ void layer_norm(const bf16* x, const float* w, const float
 // rms_norm_quant). CPU twin: cpu::norm::layer_norm then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void layer_norm_quant(const bf16* x, const float* w, const float* b, bf16* y, unsigned char* q,
                                             float* s, int M, int Mpad, int d, float eps) {
-  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {
@@ -263,7 +257,6 @@ extern "C" __global__ void layer_norm_quant(const bf16* x, const float* w, const
 // CPU twin: add_assign then cpu::norm::layer_norm.
 extern "C" __global__ void add_layer_norm(bf16* x, const bf16* y, const float* w, const float* b, bf16* out, int d,
                                           float eps) {
-  pdl_begin();
   __shared__ float sh[32];
   bf16* xr = x + (i64)blockIdx.x * d;
   bf16* orow = out + (i64)blockIdx.x * d;
@@ -277,7 +270,6 @@ extern "C" __global__ void add_layer_norm(bf16* x, const bf16* y, const float* w
 // CPU twin: add_assign, cpu::norm::layer_norm, then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void add_layer_norm_quant(bf16* x, const bf16* y, const float* w, const float* b, bf16* out,
                                                 unsigned char* q, float* s, int M, int Mpad, int d, float eps) {
-  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {
@@ -308,7 +300,6 @@ __device__ __forceinline__ float gated_out(const float* xr, const bf16* zr, cons
 // fused input projection, row stride z_ld elements).
 extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
                                           bf16* y, i64 rows, int d, float eps) {
-  pdl_begin();
   i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -327,7 +318,6 @@ extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_l
 extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
                                                 bf16* y, unsigned char* q, float* s, int M, int Mpad, int d,
                                                 float eps) {
-  pdl_begin();
   i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
   if (row >= (i64)Mpad * heads) return;

@@ -71,41 +71,13 @@ pub fn engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Whole forwards with the norms' fused FP8 quantisation bitwise against the backend that runs
-/// it in its own kernel (see [`bitwise_on_4b_wide_model`]).
+/// Whole forwards with the FP8 activation quantisation fused into the norms equal forwards with
+/// it in its own kernel, bitwise: an FP8 checkpoint whose norms are whole 128-blocks wide (the
+/// golden tiny models are 64 wide, so their norms never fuse), four layers of the 4B's widths
+/// (cuBLASLt's block-scaled FP8 GEMM refuses K = 256, so no narrower model) with a 4096-wide
+/// MLP; a prefill (input norms, post-attention norms, DeltaNet gated norms, the last layer's norm
+/// on gathered rows) and a batched extend of two forks.
 pub fn fused_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
-    let u = variant(g, |o| o.unfused_act_quant = true)?;
-    bitwise_on_4b_wide_model(g, &u, "fused norm quant", "unfused", 1, rep)
-}
-
-/// Whole forwards with programmatic dependent launch (every kernel may start before the one
-/// before it ends, and waits for it first) bitwise against plain launches, three times over (a
-/// missing wait would be a race, so it need not show every time).
-pub fn programmatic_launch_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
-    let plain = variant(g, |o| o.programmatic_launch = false)?;
-    let programmatic = variant(g, |o| o.programmatic_launch = true)?;
-    rep.check(
-        "engine",
-        "programmatic launch on one side only (IMAJEV_PDL in the environment forces both)",
-        (plain.options().programmatic_launch == programmatic.options().programmatic_launch) as u8 as f64,
-        0.0,
-    );
-    bitwise_on_4b_wide_model(&programmatic, &plain, "programmatic launch", "plain launches", 3, rep)
-}
-
-/// Backend `a` against backend `b`, bitwise, on an FP8 checkpoint whose norms are whole
-/// 128-blocks wide (the golden tiny models are 64 wide, so their norms never fuse): four layers of
-/// the 4B's widths (cuBLASLt's block-scaled FP8 GEMM refuses K = 256, so no narrower model) with a
-/// 4096-wide MLP and a LoRA adapter; a prefill (input norms, post-attention norms, DeltaNet gated
-/// norms, the last layer's norm on gathered rows) and a batched extend of two forks, `rounds` times.
-fn bitwise_on_4b_wide_model(
-    a: &CudaBackend,
-    b: &CudaBackend,
-    what: &str,
-    against: &str,
-    rounds: usize,
-    rep: &mut Report,
-) -> Result<()> {
     let p = "engine";
     let mut v = synth::preset_json("tiny").expect("the tiny preset");
     let t = &mut v["text_config"];
@@ -132,41 +104,31 @@ fn bitwise_on_4b_wide_model(
     let (model, adapter) = (dir.path().join("model"), dir.path().join("adapter"));
     synth::write_model(&cfg, SynthDtype::Fp8, 21, &model)?;
     synth::write_adapter(&cfg, 4, 8.0, 12, 21, &adapter)?;
-    let gm = Qwen35::load(a.clone(), &model, Some(&adapter))?;
-    let um = Qwen35::load(b.clone(), &model, Some(&adapter))?;
+    let u = variant(g, |o| o.unfused_act_quant = true)?;
+    let gm = Qwen35::load(g.clone(), &model, Some(&adapter))?;
+    let um = Qwen35::load(u, &model, Some(&adapter))?;
     let tok = QwenTokenizer::from_model_dir(&model)?;
     let ids = tok.encode(
         "State: the printer on the third floor prints every page twice and the toner light is on. \
          Question: what should the office manager do first? Answer",
     )?;
+    let ((mut sg, hg, _), (mut su, hu, _)) = (gm.prefill(&ids, &[])?, um.prefill(&ids, &[])?);
+    let (hgv, huv) = (gm.backend.download(&hg)?, um.backend.download(&hu)?);
+    let (lg, lu) = (gm.readout(&hg)?.remove(0), um.readout(&hu)?.remove(0));
+    rep.check(
+        p,
+        format!("fused norm quant, 4B-wide 4-layer FP8 model, prefill {} tokens: hidden + readout ≠ unfused (bitwise)", ids.len()),
+        (bit_diff(&hgv, &huv) + bit_diff(&lg, &lu)) as f64,
+        0.0,
+    );
     let (s1, s2) = (tok.encode(" Restart it")?, tok.encode(" Call the vendor and ask for a new drum unit")?);
-    for round in 1..=rounds {
-        let round_of = if rounds > 1 { format!(", round {round}") } else { String::new() };
-        let ((mut sg, hg, _), (mut su, hu, _)) = (gm.prefill(&ids, &[])?, um.prefill(&ids, &[])?);
-        let (hgv, huv) = (gm.backend.download(&hg)?, um.backend.download(&hu)?);
-        let (lg, lu) = (gm.readout(&hg)?.remove(0), um.readout(&hu)?.remove(0));
-        rep.check(
-            p,
-            format!(
-                "{what}{round_of}, 4B-wide 4-layer FP8 model, prefill {} tokens: hidden + readout ≠ {against} (bitwise)",
-                ids.len()
-            ),
-            (bit_diff(&hgv, &huv) + bit_diff(&lg, &lu)) as f64,
-            0.0,
-        );
-        sg.share(&gm.backend)?;
-        su.share(&um.backend)?;
-        let mut fg = vec![sg.fork(), sg.fork()];
-        let mut fu = vec![su.fork(), su.fork()];
-        let eg = gm.backend.download(&gm.extend(&mut fg, &[&s1, &s2])?)?;
-        let eu = um.backend.download(&um.extend(&mut fu, &[&s1, &s2])?)?;
-        rep.check(
-            p,
-            format!("… extend of 2 forks: hidden ≠ {against} (bitwise)"),
-            bit_diff(&eg, &eu) as f64,
-            0.0,
-        );
-    }
+    sg.share(&gm.backend)?;
+    su.share(&um.backend)?;
+    let mut fg = vec![sg.fork(), sg.fork()];
+    let mut fu = vec![su.fork(), su.fork()];
+    let eg = gm.backend.download(&gm.extend(&mut fg, &[&s1, &s2])?)?;
+    let eu = um.backend.download(&um.extend(&mut fu, &[&s1, &s2])?)?;
+    rep.check(p, "… extend of 2 forks: hidden ≠ unfused (bitwise)", bit_diff(&eg, &eu) as f64, 0.0);
     Ok(())
 }
 

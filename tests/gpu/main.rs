@@ -264,16 +264,6 @@ fn engine_matches_cpu_and_goldens() {
     rep.finish("engine");
 }
 
-/// Every kernel launched with programmatic dependent launch (`IMAJEV_PDL=1`; each kernel waits for
-/// the one before it first) gives the bits of plain launches, whole forwards three times over.
-#[test]
-fn programmatic_launch_is_bitwise_plain_launch() {
-    let Some(d) = gpu("engine (programmatic launch)") else { return };
-    let mut rep = Report::default();
-    rep.guard("engine", "programmatic launch", |rep| engine::programmatic_launch_engine(&d.g, rep));
-    rep.finish("engine (programmatic launch)");
-}
-
 #[test]
 fn forks_and_one_forward_trees_match_full_forwards() {
     let Some(d) = gpu("extend") else { return };

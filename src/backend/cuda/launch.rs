@@ -295,85 +295,28 @@ impl CudaBackend {
         Ok(n)
     }
 
-    /// Queues kernel `name` on the backend's stream: with programmatic dependent launch
-    /// ([`CudaBackend::programmatic_launch`]) through `cuLaunchKernelEx`, else cudarc's launch.
+    /// Queues kernel `name` on the backend's stream.
     pub(super) fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let f = self.func(name)?;
-        let go = || {
-            // SAFETY: every kernel's parameter list matches the argument list its caller builds
-            // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32, tensor maps as the
-            // 128-byte TmaMap), and the buffers behind the pointers outlive the launch in stream
-            // order (with programmatic launch too: every kernel waits for the grids before it first,
-            // `pdl_begin` in kernels/common.cuh).
-            if self.state.programmatic_launch {
-                unsafe { self.launch_programmatic(f, cfg, args) }
-            } else {
-                let mut b = self.state.stream.launch_builder(f);
-                for a in args {
-                    match a {
-                        Arg::Ptr(v) => b.arg(v),
-                        Arg::I64(v) => b.arg(v),
-                        Arg::I32(v) => b.arg(v),
-                        Arg::F32(v) => b.arg(v),
-                        Arg::Map(v) => b.arg(v),
-                    };
-                }
-                unsafe { b.launch(cfg) }.map(|_| ())
-            }
-            .map_err(|e| anyhow!("launching {name}: {e:?}"))
-        };
+        let mut b = self.state.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::Map(v) => b.arg(v),
+            };
+        }
+        // SAFETY: every kernel's parameter list matches the argument list its caller builds
+        // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32, tensor maps as the
+        // 128-byte TmaMap), and the buffers behind the pointers outlive the launch in stream order.
+        let mut go =
+            move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));
         match &self.state.profiler {
             Some(p) => p.time(name, go),
             None => go(),
         }
-    }
-
-    /// Launches `f` with the programmatic stream serialisation attribute (Hopper and newer): the
-    /// driver may start it while the kernel before it in the stream is still running; the kernel's
-    /// first statement (`pdl_begin`) waits for that kernel's completion and memory, so the order of
-    /// reads and writes is stream order and only the launch latency overlaps. cudarc 0.19's
-    /// launch builder has no launch attributes, hence `cuLaunchKernelEx` by hand.
-    ///
-    /// # Safety
-    /// As for any kernel launch: `args` must match `f`'s parameters in order and type, and the
-    /// memory they name must outlive the launch in stream order.
-    unsafe fn launch_programmatic(
-        &self,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        args: &[Arg],
-    ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        use cudarc::driver::sys;
-        use std::ffi::c_void;
-        // cuLaunchKernelEx reads each parameter through a pointer to its value: the values live in
-        // `args` for the duration of this call.
-        let mut params: Vec<*mut c_void> = args
-            .iter()
-            .map(|a| match a {
-                Arg::Ptr(v) => v as *const u64 as *mut c_void,
-                Arg::I64(v) => v as *const i64 as *mut c_void,
-                Arg::I32(v) => v as *const i32 as *mut c_void,
-                Arg::F32(v) => v as *const f32 as *mut c_void,
-                Arg::Map(v) => v as *const TensorMap as *mut c_void,
-            })
-            .collect();
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.state.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        self.state.ctx.bind_to_thread()?;
-        sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
 
     /// One GEMM, timed under its kind and shape when kernel profiling is on: narrow BF16 shapes
@@ -404,29 +347,6 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Programmatic dependent launch lets a kernel start before the previous one has finished:
-    /// only a kernel whose first statement is `pdl_begin()` (the wait for the grids before it) is
-    /// safe to launch so, and `launch` launches every kernel of the table that way.
-    #[test]
-    fn every_kernel_waits_for_the_grids_before_it_first() {
-        let mut kernels = 0;
-        for f in KERNELS {
-            let src = f.source;
-            for (at, _) in src.match_indices("__global__") {
-                let body = at + src[at..].find('{').expect("a kernel body");
-                let first = src[body + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-                let line = &src[src[..at].rfind('\n').map_or(0, |i| i + 1)..][..80.min(src.len() - at)];
-                assert!(
-                    first.starts_with("pdl_begin();"),
-                    "kernels/{}: a kernel does not start with pdl_begin(): {line}",
-                    f.name
-                );
-                kernels += 1;
-            }
-        }
-        assert!(kernels >= 50, "only {kernels} kernels found");
-    }
 
     #[test]
     fn every_function_is_listed_once_and_big_smem_only_where_needed() {

@@ -147,12 +147,6 @@ pub struct CudaOptions {
     /// both parts' LoRA ranks); whole requests 1.11x at 256 tokens, 1.00x at 4K-16K.
     /// `IMAJEV_SWIGLU_EPILOGUE=1` (or `0`) in the environment sets it.
     pub swiglu_epilogue: bool,
-    /// Whether kernels launch with programmatic dependent launch on Hopper and newer (the driver
-    /// may start a kernel while the one before it is still running; each kernel first waits for
-    /// it, `pdl_begin` in kernels/common.cuh, so results are the same bits): the launch latency of
-    /// the ~600 launches of a short request's forward overlaps the kernel before. Opt-in until
-    /// measured: `IMAJEV_PDL=1` (or `0`) in the environment sets it.
-    pub programmatic_launch: bool,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -178,7 +172,6 @@ impl Default for CudaOptions {
             fp8_gemm: gemm_fp8::Fp8Gemm::default(),
             lora_a_own: false,
             swiglu_epilogue: false,
-            programmatic_launch: false,
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
@@ -228,8 +221,6 @@ struct DeviceState {
     ctx: Arc<CudaContext>,
     options: CudaOptions,
     info: DeviceInfo,
-    /// `options.programmatic_launch` on a GPU that has it (compute capability 9.0 or newer).
-    programmatic_launch: bool,
     profiler: Option<profile::KernelProfiler>,
     /// Set once a projection with an FP8 group exists: from then on the row norms write the FP8
     /// quantisation of their output for the projection that reads it (before, it would be unused).
@@ -323,14 +314,6 @@ impl CudaBackend {
                 "IMAJEV_SWIGLU_EPILOGUE={other}: expected 1 (the SwiGLU in the gate/up GEMM's epilogue) or 0 (the default)"
             ),
         }
-        match std::env::var("IMAJEV_PDL").as_deref() {
-            Ok("1") => options.programmatic_launch = true,
-            Ok("0") => options.programmatic_launch = false,
-            Ok("") | Err(_) => {}
-            Ok(other) => bail!(
-                "IMAJEV_PDL={other}: expected 1 (programmatic dependent launch on Hopper and newer) or 0 (plain launches)"
-            ),
-        }
         if std::env::var("IMAJEV_UNFUSED_ACT_QUANT").is_ok_and(|v| v == "1") {
             options.unfused_act_quant = true;
         }
@@ -408,7 +391,6 @@ impl CudaBackend {
             kernels_compiled: compiled,
             kernel_seconds,
         };
-        let programmatic_launch = options.programmatic_launch && cc.0 >= 9;
         tracing::info!(
             ?info,
             gdn_scan = match options.gdn_scan {
@@ -428,7 +410,6 @@ impl CudaBackend {
             },
             narrow_gemm = options.narrow_gemm.describe(),
             fp8_gemm = options.fp8_gemm.on(info.hopper()).describe(),
-            programmatic_launch,
             "CUDA backend ready"
         );
         let profiler = profile::KernelProfiler::from_env(&stream);
@@ -442,7 +423,6 @@ impl CudaBackend {
                 ctx,
                 options,
                 info,
-                programmatic_launch,
                 profiler,
                 fp8_linears: AtomicBool::new(false),
                 resident: Default::default(),
