@@ -23,8 +23,8 @@
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
 //!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
 //!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue), and `_192` with
-//!   the LoRA A side on `gemm_bf16_192` (`own192+A`), at 977, 7,816 and 16,384 rows (or at
-//!   `--lengths`), with ratios;
+//!   the LoRA A side on `gemm_bf16_192` (`own192+A`; `own192+A whole` never splits its K), at
+//!   977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -268,18 +268,26 @@ impl Bench<'_> {
             println!("fp8-own: not a Hopper GPU, skipped");
             return Ok(());
         }
+        // own192+A: the LoRA A side split over K slices up to layout::LORA_A_SPLIT_ROWS rows (the
+        // same bits as whole), own192+A whole: never split.
         let sides: Vec<(&str, CudaBackend)> = [
-            ("cuBLASLt", Fp8Gemm::Cublas, false),
-            ("own128", Fp8Gemm::Own128, false),
-            ("own192", Fp8Gemm::Own192, false),
-            ("own192+A", Fp8Gemm::Own192, true),
-            ("own128m", Fp8Gemm::Own128Multicast, false),
-            ("own192m", Fp8Gemm::Own192Multicast, false),
+            ("cuBLASLt", Fp8Gemm::Cublas, false, None),
+            ("own128", Fp8Gemm::Own128, false, None),
+            ("own192", Fp8Gemm::Own192, false, None),
+            ("own192+A", Fp8Gemm::Own192, true, None),
+            ("own192+A whole", Fp8Gemm::Own192, true, Some(0)),
+            ("own128m", Fp8Gemm::Own128Multicast, false, None),
+            ("own192m", Fp8Gemm::Own192Multicast, false, None),
         ]
         .into_iter()
-        .map(|(l, f, a)| {
-            CudaBackend::new(0, CudaOptions { fp8_gemm: f, lora_a_own: a, ..g.options().clone() })
-                .map(|b| (l, b))
+        .map(|(l, f, a, split_rows)| {
+            let o = CudaOptions {
+                fp8_gemm: f,
+                lora_a_own: a,
+                lora_a_split_rows: split_rows,
+                ..g.options().clone()
+            };
+            CudaBackend::new(0, o).map(|b| (l, b))
         })
         .collect::<Result<_>>()?;
         let r = 64usize;

@@ -105,17 +105,24 @@ struct GemmFp8Args {
   float lscale;
   const float* bias;
   float* qs;  // GLU only: h's activation scales [N/256][M]
+  // PLAIN only: the K slice (columns, a multiple of 64) whose products are summed in the tensor
+  // cores before they are added to the output in f32, slice after slice; with `part` != nullptr
+  // (the split form) a unit is one tile's one slice and writes that slice's f32 sums to
+  // part[slice][M][N] for gemm_bf16_slices_sum, instead of the output.
+  int kslice;
+  float* part;
 };
 
-// The four MMAs of ring stage s into acc (not committed).
+// The four MMAs of ring stage s into acc (not committed): acc starts over (fresh) or adds to
+// what it holds (the PLAIN form's stages within one K slice).
 template <int NC, bool LORA>
-__device__ __forceinline__ void gemm_fp8_mmas(float (&acc)[64], unsigned a_lo, unsigned b_lo, int s) {
+__device__ __forceinline__ void gemm_fp8_mmas(float (&acc)[64], unsigned a_lo, unsigned b_lo, int s, bool fresh) {
 #pragma unroll
   for (int ks = 0; ks < 4; ks++) {
     const unsigned off = (unsigned)(s * GemmFp8Tiles<NC>::STAGE + 32 * ks) >> 4;
     const unsigned long long da = smem_desc_of(a_lo + off, 1024), db = smem_desc_of(b_lo + off, 1024);
-    if constexpr (LORA) wgmma_ss_m64n128(acc, da, db, ks > 0);
-    else wgmma_fp8_m64n128k32(acc, da, db, ks > 0);
+    if constexpr (LORA) wgmma_ss_m64n128(acc, da, db, !fresh || ks > 0);
+    else wgmma_fp8_m64n128k32(acc, da, db, !fresh || ks > 0);
   }
 }
 
@@ -126,10 +133,10 @@ __device__ __forceinline__ void gemm_fp8_mmas(float (&acc)[64], unsigned a_lo, u
 // through: no proxy fence.
 template <int NC, bool LORA>
 __device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
-                                               unsigned a_lo, unsigned b_lo, int s) {
+                                               unsigned a_lo, unsigned b_lo, int s, bool fresh = true) {
   mbar_wait(full, parity);
   wgmma_fence();
-  gemm_fp8_mmas<NC, LORA>(acc, a_lo, b_lo, s);
+  gemm_fp8_mmas<NC, LORA>(acc, a_lo, b_lo, s, fresh);
   wgmma_commit();
   wgmma_wait0();
   fence_regs(acc);
@@ -274,7 +281,9 @@ __device__ __forceinline__ void gemm_fp8_unit(int u, int mtiles, int ntiles, uns
 // them to both, halving W's traffic from L2).
 // PLAIN: a BF16 GEMM Y = T·Bᵀ over K BF16 columns and nothing else (the LoRA A side, T = X·Aᵀ:
 // N is the pair's rank, not a multiple of 128, its last column tile cut by the maps' edges): no
-// FP8 k-blocks, the LoRA stages over the whole K with scale 1.
+// FP8 k-blocks, the LoRA stages over the whole K, summed slice by slice (GemmFp8Args::kslice); with
+// `part` the split form, a unit per (tile, slice), each slice's sums to `part` for
+// gemm_bf16_slices_sum. Whole or split, a row's sums are the same bits whatever M is.
 // GLU: the MLP's gate/up projection (W's rows [gate; up], N/2 each) with the SwiGLU and the down
 // projection's FP8 input in the epilogue (kernel doc); CL = 1 only.
 template <int NC, int CL, bool PLAIN, bool GLU = false>
@@ -299,7 +308,10 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   // (PLAIN: N need not be whole 128-column tiles, and K is all LoRA stages' columns.)
   const int mtiles = (p.M + BM - 1) / BM, ntiles = PLAIN ? (p.N + 127) / 128 : p.N / 128;
   const int kblocks = PLAIN ? 0 : p.K / 128;
-  const int units = (mtiles + CL - 1) / CL * (ntiles / TPU), unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
+  // The split PLAIN form: a unit is one tile's one K slice (slice = unit % slices).
+  const int slices = PLAIN && p.part != nullptr ? (p.K + p.kslice - 1) / p.kslice : 1;
+  const int units = (mtiles + CL - 1) / CL * (ntiles / TPU) * slices, unit0 = blockIdx.x / CL,
+            unit_step = gridDim.x / CL;
   const int up0 = p.N / 2;  // GLU: up's first row of W (and of B)
   if (threadIdx.x == 0) {
     for (int i = 0; i < ST; i++) {
@@ -330,7 +342,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       };
       for (int u = unit0; u < units; u += unit_step) {
         int mt, nu;
-        gemm_fp8_unit<CL>(u, mtiles, ntiles / TPU, rank, mt, nu);
+        gemm_fp8_unit<CL>(u / slices, mtiles, ntiles / TPU, rank, mt, nu);
+        const int slice = u % slices;
         for (int ti = 0; ti < TPU; ti++) {  // the unit's column tiles (GLU: the pair's)
           const int nt = nu * TPU + ti;
           const int m0 = mt * BM, n0 = nt * 128, wrow = n0 + (int)rank * (128 / CL);
@@ -371,8 +384,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
             }
           }
           if (!PLAIN && p.lwin == nullptr) continue;
-          const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
-          for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
+          // PLAIN: all of K, or the unit's slice of it.
+          const int re = PLAIN ? (slices > 1 ? min(p.K, (slice + 1) * p.kslice) : p.K) : p.lwin[2 * nt + 1];
+          for (int r = PLAIN ? slice * p.kslice : p.lwin[2 * nt]; r < re; r += 64, it++) {
             // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
             // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
             const int s = it % ST;
@@ -422,7 +436,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
     float glu_amax[2];  // GLU: the partial amax of this thread's rows over the pair's first tile
     for (int u = unit0; u < units; u += unit_step) {
       int mt, nu;
-      gemm_fp8_unit<CL>(u, mtiles, ntiles / TPU, rank, mt, nu);
+      gemm_fp8_unit<CL>(u / slices, mtiles, ntiles / TPU, rank, mt, nu);
+      const int slice = u % slices;
 #pragma unroll 1
       for (int ti = 0; ti < TPU; ti++) {  // the unit's column tiles (GLU: the pair's)
         const int nt = nu * TPU + ti;
@@ -444,14 +459,38 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
             gemm_fp8_promote(out, acc, f0, f1);
           }
         }
-        if (PLAIN || p.lwin != nullptr) {
+        if constexpr (PLAIN) {
+          // Slice by slice: a slice's stages summed by the tensor cores in acc, then out += acc in
+          // f32, slices in order (the split form's gemm_bf16_slices_sum adds its slices' sums in the
+          // same order from zero: the same bits).
+          const int r0 = slice * p.kslice, re = slices > 1 ? min(p.K, r0 + p.kslice) : p.K;
+          for (int r = r0; r < re; r += 64, it++) {
+            const int s = it % ST;
+            const bool first = (r - r0) % p.kslice == 0, last = r + 64 >= re || (r + 64 - r0) % p.kslice == 0;
+            gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s, first);
+            release(s);
+            if (last) gemm_fp8_promote(out, acc, 1.f, 1.f);
+          }
+          if (slices > 1) {
+            // The split form: this slice's f32 sums of this thread's two rows, 2 x 32 columns.
+            const int row = m0 + rl;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+              const int c = n0 + 8 * j + 2 * tg;  // N % 8 == 0: c < N means c + 1 < N
+              float* at = p.part + ((i64)slice * p.M + row) * p.N + c;
+              if (c < p.N && row < p.M) *(float2*)at = make_float2(out[4 * j + 0], out[4 * j + 1]);
+              if (c < p.N && row + 8 < p.M) *(float2*)(at + 8 * (i64)p.N) = make_float2(out[4 * j + 2], out[4 * j + 3]);
+            }
+            continue;
+          }
+        } else if (p.lwin != nullptr) {
           // The LoRA is added to the base projection rounded to BF16, as the cuBLASLt path adds its
           // separate B GEMM to the stored output (and PEFT to the base layer's BF16 output): the
           // kernel moves where the sum happens, not the arithmetic.
 #pragma unroll
           for (int i = 0; i < 64; i++) out[i] = bf(to_bf(out[i]));
-          const int re = PLAIN ? p.K : p.lwin[2 * nt + 1];
-          for (int r = PLAIN ? 0 : p.lwin[2 * nt]; r < re; r += 64, it++) {
+          const int re = p.lwin[2 * nt + 1];
+          for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
             const int s = it % ST;
             gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
             release(s);
@@ -513,7 +552,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
 #define GEMM_FP8_BODY(NC, CL, PLAIN, GLU) \
-  gemm_fp8<NC, CL, PLAIN, GLU>(GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, &q, ws, M, N, K, lwin, lcol0, lscale, bias, qs});
+  gemm_fp8<NC, CL, PLAIN, GLU>(                \
+      GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, &q, ws, M, N, K, lwin, lcol0, lscale, bias, qs, kslice, part});
 #else
 #define GEMM_FP8_BODY(NC, CL, PLAIN, GLU)
 #endif
@@ -522,7 +562,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w,   \
       const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,   \
       const __grid_constant__ TmaMap q, const float* ws, int M, int N, int K, const int* lwin, int lcol0,      \
-      float lscale, const float* bias, float* qs) {                                                            \
+      float lscale, const float* bias, float* qs, int kslice, float* part) {                                   \
     GEMM_FP8_BODY(NC, CL, PLAIN, GLU)                                                                           \
   }
 GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, )
@@ -530,9 +570,29 @@ GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, false, )
 GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, false, __cluster_dims__(2, 1, 1))
 GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, false, __cluster_dims__(2, 1, 1))
 // gemm_bf16_<rows>: the PLAIN form (the LoRA A side), same parameters: only lt (X), lb (A), y, M, N
-// (the rank), K (BF16 columns) and lscale (1) are read (no bias).
+// (the rank), K (BF16 columns), kslice and part are read (no bias, scale 1).
 GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, false, )
 GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, false, )
+
+// The split PLAIN form's second step: y[m][n] = bf16(((0 + part[0][m][n]) + part[1][m][n]) + ...),
+// the slices in order, as the whole form adds them in its accumulators (the same bits); one thread
+// per 4 columns of a row (N % 8 == 0). Why split: at a few hundred rows the whole form has a unit
+// per row tile, six for 977 rows, each walking all of K alone (the LoRA A sides' ~15 µs a launch
+// on cuBLASLt, bench/NOTES.md); split, the units are tiles times slices.
+extern "C" __global__ void gemm_bf16_slices_sum(const float* part, int slices, int M, int N, bf16* y) {
+  const i64 quads = (i64)M * N / 4, i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= quads) return;
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int sl = 0; sl < slices; sl++) {
+    const float4 v = ((const float4*)part)[sl * quads + i];
+    a.x += v.x;
+    a.y += v.y;
+    a.z += v.z;
+    a.w += v.w;
+  }
+  const bf16 h[4] = {to_bf(a.x), to_bf(a.y), to_bf(a.z), to_bf(a.w)};
+  store_bf16x4(y + 4 * i, h);
+}
 // gemm_fp8_glu_<rows>: the GLU form (the MLP's gate/up projection with the SwiGLU and its FP8
 // quantisation in the epilogue): y is h [M][N/2] bf16, q and qs its codes and scales (no bias).
 GEMM_FP8_ENTRY(gemm_fp8_glu_128, 2, 1, false, true, )

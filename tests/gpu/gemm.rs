@@ -715,6 +715,40 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         rel(&ym, &yc) / rel(&yb, &yc).max(1e-12),
         1.2,
     );
+    // Split (a unit per tile and 256-column K slice, then gemm_bf16_slices_sum) and whole (a unit
+    // per tile, the slices' sums added in its accumulators) are the same arithmetic: the same bits,
+    // so the form may follow M.
+    let forced = |split_rows: usize| {
+        variant(g, |o| {
+            o.fp8_gemm = Fp8Gemm::Own192;
+            o.lora_a_own = true;
+            o.lora_a_split_rows = Some(split_rows);
+        })
+    };
+    let (split, whole) = (forced(usize::MAX)?, forced(0)?);
+    let projected = |b: &CudaBackend| -> Result<Vec<f32>> {
+        let y = b.download(&b.matmul(&b.upload(&x2, &[m2, k2])?, &b.linear(&parts)?)?)?;
+        let mlp = b.download(&b.swiglu_mlp(
+            &b.upload(&x3, &[130, h])?,
+            &b.linear(&gate_up)?,
+            &b.linear(&down)?,
+        )?)?;
+        Ok([y, mlp].concat())
+    };
+    let (ys, yw) = (projected(&split)?, projected(&whole)?);
+    rep.check(
+        p,
+        format!("own LoRA A split vs whole: in_proj-like r16/r32 M={m2} and swiglu_mlp (K 9216) M=130 (bitwise count)"),
+        ys.iter().zip(&yw).filter(|(a, b)| a.to_bits() != b.to_bits()).count() as f64,
+        0.0,
+    );
+    let n2: usize = outs.iter().sum();
+    rep.check(
+        p,
+        format!("own LoRA A split: in_proj-like M={m2} vs CPU f32"),
+        rel(&ys[..m2 * n2], &y2c),
+        8e-2,
+    );
     Ok(())
 }
 

@@ -31,7 +31,7 @@
 //! checks it; `bench_gpu_ops --only fp8-own` times it.
 
 use super::gemm::{Gemm, GemmKind};
-use super::launch::{launch_config, Arg};
+use super::launch::{grid1, launch_config, Arg};
 use super::layout;
 use super::tensor::ActFp8;
 use super::tma::{Elem, TensorMap, Tile2d};
@@ -186,6 +186,8 @@ impl CudaBackend {
             consumers: nc,
             cluster: runs.cluster(),
             tiles_per_unit: 1,
+            slices: 1,
+            part: 0,
             tiles,
         };
         self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale, bias, 0)?;
@@ -218,8 +220,15 @@ impl CudaBackend {
             Some(Tile2d { row_stride: g.ldy, ..Tile2d::swizzled("GLU h", Elem::Bf16, g.y, h, g.m, 64, 64) });
         tiles[6] = Some(Tile2d::swizzled("GLU h codes", Elem::U8, self.p(&q.q), h, g.m, 128, 64));
         let (win, col0, scale) = lora.map_or((0, 0, 0.0), |l| (l.windows, l.col0, l.scale));
-        let launch =
-            KernelLaunch { name: runs.glu_kernel(), consumers: nc, cluster: 1, tiles_per_unit: 2, tiles };
+        let launch = KernelLaunch {
+            name: runs.glu_kernel(),
+            consumers: nc,
+            cluster: 1,
+            tiles_per_unit: 2,
+            slices: 1,
+            part: 0,
+            tiles,
+        };
         self.launch_gemm_kernel(&launch, g, g.w_scale, win, col0, scale, 0, self.p(&q.s))?;
         Ok(true)
     }
@@ -227,6 +236,9 @@ impl CudaBackend {
     /// Runs the BF16 GEMM `g` (a LoRA A side: `y = x·wᵀ`, N the rank) on `gemm_bf16_<rows>` and
     /// returns true, or returns false (nothing launched) when that form is off
     /// ([`super::CudaOptions::lora_a_own`], or no own FP8 GEMM on this GPU) or cannot take `g`.
+    /// Up to [`super::CudaOptions::lora_a_split_rows`] rows it runs split: a unit per tile and K
+    /// slice writing f32 sums, then `gemm_bf16_slices_sum` adds the slices in order (the whole
+    /// form's arithmetic: the same bits).
     pub(super) fn gemm_bf16_own(&self, g: &Gemm) -> Result<bool> {
         let runs = self.fp8_gemm_runs();
         let Some(nc) = runs.consumers().filter(|_| self.own_lora_a() && bf16_eligible(g)) else {
@@ -243,9 +255,31 @@ impl CudaBackend {
             Some(Tile2d::swizzled("BF16 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64)),
             None,
         ];
-        let launch =
-            KernelLaunch { name: runs.bf16_kernel(), consumers: nc, cluster: 1, tiles_per_unit: 1, tiles };
+        let slices = layout::lora_a_slices(g.k);
+        let split_rows = self.state.options.lora_a_split_rows.unwrap_or(layout::LORA_A_SPLIT_ROWS);
+        let split = slices > 1 && g.m > 0 && g.m <= split_rows;
+        let part = if split { Some(self.alloc_f32(slices * g.m * g.n)?) } else { None };
+        let launch = KernelLaunch {
+            name: runs.bf16_kernel(),
+            consumers: nc,
+            cluster: 1,
+            tiles_per_unit: 1,
+            slices: if split { slices } else { 1 },
+            part: part.as_ref().map_or(0, |p| self.p(p)),
+            tiles,
+        };
         self.launch_gemm_kernel(&launch, g, 0, 0, 0, 1.0, 0, 0)?;
+        if let Some(part) = &part {
+            let quads = g.m * g.n / 4;
+            let args = [
+                Arg::Ptr(self.p(part)),
+                Arg::I32(slices as i32),
+                Arg::I32(g.m as i32),
+                Arg::I32(g.n as i32),
+                Arg::Ptr(g.y),
+            ];
+            self.launch("gemm_bf16_slices_sum", launch_config((grid1(quads, 256), 1, 1), 256, 0), &args)?;
+        }
         Ok(true)
     }
 
@@ -286,6 +320,8 @@ impl CudaBackend {
             Arg::F32(scale),
             Arg::Ptr(bias),
             Arg::Ptr(glu_scales),
+            Arg::I32(layout::LORA_A_KSLICE as i32),
+            Arg::Ptr(l.part),
         ]);
         let (threads, smem) =
             (layout::gemm_fp8_threads(l.consumers), layout::gemm_fp8_smem_bytes(l.consumers));
@@ -295,7 +331,14 @@ impl CudaBackend {
             1 => self.state.info.multiprocessors,
             _ => self.resident_clusters(l.name, threads, smem)?,
         };
-        let grid = layout::gemm_fp8_grid(g.m, g.n / l.tiles_per_unit, l.consumers, l.cluster, slots);
+        let grid = layout::gemm_fp8_grid_sliced(
+            g.m,
+            g.n / l.tiles_per_unit,
+            l.consumers,
+            l.cluster,
+            l.slices,
+            slots,
+        );
         self.launch(l.name, launch_config((grid, 1, 1), threads, smem), &args)
     }
 }
@@ -307,6 +350,10 @@ struct KernelLaunch {
     cluster: usize,
     /// Column tiles a unit of work: 2 for the GLU form (the pair quantised together), else 1.
     tiles_per_unit: usize,
+    /// Units a tile: the split BF16 form's K slices, else 1.
+    slices: usize,
+    /// The split BF16 form's f32 sums `[slices][m][n]` (a device address), else 0.
+    part: u64,
     tiles: [Option<Tile2d>; 7],
 }
 

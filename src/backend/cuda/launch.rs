@@ -82,6 +82,7 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gemm_bf16_192", layout::gemm_fp8_smem_bytes(3)),
             k_smem("gemm_fp8_glu_128", layout::gemm_fp8_smem_bytes(2)),
             k_smem("gemm_fp8_glu_192", layout::gemm_fp8_smem_bytes(3)),
+            k("gemm_bf16_slices_sum"),
         ],
     },
     KernelFile {

@@ -390,9 +390,41 @@ pub const fn gemm_fp8_threads(consumers: usize) -> u32 {
 /// (`slots`: SMs, or the clusters the GPU holds at once), and no more than there are, in whole
 /// clusters.
 pub fn gemm_fp8_grid(m: usize, n: usize, consumers: usize, cluster: usize, slots: usize) -> u32 {
-    let units = m.div_ceil(gemm_fp8_tile_rows(consumers)).div_ceil(cluster) * n.div_ceil(128);
+    gemm_fp8_grid_sliced(m, n, consumers, cluster, 1, slots)
+}
+
+/// [`gemm_fp8_grid`] where each tile is `slices` units (the split BF16 form: a unit per K slice).
+pub fn gemm_fp8_grid_sliced(
+    m: usize,
+    n: usize,
+    consumers: usize,
+    cluster: usize,
+    slices: usize,
+    slots: usize,
+) -> u32 {
+    let units = m.div_ceil(gemm_fp8_tile_rows(consumers)).div_ceil(cluster) * n.div_ceil(128) * slices;
     (units.min(slots).max(1) * cluster) as u32
 }
+
+/// The K slice of the FP8 kernel's BF16 form (`gemm_bf16_<rows>`, the LoRA A sides; the kernel's
+/// `GemmFp8Args::kslice`): a slice's products are summed by the tensor cores, then the slices' sums
+/// are added in f32 in order. Four 64-column stages: at 977 rows and K = 2,560 the split form has
+/// 10 slices a tile (60 units at 192-row tiles instead of 6), the partial sums 10 × 977 × 128 f32
+/// (5 MB, mostly in L2).
+pub const LORA_A_KSLICE: usize = 256;
+
+/// K slices of `gemm_bf16_<rows>` over `k` columns.
+pub fn lora_a_slices(k: usize) -> usize {
+    k.div_ceil(LORA_A_KSLICE)
+}
+
+/// Up to how many rows the own LoRA A side runs split (a unit per tile and K slice, then
+/// `gemm_bf16_slices_sum`) rather than whole (a unit per tile): the same bits either way, so a
+/// speed choice only. Whole, a launch has a unit per 192 rows, which at a few thousand rows leaves
+/// most SMs idle; split, the partial sums cost 2 × slices × 4 bytes a row and rank column of
+/// traffic, which outgrows the idle SMs past a few thousand rows. Not yet measured
+/// ([`super::CudaOptions::lora_a_split_rows`] moves it).
+pub const LORA_A_SPLIT_ROWS: usize = 2048;
 
 /// Dynamic shared memory of `gemm_fp8_<rows>`: 1024 bytes of slack to align the swizzled tiles,
 /// the output tile's BF16 staging (rows x 256 bytes), and per stage an X tile (rows x 128 bytes),
@@ -519,6 +551,10 @@ mod tests {
         assert_eq!(gemm_fp8_grid(300, 2560, 2, 2, 66), 80);
         // The BF16 form's N (a LoRA rank) need not be whole tiles: 977 rows x rank 64.
         assert_eq!(gemm_fp8_grid(977, 64, 3, 1, 132), 6);
+        // The split BF16 form: K = 2,560 in 10 slices of 256, K = 9,216 in 36.
+        assert_eq!((lora_a_slices(2560), lora_a_slices(9216), lora_a_slices(64)), (10, 36, 1));
+        assert_eq!(gemm_fp8_grid_sliced(977, 128, 3, 1, lora_a_slices(2560), 132), 60);
+        assert_eq!(gemm_fp8_grid_sliced(977, 192, 3, 1, lora_a_slices(9216), 132), 132);
     }
 
     #[test]

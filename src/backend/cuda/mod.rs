@@ -135,7 +135,9 @@ pub struct CudaOptions {
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// Whether LoRA A sides (`T = x·Aᵀ`, BF16, N = the rank) run on the FP8 kernel's BF16 form
     /// (`gemm_bf16_<rows>`, the tile height of `fp8_gemm`) rather than cuBLASLt, on Hopper with an
-    /// own FP8 GEMM. Opt-in until measured: `IMAJEV_LORA_A=own|cublas`.
+    /// own FP8 GEMM, summed by 256-column K slices; up to [`CudaOptions::lora_a_split_rows`] rows
+    /// split into a unit per tile and slice (the same bits). Opt-in until measured:
+    /// `IMAJEV_LORA_A=own|cublas`.
     pub lora_a_own: bool,
     /// Whether the MLP's gate/up projection runs on the FP8 kernel's GLU form
     /// (`gemm_fp8_glu_<rows>`: the SwiGLU and the down projection's FP8 input in its epilogue, so
@@ -147,6 +149,10 @@ pub struct CudaOptions {
     /// both parts' LoRA ranks); whole requests 1.11x at 256 tokens, 1.00x at 4K-16K.
     /// `IMAJEV_SWIGLU_EPILOGUE=1` (or `0`) in the environment sets it.
     pub swiglu_epilogue: bool,
+    /// Up to how many rows the own LoRA A side (`lora_a_own`) runs split over K slices then summed
+    /// (`gemm_bf16_slices_sum`) rather than whole (the same bits either way: a speed choice);
+    /// `None`: [`layout::LORA_A_SPLIT_ROWS`]. For measurements and the tests.
+    pub lora_a_split_rows: Option<usize>,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -172,6 +178,7 @@ impl Default for CudaOptions {
             fp8_gemm: gemm_fp8::Fp8Gemm::default(),
             lora_a_own: false,
             swiglu_epilogue: false,
+            lora_a_split_rows: None,
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
