@@ -266,6 +266,12 @@ __device__ __forceinline__ void gemm_fp8_glu_epilogue(const GemmFp8Args& p, cons
   }
 }
 
+// The PLAIN form's K columns [slice·kslice, end) of a unit: all of K when the launch is whole
+// (slices 1), else the unit's slice. The producer and the consumers walk the same stages.
+__device__ __forceinline__ int gemm_plain_end(const GemmFp8Args& p, int slice, int slices) {
+  return slices > 1 ? min(p.K, (slice + 1) * p.kslice) : p.K;
+}
+
 // The row block mt and column block nt of this block's unit u: with clusters of two (CL = 2) a unit
 // is a pair of row blocks sharing a column block, the cluster's block of rank r taking row block
 // 2·mt2 + r (past the last row block when mtiles is odd: its rows read as zeros and are not
@@ -385,7 +391,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           }
           if (!PLAIN && p.lwin == nullptr) continue;
           // PLAIN: all of K, or the unit's slice of it.
-          const int re = PLAIN ? (slices > 1 ? min(p.K, (slice + 1) * p.kslice) : p.K) : p.lwin[2 * nt + 1];
+          const int re = PLAIN ? gemm_plain_end(p, slice, slices) : p.lwin[2 * nt + 1];
           for (int r = PLAIN ? slice * p.kslice : p.lwin[2 * nt]; r < re; r += 64, it++) {
             // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
             // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
@@ -463,7 +469,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           // Slice by slice: a slice's stages summed by the tensor cores in acc, then out += acc in
           // f32, slices in order (the split form's gemm_bf16_slices_sum adds its slices' sums in the
           // same order from zero: the same bits).
-          const int r0 = slice * p.kslice, re = slices > 1 ? min(p.K, r0 + p.kslice) : p.K;
+          const int r0 = slice * p.kslice, re = gemm_plain_end(p, slice, slices);
           for (int r = r0; r < re; r += 64, it++) {
             const int s = it % ST;
             const bool first = (r - r0) % p.kslice == 0, last = r + 64 >= re || (r + 64 - r0) % p.kslice == 0;

@@ -331,14 +331,8 @@ impl CudaBackend {
             1 => self.state.info.multiprocessors,
             _ => self.resident_clusters(l.name, threads, smem)?,
         };
-        let grid = layout::gemm_fp8_grid_sliced(
-            g.m,
-            g.n / l.tiles_per_unit,
-            l.consumers,
-            l.cluster,
-            l.slices,
-            slots,
-        );
+        let grid =
+            layout::gemm_fp8_grid(g.m, g.n / l.tiles_per_unit, l.consumers, l.cluster, l.slices, slots);
         self.launch(l.name, launch_config((grid, 1, 1), threads, smem), &args)
     }
 }

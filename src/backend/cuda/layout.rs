@@ -386,15 +386,10 @@ pub const fn gemm_fp8_threads(consumers: usize) -> u32 {
 }
 
 /// Blocks of `gemm_fp8_<rows>`'s persistent grid for an `m` x `n` output: as many units of work
-/// (a tile, or with clusters of two blocks a pair of row tiles of one column tile) as run at once
-/// (`slots`: SMs, or the clusters the GPU holds at once), and no more than there are, in whole
-/// clusters.
-pub fn gemm_fp8_grid(m: usize, n: usize, consumers: usize, cluster: usize, slots: usize) -> u32 {
-    gemm_fp8_grid_sliced(m, n, consumers, cluster, 1, slots)
-}
-
-/// [`gemm_fp8_grid`] where each tile is `slices` units (the split BF16 form: a unit per K slice).
-pub fn gemm_fp8_grid_sliced(
+/// (a tile, or with clusters of two blocks a pair of row tiles of one column tile; `slices` units
+/// a tile in the split BF16 form, a unit per K slice, else 1) as run at once (`slots`: SMs, or the
+/// clusters the GPU holds at once), and no more than there are, in whole clusters.
+pub fn gemm_fp8_grid(
     m: usize,
     n: usize,
     consumers: usize,
@@ -543,18 +538,18 @@ mod tests {
         assert_eq!(gemm_fp8_smem_bytes(2), 1024 + 128 * 256 + 5 * (256 * 128 + 512 + 8 + 16));
         assert_eq!(gemm_fp8_threads(3), 512);
         // 7,816 rows x 18,432 columns: far more tiles than SMs.
-        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 1, 132), 132);
-        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 66), 132);
-        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 60), 120, "only 60 clusters fit at once");
+        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 1, 1, 132), 132);
+        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 1, 66), 132);
+        assert_eq!(gemm_fp8_grid(7816, 18432, 3, 2, 1, 60), 120, "only 60 clusters fit at once");
         // 300 rows, 2560 columns: 3 row tiles of 128 make 2 pairs, x 20 column tiles.
-        assert_eq!(gemm_fp8_grid(300, 2560, 2, 1, 132), 60);
-        assert_eq!(gemm_fp8_grid(300, 2560, 2, 2, 66), 80);
+        assert_eq!(gemm_fp8_grid(300, 2560, 2, 1, 1, 132), 60);
+        assert_eq!(gemm_fp8_grid(300, 2560, 2, 2, 1, 66), 80);
         // The BF16 form's N (a LoRA rank) need not be whole tiles: 977 rows x rank 64.
-        assert_eq!(gemm_fp8_grid(977, 64, 3, 1, 132), 6);
+        assert_eq!(gemm_fp8_grid(977, 64, 3, 1, 1, 132), 6);
         // The split BF16 form: K = 2,560 in 10 slices of 256, K = 9,216 in 36.
         assert_eq!((lora_a_slices(2560), lora_a_slices(9216), lora_a_slices(64)), (10, 36, 1));
-        assert_eq!(gemm_fp8_grid_sliced(977, 128, 3, 1, lora_a_slices(2560), 132), 60);
-        assert_eq!(gemm_fp8_grid_sliced(977, 192, 3, 1, lora_a_slices(9216), 132), 132);
+        assert_eq!(gemm_fp8_grid(977, 128, 3, 1, lora_a_slices(2560), 132), 60);
+        assert_eq!(gemm_fp8_grid(977, 192, 3, 1, lora_a_slices(9216), 132), 132);
     }
 
     #[test]
