@@ -417,7 +417,9 @@ pub fn lora_a_slices(k: usize) -> usize {
 /// `gemm_bf16_slices_sum`) rather than whole (a unit per tile): the same bits either way, so a
 /// speed choice only. Whole, a launch has a unit per 192 rows, which at a few thousand rows leaves
 /// most SMs idle; split, the partial sums cost 2 × slices × 4 bytes a row and rank column of
-/// traffic, which outgrows the idle SMs past a few thousand rows. Not yet measured
+/// traffic, which outgrows the idle SMs past a few thousand rows. Measured on an H100 (bench/NOTES.md,
+/// twenty-first session): split beats whole at 977 and 2,048 rows on every shape (in_proj + LoRA
+/// 0.095 vs 0.112 ms at 977), and matches cuBLASLt's A side at 977 rows
 /// ([`super::CudaOptions::lora_a_split_rows`] moves it).
 pub const LORA_A_SPLIT_ROWS: usize = 2048;
 

@@ -136,8 +136,9 @@ pub struct CudaOptions {
     /// Whether LoRA A sides (`T = x·Aᵀ`, BF16, N = the rank) run on the FP8 kernel's BF16 form
     /// (`gemm_bf16_<rows>`, the tile height of `fp8_gemm`) rather than cuBLASLt, on Hopper with an
     /// own FP8 GEMM, summed by 256-column K slices; up to [`CudaOptions::lora_a_split_rows`] rows
-    /// split into a unit per tile and slice (the same bits). Opt-in until measured:
-    /// `IMAJEV_LORA_A=own|cublas`.
+    /// split into a unit per tile and slice (the same bits). Opt-in: on an H100 as fast as
+    /// cuBLASLt's A side at 977 rows, whole requests 0.98-1.03x (bench/NOTES.md, twenty-first
+    /// session). `IMAJEV_LORA_A=own|cublas`.
     pub lora_a_own: bool,
     /// Whether the MLP's gate/up projection runs on the FP8 kernel's GLU form
     /// (`gemm_fp8_glu_<rows>`: the SwiGLU and the down projection's FP8 input in its epilogue, so
