@@ -260,9 +260,8 @@ impl Bench<'_> {
     /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
     /// the SwiGLU) beside `gemm_fp8_128` and `gemm_fp8_192` (LoRA B in their epilogue; round-robin
     /// and with the tile scheduler; `_192` also with the LoRA A side on `gemm_bf16_192`), at
-    /// `rows` rows; the
-    /// plain projection (no LoRA) too. Times include the LoRA A GEMM and the activation
-    /// quantisation, as a forward runs them.
+    /// `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A GEMM and the
+    /// activation quantisation, as a forward runs them.
     fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
         if !g.info().hopper() {

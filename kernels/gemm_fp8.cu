@@ -281,6 +281,16 @@ __device__ __forceinline__ int gemm_plain_end(const GemmFp8Args& p, int slice, i
   return slices > 1 ? min(p.K, (slice + 1) * p.kslice) : p.K;
 }
 
+// The K columns [x, y) that a tile's BF16 stages (64 columns each) walk after its k-blocks: the
+// PLAIN form's slice, else column tile nt's LoRA rank window, else none. The producer issues
+// them and an idle consumer counts them from the same span.
+template <bool PLAIN>
+__device__ __forceinline__ int2 gemm_bf16_span(const GemmFp8Args& p, int nt, int slice, int slices) {
+  if constexpr (PLAIN) return make_int2(slice * p.kslice, gemm_plain_end(p, slice, slices));
+  if (p.lwin == nullptr) return make_int2(0, 0);
+  return make_int2(p.lwin[2 * nt], p.lwin[2 * nt + 1]);
+}
+
 // The row block mt and column block nt of this block's unit u: with clusters of two (CL = 2) a unit
 // is a pair of row blocks sharing a column block, the cluster's block of rank r taking row block
 // 2·mt2 + r (past the last row block when mtiles is odd: its rows read as zeros and are not
@@ -412,10 +422,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
               }
             }
           }
-          if (!PLAIN && p.lwin == nullptr) continue;
-          // PLAIN: all of K, or the unit's slice of it.
-          const int re = PLAIN ? gemm_plain_end(p, slice, slices) : p.lwin[2 * nt + 1];
-          for (int r = PLAIN ? slice * p.kslice : p.lwin[2 * nt]; r < re; r += 64, it++) {
+          // PLAIN: all of K, or the unit's slice of it; else the LoRA window, if any.
+          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
+          for (int r = span.x; r < span.y; r += 64, it++) {
             // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
             // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
             const int s = it % ST;
@@ -498,11 +507,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         const int nt = nu * TPU + ti;
         const int m0 = mt * BM, n0 = nt * 128;
         if (idle) {
-          // The tile's stages, as the producer counts them: its k-blocks, then its LoRA stages (the
-          // PLAIN form: its slice's).
-          const int r0 = PLAIN ? slice * p.kslice : p.lwin != nullptr ? p.lwin[2 * nt] : 0;
-          const int re = PLAIN ? gemm_plain_end(p, slice, slices) : p.lwin != nullptr ? p.lwin[2 * nt + 1] : 0;
-          const int stages = kblocks + (re > r0 ? (re - r0 + 63) / 64 : 0);
+          // The tile's stages, as the producer issues them: its k-blocks, then its BF16 stages.
+          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
+          const int stages = kblocks + (span.y > span.x ? (span.y - span.x + 63) / 64 : 0);
           for (int i = 0; i < stages; i++, it++) {
             mbar_wait(full + it % ST, (it / ST) & 1);
             release(it % ST);
@@ -530,7 +537,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           // Slice by slice: a slice's stages summed by the tensor cores in acc, then out += acc in
           // f32, slices in order (the split form's gemm_bf16_slices_sum adds its slices' sums in the
           // same order from zero: the same bits).
-          const int r0 = slice * p.kslice, re = gemm_plain_end(p, slice, slices);
+          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
+          const int r0 = span.x, re = span.y;
           for (int r = r0; r < re; r += 64, it++) {
             const int s = it % ST;
             const bool first = (r - r0) % p.kslice == 0, last = r + 64 >= re || (r + 64 - r0) % p.kslice == 0;
@@ -556,8 +564,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           // kernel moves where the sum happens, not the arithmetic.
 #pragma unroll
           for (int i = 0; i < 64; i++) out[i] = bf(to_bf(out[i]));
-          const int re = p.lwin[2 * nt + 1];
-          for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
+          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
+          for (int r = span.x; r < span.y; r += 64, it++) {
             const int s = it % ST;
             gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
             release(s);
