@@ -22,9 +22,9 @@
 //!   against it fused into the SwiGLU (`mlp_lora_fused`), and their ratio;
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
 //!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
-//!   with their tiles from the scheduler (`dyn`, `gemm_dynamic`), and `_192` with the LoRA A side
-//!   on `gemm_bf16_192` (`own192+A`, and `dyn`), at 977, 7,816 and 16,384 rows (or at
-//!   `--lengths`), with ratios;
+//!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue), and `_192` with
+//!   the LoRA A side on `gemm_bf16_192` (`own192+A`; `own192+A whole` never splits its K), at
+//!   977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
@@ -258,30 +258,35 @@ impl Bench<'_> {
 
     /// `--only fp8-own` (module doc): each FP8 projection shape with a rank-64 LoRA on all its
     /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
-    /// the SwiGLU) beside `gemm_fp8_128` and `gemm_fp8_192` (LoRA B in their epilogue; round-robin
-    /// and with the tile scheduler; `_192` also with the LoRA A side on `gemm_bf16_192`), at
-    /// `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A GEMM and the
-    /// activation quantisation, as a forward runs them.
+    /// the SwiGLU) beside `gemm_fp8_128`, `gemm_fp8_192` (alone and with the LoRA A side on
+    /// `gemm_bf16_192`) and their cluster forms (LoRA B in their epilogue), at `rows` rows; the
+    /// plain projection (no LoRA) too. Times include the LoRA A GEMM and the activation
+    /// quantisation, as a forward runs them.
     fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
         if !g.info().hopper() {
             println!("fp8-own: not a Hopper GPU, skipped");
             return Ok(());
         }
-        // own192+A: the LoRA A side on gemm_bf16_192 (split over K slices up to
-        // layout::LORA_A_SPLIT_ROWS rows); "dyn": tiles from the scheduler (`gemm_dynamic`).
+        // own192+A: the LoRA A side split over K slices up to layout::LORA_A_SPLIT_ROWS rows (the
+        // same bits as whole), own192+A whole: never split.
         let sides: Vec<(&str, CudaBackend)> = [
-            ("cuBLASLt", Fp8Gemm::Cublas, false, false),
-            ("own128", Fp8Gemm::Own128, false, false),
-            ("own128 dyn", Fp8Gemm::Own128, false, true),
-            ("own192", Fp8Gemm::Own192, false, false),
-            ("own192 dyn", Fp8Gemm::Own192, false, true),
-            ("own192+A", Fp8Gemm::Own192, true, false),
-            ("own192+A dyn", Fp8Gemm::Own192, true, true),
+            ("cuBLASLt", Fp8Gemm::Cublas, false, None),
+            ("own128", Fp8Gemm::Own128, false, None),
+            ("own192", Fp8Gemm::Own192, false, None),
+            ("own192+A", Fp8Gemm::Own192, true, None),
+            ("own192+A whole", Fp8Gemm::Own192, true, Some(0)),
+            ("own128m", Fp8Gemm::Own128Multicast, false, None),
+            ("own192m", Fp8Gemm::Own192Multicast, false, None),
         ]
         .into_iter()
-        .map(|(l, f, a, dynamic)| {
-            let o = CudaOptions { fp8_gemm: f, lora_a_own: a, gemm_dynamic: dynamic, ..g.options().clone() };
+        .map(|(l, f, a, split_rows)| {
+            let o = CudaOptions {
+                fp8_gemm: f,
+                lora_a_own: a,
+                lora_a_split_rows: split_rows,
+                ..g.options().clone()
+            };
             CudaBackend::new(0, o).map(|b| (l, b))
         })
         .collect::<Result<_>>()?;

@@ -18,11 +18,9 @@
 // LoRA, as `add_bias8` adds it to the stored output (the vision tower's projections: ~40 ms of
 // add_bias8 launches in a two-photo request). Rows and columns past a map's edges read as zeros.
 //
-// Shape: a persistent grid, one block an SM, the tiles of BM = 64·NC rows x 128 columns in a fixed
-// order (gemm_fp8_tile), dealt out round-robin or, with the tile scheduler (GemmFp8Args::sched),
-// taken by each block from a counter as it goes (the producer writes each stage's unit beside it,
-// and a stage with unit -1 ends the consumers' loop). A block is a producer warpgroup and NC
-// consumer warpgroups:
+// Shape: a persistent grid, one block an SM, the tiles of BM = 64·NC rows x 128 columns dealt out
+// round-robin in a fixed order (gemm_fp8_tile). A block is a producer warpgroup and NC consumer
+// warpgroups:
 // - the producer's first thread copies each 128-wide k-block's X and W tiles (rows of 128 bytes in
 //   the 128-byte swizzle the descriptors name) and the X scales of the tile's rows into an
 //   ST-stage ring by TMA (a few instructions a stage: the cp.async form spent ~20 a 16-byte copy
@@ -113,13 +111,6 @@ struct GemmFp8Args {
   // part[slice][M][N] for gemm_bf16_slices_sum, instead of the output.
   int kslice;
   float* part;
-  // The tile scheduler (CL = 1 only): nullptr deals units round-robin (block b takes b, b + grid,
-  // ...); else two ints [next unit, blocks done], zero at launch: each block's producer takes its
-  // next unit with an atomic add when it starts the one before, so blocks that finish early (tiles
-  // with fewer LoRA stages, or the last row tile's few rows) take more. Which block computes a
-  // tile never changes its bits. The last block to finish sets both back to zero for the next
-  // launch on the stream.
-  int* sched;
 };
 
 // The four MMAs of ring stage s into acc (not committed): acc starts over (fresh) or adds to
@@ -281,16 +272,6 @@ __device__ __forceinline__ int gemm_plain_end(const GemmFp8Args& p, int slice, i
   return slices > 1 ? min(p.K, (slice + 1) * p.kslice) : p.K;
 }
 
-// The K columns [x, y) that a tile's BF16 stages (64 columns each) walk after its k-blocks: the
-// PLAIN form's slice, else column tile nt's LoRA rank window, else none. The producer issues
-// them and an idle consumer counts them from the same span.
-template <bool PLAIN>
-__device__ __forceinline__ int2 gemm_bf16_span(const GemmFp8Args& p, int nt, int slice, int slices) {
-  if constexpr (PLAIN) return make_int2(slice * p.kslice, gemm_plain_end(p, slice, slices));
-  if (p.lwin == nullptr) return make_int2(0, 0);
-  return make_int2(p.lwin[2 * nt], p.lwin[2 * nt + 1]);
-}
-
 // The row block mt and column block nt of this block's unit u: with clusters of two (CL = 2) a unit
 // is a pair of row blocks sharing a column block, the cluster's block of rank r taking row block
 // 2·mt2 + r (past the last row block when mtiles is odd: its rows read as zeros and are not
@@ -325,11 +306,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   unsigned char* stages = smem_1024(smem_raw);  // [ST] { X tile BM x 128 B, W tile 128 x 128 B }
   unsigned char* staged = stages + ST * T::STAGE;  // [2][BM][128 B] the output tile, swizzled
   float* sa = (float*)(staged + 2 * T::OUT_HALF);  // [ST][BM] the X scales of the tile's rows
-  // [ST][4] per stage: the k-block's W scale, the GLU form's up-half W scale, the unit the stage
-  // belongs to (an int; -1: no unit is left, the consumers stop), a pad.
-  float* sw = sa + ST * BM;
-  int* su = (int*)(sw + 2);
-  unsigned long long* full = (unsigned long long*)(sw + 4 * ST);
+  float* sw = sa + ST * BM;                       // [ST][2] the W scale of the k-block (and a pad)
+  unsigned long long* full = (unsigned long long*)(sw + 2 * ST);
   unsigned long long* empty = full + ST;
 
   const unsigned rank = CL > 1 ? cluster_rank() : 0;
@@ -340,7 +318,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   const int slices = PLAIN && p.part != nullptr ? (p.K + p.kslice - 1) / p.kslice : 1;
   const int units = (mtiles + CL - 1) / CL * (ntiles / TPU) * slices, unit0 = blockIdx.x / CL,
             unit_step = gridDim.x / CL;
-  const bool dynamic = CL == 1 && p.sched != nullptr;
   const int up0 = p.N / 2;  // GLU: up's first row of W (and of B)
   if (threadIdx.x == 0) {
     for (int i = 0; i < ST; i++) {
@@ -369,16 +346,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       auto acquire = [&](int s) {
         if (it >= ST) mbar_wait(empty + s, ((it / ST) - 1) & 1);
       };
-      // The next unit: the scheduler's (lane 0's atomic, its result read only when the unit after
-      // is due, so its latency hides under the current unit's copies) or round-robin.
-      auto take = [&](int after) {
-        int v = 0;
-        if (dynamic && issue) v = atomicAdd(p.sched, 1);
-        return dynamic ? v : after + unit_step;
-      };
-      int u = dynamic ? __shfl_sync(0xffffffffu, take(0), 0) : unit0;
-      while (u < units) {
-        const int next = take(u);
+      for (int u = unit0; u < units; u += unit_step) {
         int mt, nu;
         gemm_fp8_unit<CL>(u / slices, mtiles, ntiles / TPU, rank, mt, nu);
         const int slice = u % slices;
@@ -406,9 +374,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
             if (issue) {
               unsigned char* A = stages + s * T::STAGE;
               unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
-              sw[4 * s] = wscale;  // visible to the consumers through the arrival's release
-              if constexpr (GLU) sw[4 * s + 1] = uscale;
-              su[4 * s] = u;
+              sw[2 * s] = wscale;  // visible to the consumers through the arrival's release
+              if constexpr (GLU) sw[2 * s + 1] = uscale;
               mbar_arrive_expect_tx(full + s, STAGE_TX);
               tma_load_2d(A, p.x, kb * 128, m0, full + s);
               tma_load_2d(sa + s * BM, p.xs, m0, kb, full + s);
@@ -422,9 +389,10 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
               }
             }
           }
-          // PLAIN: all of K, or the unit's slice of it; else the LoRA window, if any.
-          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
-          for (int r = span.x; r < span.y; r += 64, it++) {
+          if (!PLAIN && p.lwin == nullptr) continue;
+          // PLAIN: all of K, or the unit's slice of it.
+          const int re = PLAIN ? gemm_plain_end(p, slice, slices) : p.lwin[2 * nt + 1];
+          for (int r = PLAIN ? slice * p.kslice : p.lwin[2 * nt]; r < re; r += 64, it++) {
             // T's and B's rank columns r .. r + 64: those past the window are other parts' ranks,
             // where this tile's rows of B are zero (block-diagonal B), or past the rank (zeros).
             const int s = it % ST;
@@ -432,7 +400,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
             if (issue) {
               unsigned char* A = stages + s * T::STAGE;
               unsigned char* B = A + T::A_BYTES + (int)rank * (T::B_BYTES / CL);
-              su[4 * s] = u;
               mbar_arrive_expect_tx(full + s, LORA_TX);
               tma_load_2d(A, p.lt, r, m0, full + s);
               if constexpr (GLU) {
@@ -444,23 +411,6 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
                 tma_load_2d(B, p.lb, r, wrow - p.lcol0, full + s);
               }
             }
-          }
-        }
-        u = dynamic ? __shfl_sync(0xffffffffu, next, 0) : next;
-      }
-      // No unit is left: one more stage, with no bytes, tells the consumers to stop.
-      const int s = it % ST;
-      acquire(s);
-      if (issue) {
-        su[4 * s] = -1;
-        mbar_arrive(full + s);
-        if (dynamic) {
-          // Every block's last take is done before it counts itself (its result was read): the
-          // last to count resets the scheduler for the next launch.
-          __threadfence();
-          if (atomicAdd(p.sched + 1, 1) == (int)gridDim.x - 1) {
-            p.sched[0] = 0;
-            p.sched[1] = 0;
           }
         }
       }
@@ -490,32 +440,14 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       }
     };
     float glu_amax[2];  // GLU: the partial amax of this thread's rows over the pair's first tile
-    for (;;) {
-      // The unit is the one the producer wrote beside its first stage (-1: none is left).
-      mbar_wait(full + it % ST, (it / ST) & 1);
-      const int u = su[4 * (it % ST)];
-      if (u < 0) break;
+    for (int u = unit0; u < units; u += unit_step) {
       int mt, nu;
       gemm_fp8_unit<CL>(u / slices, mtiles, ntiles / TPU, rank, mt, nu);
       const int slice = u % slices;
-      // A warpgroup whose 64 rows all lie past M (the last row tile of a short M: 977 rows leave
-      // 32 of 192) only paces the ring: it waits for each stage and frees it, with no MMAs and
-      // no epilogue, so the tile takes the time of its real rows' MMAs.
-      const bool idle = mt * BM + cw * 64 >= p.M;
 #pragma unroll 1
       for (int ti = 0; ti < TPU; ti++) {  // the unit's column tiles (GLU: the pair's)
         const int nt = nu * TPU + ti;
         const int m0 = mt * BM, n0 = nt * 128;
-        if (idle) {
-          // The tile's stages, as the producer issues them: its k-blocks, then its BF16 stages.
-          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
-          const int stages = kblocks + (span.y > span.x ? (span.y - span.x + 63) / 64 : 0);
-          for (int i = 0; i < stages; i++, it++) {
-            mbar_wait(full + it % ST, (it / ST) & 1);
-            release(it % ST);
-          }
-          continue;
-        }
 #pragma unroll
         for (int i = 0; i < 64; i++) out[i] = 0.f;
         for (int kb = 0; kb < kblocks; kb++, it++) {
@@ -523,9 +455,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
           // This thread's two rows' promotion factors: their X scales times the W scale (GLU: the
           // gate half's and the up half's).
-          const float w = sw[4 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
+          const float w = sw[2 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
           if constexpr (GLU) {
-            const float wu = sw[4 * s + 1], g0 = sa[s * BM + rl] * wu, g1 = sa[s * BM + rl + 8] * wu;
+            const float wu = sw[2 * s + 1], g0 = sa[s * BM + rl] * wu, g1 = sa[s * BM + rl + 8] * wu;
             release(s);
             gemm_fp8_promote_halves(out, acc, f0, f1, g0, g1);
           } else {
@@ -537,8 +469,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           // Slice by slice: a slice's stages summed by the tensor cores in acc, then out += acc in
           // f32, slices in order (the split form's gemm_bf16_slices_sum adds its slices' sums in the
           // same order from zero: the same bits).
-          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
-          const int r0 = span.x, re = span.y;
+          const int r0 = slice * p.kslice, re = gemm_plain_end(p, slice, slices);
           for (int r = r0; r < re; r += 64, it++) {
             const int s = it % ST;
             const bool first = (r - r0) % p.kslice == 0, last = r + 64 >= re || (r + 64 - r0) % p.kslice == 0;
@@ -564,8 +495,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           // kernel moves where the sum happens, not the arithmetic.
 #pragma unroll
           for (int i = 0; i < 64; i++) out[i] = bf(to_bf(out[i]));
-          const int2 span = gemm_bf16_span<PLAIN>(p, nt, slice, slices);
-          for (int r = span.x; r < span.y; r += 64, it++) {
+          const int re = p.lwin[2 * nt + 1];
+          for (int r = p.lwin[2 * nt]; r < re; r += 64, it++) {
             const int s = it % ST;
             gemm_fp8_stage<NC, true>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
             release(s);
@@ -628,7 +559,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 #ifdef IMAJEV_WGMMA
 #define GEMM_FP8_BODY(NC, CL, PLAIN, GLU) \
   gemm_fp8<NC, CL, PLAIN, GLU>(                \
-      GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, &q, ws, M, N, K, lwin, lcol0, lscale, bias, qs, kslice, part, sched});
+      GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, &q, ws, M, N, K, lwin, lcol0, lscale, bias, qs, kslice, part});
 #else
 #define GEMM_FP8_BODY(NC, CL, PLAIN, GLU)
 #endif
@@ -637,7 +568,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w,   \
       const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,   \
       const __grid_constant__ TmaMap q, const float* ws, int M, int N, int K, const int* lwin, int lcol0,      \
-      float lscale, const float* bias, float* qs, int kslice, float* part, int* sched) {                       \
+      float lscale, const float* bias, float* qs, int kslice, float* part) {                                   \
     GEMM_FP8_BODY(NC, CL, PLAIN, GLU)                                                                           \
   }
 GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, )

@@ -749,48 +749,6 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         rel(&ys[..m2 * n2], &y2c),
         8e-2,
     );
-
-    // The tile scheduler (`gemm_dynamic`: tiles from a counter, warpgroups whose rows all lie past
-    // M skip their MMAs) changes which block computes a tile, not a tile's sums: the same bits as
-    // round-robin for every form (LoRA in the epilogue, bias, the BF16 form whole and split, the
-    // GLU form), at row counts whose last tile has 0, 1 or 2 idle warpgroups. Consecutive launches
-    // also prove the counter is left at zero (a stale one would skip tiles).
-    let x5 = rng.bf16_normals(4097 * k2, 1.0);
-    let sched = |dynamic: bool, glu: bool| {
-        variant(g, |o| {
-            o.fp8_gemm = Fp8Gemm::Own192;
-            o.lora_a_own = true;
-            o.swiglu_epilogue = glu;
-            o.gemm_dynamic = dynamic;
-        })
-    };
-    let scheduled = |b: &CudaBackend| -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        let (lp, lb4, lgu, ld) =
-            (b.linear(&parts)?, b.linear(&biased_lora)?, b.linear(&gate_up)?, b.linear(&down)?);
-        for mr in [40usize, 130, 977, 4097] {
-            let xr = b.upload(&x5[..mr * k2], &[mr, k2])?;
-            out.extend(b.download(&b.matmul(&xr, &lp)?)?);
-            out.extend(b.download(&b.swiglu_mlp(&xr, &lgu, &ld)?)?);
-        }
-        out.extend(b.download(&b.matmul(&b.upload(&x4, &[m4, k4])?, &lb4)?)?);
-        Ok(out)
-    };
-    for glu in [false, true] {
-        let (dynamic, round_robin) = (sched(true, glu)?, sched(false, glu)?);
-        if !dynamic.options().gemm_dynamic || round_robin.options().gemm_dynamic {
-            rep.flag(p, "own FP8 GEMM scheduler", false, "IMAJEV_GEMM_SCHED forces one: unset it");
-            return Ok(());
-        }
-        let (yd, yr) = (scheduled(&dynamic)?, scheduled(&round_robin)?);
-        let form = if glu { "GLU MLP" } else { "stored gate/up" };
-        rep.check(
-            p,
-            format!("own192 tile scheduler vs round-robin: in_proj-like + LoRA, MLP ({form}) at M=40/130/977/4097, bias + LoRA (bitwise count)"),
-            yd.iter().zip(&yr).filter(|(a, b)| a.to_bits() != b.to_bits()).count() as f64,
-            0.0,
-        );
-    }
     Ok(())
 }
 

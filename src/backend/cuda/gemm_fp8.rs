@@ -322,12 +322,6 @@ impl CudaBackend {
             Arg::Ptr(glu_scales),
             Arg::I32(layout::LORA_A_KSLICE as i32),
             Arg::Ptr(l.part),
-            // The tile scheduler (one block a unit of a cluster of one only), else round-robin.
-            Arg::Ptr(if self.state.options.gemm_dynamic && l.cluster == 1 {
-                self.p(&self.state.gemm_sched)
-            } else {
-                0
-            }),
         ]);
         let (threads, smem) =
             (layout::gemm_fp8_threads(l.consumers), layout::gemm_fp8_smem_bytes(l.consumers));

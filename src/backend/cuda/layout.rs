@@ -425,11 +425,11 @@ pub const LORA_A_SPLIT_ROWS: usize = 2048;
 
 /// Dynamic shared memory of `gemm_fp8_<rows>`: 1024 bytes of slack to align the swizzled tiles,
 /// the output tile's BF16 staging (rows x 256 bytes), and per stage an X tile (rows x 128 bytes),
-/// a W tile (128 x 128 bytes), the rows' f32 scales, 16 bytes of what the stage belongs to (its W
-/// scales and its unit of work), and two mbarriers (full, empty).
+/// a W tile (128 x 128 bytes), the rows' f32 scales and the W scale (8 bytes), and two mbarriers
+/// (full, empty).
 pub const fn gemm_fp8_smem_bytes(consumers: usize) -> usize {
     let rows = gemm_fp8_tile_rows(consumers);
-    1024 + rows * 256 + gemm_fp8_stages(consumers) * ((rows + 128) * 128 + rows * 4 + 16 + 2 * 8)
+    1024 + rows * 256 + gemm_fp8_stages(consumers) * ((rows + 128) * 128 + rows * 4 + 8 + 2 * 8)
 }
 
 /// The rank columns `[begin, end)` of a fused LoRA pair that each 128-column tile of an FP8 group
@@ -537,7 +537,7 @@ mod tests {
             // Two blocks would need twice as much: the persistent grid assumes one an SM.
             assert!(2 * gemm_fp8_smem_bytes(nc) > 228 * 1024, "{nc} consumers");
         }
-        assert_eq!(gemm_fp8_smem_bytes(2), 1024 + 128 * 256 + 5 * (256 * 128 + 512 + 16 + 16));
+        assert_eq!(gemm_fp8_smem_bytes(2), 1024 + 128 * 256 + 5 * (256 * 128 + 512 + 8 + 16));
         assert_eq!(gemm_fp8_threads(3), 512);
         // 7,816 rows x 18,432 columns: far more tiles than SMs.
         assert_eq!(gemm_fp8_grid(7816, 18432, 3, 1, 1, 132), 132);

@@ -154,12 +154,6 @@ pub struct CudaOptions {
     /// (`gemm_bf16_slices_sum`) rather than whole (the same bits either way: a speed choice);
     /// `None`: [`layout::LORA_A_SPLIT_ROWS`]. For measurements and the tests.
     pub lora_a_split_rows: Option<usize>,
-    /// Whether the own FP8 kernel's blocks take their tiles from a scheduler (an atomic counter:
-    /// a block takes the next tile when it starts the one before) rather than round-robin, and its
-    /// consumer warpgroups whose rows all lie past M skip their MMAs. The same bits either way
-    /// (which SM computes a tile changes nothing in it). Opt-in until measured:
-    /// `IMAJEV_GEMM_SCHED=dynamic|static`.
-    pub gemm_dynamic: bool,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -186,7 +180,6 @@ impl Default for CudaOptions {
             lora_a_own: false,
             swiglu_epilogue: false,
             lora_a_split_rows: None,
-            gemm_dynamic: false,
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
@@ -246,9 +239,6 @@ struct DeviceState {
     resident: std::sync::Mutex<HashMap<(String, u32, usize), usize>>,
     /// TMA tensor maps already encoded ([`tma::TensorMapCache`]).
     tensor_maps: tma::TensorMapCache,
-    /// The own FP8 kernel's tile scheduler, two ints `[next tile, blocks done]` that every launch
-    /// leaves at zero (`GemmFp8Args::sched`); one for the stream, whose launches run in turn.
-    gemm_sched: cudarc::driver::CudaSlice<i32>,
 }
 
 impl CudaBackend {
@@ -323,14 +313,6 @@ impl CudaBackend {
             Ok("cublas") => options.lora_a_own = false,
             Ok("") | Err(_) => {}
             Ok(other) => bail!("IMAJEV_LORA_A={other}: expected own or cublas (the default)"),
-        }
-        match std::env::var("IMAJEV_GEMM_SCHED").as_deref() {
-            Ok("dynamic") => options.gemm_dynamic = true,
-            Ok("static") => options.gemm_dynamic = false,
-            Ok("") | Err(_) => {}
-            Ok(other) => bail!(
-                "IMAJEV_GEMM_SCHED={other}: expected dynamic (tiles from a counter) or static (round-robin, the default)"
-            ),
         }
         match std::env::var("IMAJEV_SWIGLU_EPILOGUE").as_deref() {
             Ok("1") => options.swiglu_epilogue = true,
@@ -439,7 +421,6 @@ impl CudaBackend {
             "CUDA backend ready"
         );
         let profiler = profile::KernelProfiler::from_env(&stream);
-        let gemm_sched = stream.alloc_zeros::<i32>(2)?;
         Ok(CudaBackend {
             state: Arc::new(DeviceState {
                 blas,
@@ -454,7 +435,6 @@ impl CudaBackend {
                 fp8_linears: AtomicBool::new(false),
                 resident: Default::default(),
                 tensor_maps: Default::default(),
-                gemm_sched,
             }),
         })
     }
