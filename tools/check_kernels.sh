@@ -5,10 +5,13 @@
 #   pip install "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*" \
 #               "nvidia-nvvm==13.0.*" "nvidia-cuda-cccl==13.0.*"
 # Usage: CU=<venv>/lib/python3.X/site-packages/nvidia/cu13 bash tools/check_kernels.sh [name...]
+# With KEEP=DIR the sources and cubins (DIR/<name>.cu, DIR/<name>.cubin) stay there for a SASS
+# look (tools/sass_kloop.sh); else they go to a temporary folder that is removed.
 set -euo pipefail
 : "${CU:?set CU to the nvidia/cu13 folder of the pip wheels}"
 CCCL=${CCCL:-$CU/include/cccl}
-out=$(mktemp -d)
+out=${KEEP:-$(mktemp -d)}
+mkdir -p "$out"
 cd "$(dirname "$0")/.."
 names=("$@")
 # A file kernels/<base>_<part>.cu continues kernels/<base>.cu (src/backend/cuda/launch.rs compiles
@@ -25,4 +28,4 @@ for n in "${names[@]}"; do
   "$CU/bin/nvcc" -arch=sm_90a -cubin -std=c++17 -I"$CU/include" -I"$CCCL" -Xptxas -v -o "$out/$n.cubin" "$out/$n.cu" 2>&1 \
     | grep -E "error|warning|Compiling entry|registers|spill|Performance Loss" | sed -E 's/ptxas info *: //' | paste - - - 2>/dev/null || true
 done
-rm -rf "$out"
+[ -n "${KEEP:-}" ] || rm -rf "$out"

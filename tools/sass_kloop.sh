@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The FP8 GEMM's k-block loop in SASS, without a GPU: compiles kernels/gemm_fp8.cu as the backend
-# does (common.cuh prepended) for sm_90a and prints, per kernel, the instructions of the consumer's
+# does (tools/check_kernels.sh, which keeps the cubin here) for sm_90a and prints, per kernel, the instructions of the consumer's
 # k-block loop (from the barrier wait before a stage's first FP8 wgmma, `QGMMA ... RZ, !UPT`, to the
 # branch back to that wait) and how many of them are R2UR, plus the kernel's totals.
 # Why: a change that made the ring's stage counter non-uniform (the consumers reading their unit
@@ -14,12 +14,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-{ cat kernels/common.cuh; echo '#line 1 "kernels/gemm_fp8.cu"'; cat kernels/gemm_fp8.cu; } >"$out/k.cu"
-"$CU/bin/nvcc" -arch=sm_90a -cubin -std=c++17 -I"$CU/include" -I"${CCCL:-$CU/include/cccl}" -o "$out/k.cubin" "$out/k.cu"
+KEEP="$out" bash tools/check_kernels.sh gemm_fp8 >/dev/null
 kernels=("$@")
 [ ${#kernels[@]} -eq 0 ] && kernels=(gemm_fp8_192 gemm_fp8_128)
 for k in "${kernels[@]}"; do
-  "$CU/bin/cuobjdump" -sass -fun "$k" "$out/k.cubin" >"$out/$k.sass"
+  "$CU/bin/cuobjdump" -sass -fun "$k" "$out/gemm_fp8.cubin" >"$out/$k.sass"
   python3 - "$out/$k.sass" "$k" <<'PY'
 import re, sys
 ins = []
