@@ -532,15 +532,37 @@ impl Bench<'_> {
         Ok(())
     }
 
-    fn norms(&mut self) -> Result<()> {
-        let (g, m, d) = (self.g, 2048, 2560);
-        let x = bf16_input(g, &mut self.rng, &[m, d])?;
-        let w = g.upload(&self.rng.bf16_normals(d, 0.1), &[d])?;
-        let fused = g.rms_norm(&x, &w, 1e-6, 1.0)?.has_fp8_activations();
-        let ms = time_ms(g, 20, &mut || g.rms_norm(&x, &w, 1e-6, 1.0).map(|_| ()))?;
-        let what = if fused { " + fused FP8 quantisation" } else { "" };
-        self.push(format!("rms_norm [{m}, {d}]{what}"), ms, None);
+    /// The row norms at `m` rows each: RMSNorm and the residual add + RMSNorm at the text width
+    /// (2,560: the input and post-attention norms, with the FP8 quantisation of their output when
+    /// the kernels fuse it), the residual add + LayerNorm at the vision tower's width (1,024), and
+    /// at 2,048 rows the norm + a small FP8 projection with the quantisation fused vs in its own
+    /// launch.
+    fn norms(&mut self, lengths: &[usize]) -> Result<()> {
+        let g = self.g;
+        for &m in lengths {
+            let iters = if m > 8192 { 10 } else { 20 };
+            let d = 2560;
+            let x = bf16_input(g, &mut self.rng, &[m, d])?;
+            let y = bf16_input(g, &mut self.rng, &[m, d])?;
+            let w = g.upload(&self.rng.bf16_normals(d, 0.1), &[d])?;
+            let fused = g.rms_norm(&x, &w, 1e-6, 1.0)?.has_fp8_activations();
+            let what = if fused { " + fused FP8 quantisation" } else { "" };
+            let ms = time_ms(g, iters, &mut || g.rms_norm(&x, &w, 1e-6, 1.0).map(|_| ()))?;
+            self.push(format!("rms_norm [{m}, {d}]{what}"), ms, None);
+            // The residual grows by y each call; its values do not change the kernel's work.
+            let mut res = bf16_input(g, &mut self.rng, &[m, d])?;
+            let ms = time_ms(g, iters, &mut || g.add_rms_norm(&mut res, &y, &w, 1e-6, 1.0).map(|_| ()))?;
+            self.push(format!("add_rms_norm [{m}, {d}]{what}"), ms, None);
+            let dv = 1024;
+            let yv = bf16_input(g, &mut self.rng, &[m, dv])?;
+            let wv = g.upload(&self.rng.bf16_normals(dv, 0.1), &[dv])?;
+            let bv = g.upload(&self.rng.bf16_normals(dv, 0.1), &[dv])?;
+            let mut resv = bf16_input(g, &mut self.rng, &[m, dv])?;
+            let ms = time_ms(g, iters, &mut || g.add_layer_norm(&mut resv, &yv, &wv, &bv, 1e-6).map(|_| ()))?;
+            self.push(format!("add_layer_norm [{m}, {dv}]{what}"), ms, None);
+        }
         // Norm + a small FP8 projection (N = 128), fused vs the quantisation in its own kernel.
+        let (m, d) = (2048, 2560);
         let u = CudaBackend::new(0, CudaOptions { unfused_act_quant: true, ..g.options().clone() })?;
         let wp = MemoryTensor::fp8("w", &[128, d], &self.rng.bf16_normals(128 * d, 0.02));
         let xv = self.rng.bf16_normals(m * d, 1.0);
@@ -773,9 +795,6 @@ fn main() -> Result<()> {
     if run("gemm") {
         b.gemms()?;
     }
-    if run("norm") {
-        b.norms()?;
-    }
     let lengths_arg: Option<Vec<usize>> = match args.iter().position(|a| a == "--lengths") {
         Some(i) => Some(
             args.get(i + 1)
@@ -786,6 +805,9 @@ fn main() -> Result<()> {
         ),
         None => None,
     };
+    if run("norm") {
+        b.norms(lengths_arg.as_deref().unwrap_or(&[977, 4817, 16304]))?;
+    }
     if named("mlp") {
         b.mlp(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
     }
