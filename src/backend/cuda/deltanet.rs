@@ -403,6 +403,9 @@ struct StatePlan {
     /// binary-searches for a row's sequence), in one upload.
     conv_meta: CudaSlice<i64>,
     conv_by_row: usize,
+    /// Per entry of the conv table in launch order: whether its history is written (`hist_out`
+    /// not 0). A history launch whose entries all write nowhere is skipped.
+    conv_kept: Vec<bool>,
     scan_meta: CudaSlice<i64>,
     /// Chunks of each sequence, in launch order (the scan kernel is chosen per launch by them).
     scan_chunks: Vec<usize>,
@@ -515,6 +518,7 @@ fn plan_states(
     Ok(StatePlan {
         conv_meta: be.htod(&conv_meta)?,
         conv_by_row,
+        conv_kept: order.iter().map(|&si| entries[si].0[3] != 0).collect(),
         scan_meta: be.htod(&scan_meta)?,
         scan_chunks: order.iter().map(|&si| table.per_segment[si].1).collect(),
         chunks: be.htod(&table.chunks)?,
@@ -569,10 +573,10 @@ fn conv(
     let groups = c / 4;
     let threads = groups.next_multiple_of(32).min(256);
     let history = |range: Range<usize>| -> Result<()> {
-        let (meta, count) = plan.entries(be, &plan.conv_meta, range);
-        if count == 0 {
+        if !plan.conv_kept[range.clone()].iter().any(|&k| k) {
             return Ok(());
         }
+        let (meta, count) = plan.entries(be, &plan.conv_meta, range);
         be.launch(
             "gdn_conv_hist",
             launch_config((grid1(c, 256), count as u32, 1), 256, 0),
