@@ -549,21 +549,24 @@ impl Bench<'_> {
             let x = bf16_input(g, &mut self.rng, &[m, d])?;
             let y = bf16_input(g, &mut self.rng, &[m, d])?;
             let w = g.upload(&self.rng.bf16_normals(d, 0.1), &[d])?;
-            let fused = g.rms_norm(&x, &w, 1e-6, 1.0)?.has_fp8_activations();
-            let what = if fused { " + fused FP8 quantisation" } else { "" };
+            // Each line says whether its own kernel wrote the quantisation.
+            let what = |t: CudaTensor| if t.has_fp8_activations() { " + fused FP8 quantisation" } else { "" };
+            let fused = what(g.rms_norm(&x, &w, 1e-6, 1.0)?);
             let ms = time_ms(g, iters, &mut || g.rms_norm(&x, &w, 1e-6, 1.0).map(|_| ()))?;
-            self.push(format!("rms_norm [{m}, {d}]{what}"), ms, None);
+            self.push(format!("rms_norm [{m}, {d}]{fused}"), ms, None);
             // The residual grows by y each call; its values do not change the kernel's work.
             let mut res = bf16_input(g, &mut self.rng, &[m, d])?;
+            let fused = what(g.add_rms_norm(&mut res, &y, &w, 1e-6, 1.0)?);
             let ms = time_ms(g, iters, &mut || g.add_rms_norm(&mut res, &y, &w, 1e-6, 1.0).map(|_| ()))?;
-            self.push(format!("add_rms_norm [{m}, {d}]{what}"), ms, None);
+            self.push(format!("add_rms_norm [{m}, {d}]{fused}"), ms, None);
             let dv = 1024;
             let yv = bf16_input(g, &mut self.rng, &[m, dv])?;
             let wv = g.upload(&self.rng.bf16_normals(dv, 0.1), &[dv])?;
             let bv = g.upload(&self.rng.bf16_normals(dv, 0.1), &[dv])?;
             let mut resv = bf16_input(g, &mut self.rng, &[m, dv])?;
+            let fused = what(g.add_layer_norm(&mut resv, &yv, &wv, &bv, 1e-6)?);
             let ms = time_ms(g, iters, &mut || g.add_layer_norm(&mut resv, &yv, &wv, &bv, 1e-6).map(|_| ()))?;
-            self.push(format!("add_layer_norm [{m}, {dv}]{what}"), ms, None);
+            self.push(format!("add_layer_norm [{m}, {dv}]{fused}"), ms, None);
         }
         // Norm + a small FP8 projection (N = 128), fused vs the quantisation in its own kernel.
         let (m, d) = (2048, 2560);
