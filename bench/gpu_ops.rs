@@ -3,7 +3,7 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,gemm-algos,mlp,fp8-own,norm,attention,vision,deltanet,deltanet-wg,narrow] [--lengths 16384]` (`--only`:
+//! [--only gemm,gemm-algos,mlp,fp8-own,norm,attention,vision,deltanet,deltanet-wg,narrow,conv] [--lengths 16384]` (`--only`:
 //! those groups; `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g.
 //! under a profiler)
 //!
@@ -36,6 +36,10 @@
 //!   own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper's default) beside the by-length scans
 //!   (alone with `--only deltanet-wg`), and its one-warpgroup kernel beside the paired one
 //!   (`gdn_wg_pair`);
+//! * only when named in `--only` (`conv`): the DeltaNet mixer (warpgroup scan) at 977, 2,048
+//!   (with the 11 forks × 73) and 16,304 rows (or at `--lengths`) under each `gdn_conv` tiling
+//!   of `IMAJEV_CONV_TILINGS` (default `8x1,8x4,8x16,4x1,4x4,4x16`; the same bits, so only the
+//!   conv's time differs: with `IMAJEV_PROFILE=kernels` each run's `gdn_conv_*` line);
 //! * the narrow BF16 GEMMs (DeltaNet a/b, LoRA A: n <= 128; LoRA B: k <= 256, accumulating) on
 //!   our kernels (split and whole shapes forced, and the default choice) beside cuBLASLt, at
 //!   977 rows (the 256-token request's forward), 4K, 16K and 47,692 rows (the 2-image request)
@@ -44,6 +48,7 @@
 
 use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use imajev_serve::backend::cuda::deltanet::ConvTiling;
 use imajev_serve::backend::cuda::gemm::{Blas, Gemm, GemmKind};
 use imajev_serve::backend::cuda::gemm_fp8::Fp8Gemm;
 use imajev_serve::backend::cuda::narrow::NarrowGemm;
@@ -769,7 +774,8 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 10] = [
+    const GROUPS: [&str; 11] = [
+        "conv",
         "gemm",
         "gemm-algos",
         "mlp",
@@ -940,6 +946,22 @@ fn main() -> Result<()> {
         CudaOptions { gdn_wg_producer: Some(false), gdn_wg_pair: true, ..warpgroup.options().clone() },
     )?;
     let wg_pairing = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, paired", &wg_paired)];
+    if named("conv") {
+        let list =
+            std::env::var("IMAJEV_CONV_TILINGS").unwrap_or_else(|_| "8x1,8x4,8x16,4x1,4x4,4x16".into());
+        let mut tilings = Vec::new();
+        for t in list.split(',') {
+            let tiling: ConvTiling = t.parse().map_err(|e| anyhow::anyhow!("IMAJEV_CONV_TILINGS: {e}"))?;
+            let be =
+                CudaBackend::new(0, CudaOptions { gdn_conv: Some(tiling), ..warpgroup.options().clone() })?;
+            tilings.push((format!("conv {t}"), be));
+        }
+        for &m in lengths_arg.as_deref().unwrap_or(&[977, 2048, 16304]) {
+            for (label, be) in &tilings {
+                b.deltanet(&[(label, be)], delta, m, m == 2048)?;
+            }
+        }
+    }
     for &m in lengths.iter().filter(|_| run("deltanet")) {
         b.deltanet(&scans, delta, m, m == 2048)?;
         for pair in &tf32 {

@@ -15,46 +15,54 @@
 
 #define CHUNK 64
 
-// gdn_conv: rows of the packed batch per block (each thread runs them in order), and conv taps
-// kept in registers (taps past it are read from global memory).
-#define CONV_ROWS 8
+// gdn_conv: conv taps kept in registers (taps past it are read from global memory).
 #define CONV_REG_TAPS 4
 
-// Four consecutive bf16 -> f32 (exact: a bf16 is the top half of an f32). vec: one 8-byte load
-// (p must be 8-byte aligned), else four 2-byte loads.
-__device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) {
-  if (vec) {
-    const uint2 u = *(const uint2*)p;
-    o[0] = __uint_as_float(u.x << 16);
-    o[1] = __uint_as_float(u.x & 0xffff0000u);
-    o[2] = __uint_as_float(u.y << 16);
-    o[3] = __uint_as_float(u.y & 0xffff0000u);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; e++) o[e] = bf(p[e]);
-  }
+// Four consecutive bf16 as they lie in memory (lo = the first): vec, one 8-byte load (p 8-byte
+// aligned), else four 2-byte loads.
+__device__ __forceinline__ uint2 load4_bf16_raw(const bf16* p, bool vec) {
+  if (vec) return *(const uint2*)p;
+  const unsigned short* u = (const unsigned short*)p;
+  return make_uint2((unsigned)u[0] | ((unsigned)u[1] << 16), (unsigned)u[2] | ((unsigned)u[3] << 16));
 }
+// The four bf16 of load4_bf16_raw as f32 (exact: a bf16 is the top half of an f32).
+__device__ __forceinline__ void unpack4_bf16(uint2 u, float* o) {
+  o[0] = __uint_as_float(u.x << 16);
+  o[1] = __uint_as_float(u.x & 0xffff0000u);
+  o[2] = __uint_as_float(u.y << 16);
+  o[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+// Four consecutive bf16 -> f32 (load4_bf16_raw then unpack4_bf16).
+__device__ __forceinline__ void load4_bf16(const bf16* p, bool vec, float* o) { unpack4_bf16(load4_bf16_raw(p, vec), o); }
 
 // Causal depthwise conv (f32, taps j = 0..kw-1, tap kw-1 on the current row; rows before the
 // sequence start come from its history) + SiLU, split [q | k | v], q and k L2-normalised per key
 // head (x * rsqrt(sum x^2 + 1e-6)), q * dk^-1/2; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
 // Inputs are blocks of the fused projection with row stride ld (elements): channel c of row t is
 // x[t*ld + c] (c < C = 2*kh*dk + vh*dv), b and a of value head h are b[t*ld + h], a[t*ld + h].
-// A thread owns 4 consecutive channels and CONV_ROWS consecutive rows. When those rows lie inside
-// one sequence past its first kw-1 rows (nearly every block of a long prefill), all their input
-// rows are loaded at once, so a thread has kw-1+CONV_ROWS loads in flight (the kernel ran at about
-// a third of the copy rate with one or two); otherwise the row loop keeps the inputs of the register
-// taps from row to row (one new input row per output row while the sequence continues). The dk/4
-// lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with shuffles.
-// Grid (ceil(n / CONV_ROWS), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32. segs: the conv
-// segment table of the sequences that have rows, in row order (find_row_segment).
-// vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host).
-// At most 256 threads (the host's choice); three blocks per SM (80 registers: the binary search
-// alone took the kernel to 96, two blocks).
-extern "C" __global__ void __launch_bounds__(256, 3)
-    gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs, int nseg, i64 n,
-             const bf16* b, const bf16* a, const float* alog, const float* dtb, float* qo, float* ko, float* vo,
-             float* beta, float* gout, int kh, int vh, int dk, int dv) {
+// A thread owns 4 consecutive channels and the block's groups·GROUP consecutive rows, which it
+// walks a group of GROUP rows at a time (gdn_conv_<GROUP>: 8 rows with two blocks an SM, 4 with
+// three, both without spills). With kw == CONV_REG_TAPS (Qwen3.5's 4) the input rows
+// stream through a register window: the next group's GROUP input rows are loaded before this
+// group is computed, so their loads are in flight while it computes and stores (the kernel is
+// bound by how many bytes each SM keeps in flight: ncu, bench/NOTES.md). A group that lies inside
+// one sequence past its first kw-1 rows (nearly every group of a long prefill) is computed from the
+// window; any other group (a sequence's first rows, a group across two sequences, kw != 4) runs the
+// row loop, which reads the sequence's history and keeps the register taps' inputs from row to row.
+// Both give a row the same sum in the same order, and a row's arithmetic does not depend on
+// `groups` or on the other rows: same bits for every grid (the host picks `groups` for speed). The
+// dk/4 lanes (4..32, aligned within the warp) of a key head reduce its sum of squares with
+// shuffles. Grid (ceil(n / (groups·GROUP)), ceil(C/4 / blockDim.x)), blockDim.x a multiple of 32.
+// segs: the conv segment table of the sequences that have rows, in row order (find_row_segment).
+// vec != 0: 8-byte loads of x (x 8-byte aligned and ld % 4 == 0, checked by the host). At most 256
+// threads (the host's choice).
+template <int GROUP>
+__device__ __forceinline__ void gdn_conv(const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs,
+                                         int nseg, i64 n, int groups, const bf16* b, const bf16* a,
+                                         const float* alog, const float* dtb, float* qo, float* ko, float* vo,
+                                         float* beta, float* gout, int kh, int vh, int dk, int dv) {
+  // The streamed window of a group (kw == CONV_REG_TAPS): its GROUP rows and the kw-1 before.
+  constexpr int WINDOW = GROUP + CONV_REG_TAPS - 1;
   const int C = 2 * kh * dk + vh * dv, kd = kh * dk;
   const int grp = blockIdx.y * blockDim.x + threadIdx.x;
   const int c0 = 4 * grp;
@@ -88,58 +96,17 @@ extern "C" __global__ void __launch_bounds__(256, 3)
       }
     }
   };
-  const i64 t0 = (i64)blockIdx.x * CONV_ROWS;
-  // The common case: the block's CONV_ROWS rows all lie in one sequence, past its first kw-1 rows,
-  // and every tap is a register tap. Then the kw-1+CONV_ROWS input rows are loaded up front (that
-  // many independent loads in flight per thread, where the row loop below waits on one or two per
-  // row) and each output row is the same sum, in the same order, as in the row loop: same bits.
-  bool fast = false;
-  if (kw <= CONV_REG_TAPS && t0 + CONV_ROWS <= n) {
-    const int s = find_row_segment<4>(segs, nseg, t0);
-    if (s >= 0) {
-      const i64 r0 = segs[4 * s], r1 = r0 + segs[4 * s + 1];
-      fast = t0 - r0 >= kw - 1 && t0 + CONV_ROWS <= r1;
-    }
-  }
-  if (fast) {
-    // xin[l]: input row t0 + l - (kw-1); output row t0 + r reads xin[r + j], taps j = 0..kw-1.
-    constexpr int NIN = CONV_ROWS + CONV_REG_TAPS - 1;
-    float xin[NIN][4];
-#pragma unroll
-    for (int l = 0; l < NIN; l++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) xin[l][e] = 0.f;
-      if (active && l < CONV_ROWS + kw - 1) load4_bf16(x + (t0 + l - (kw - 1)) * ld + c0, vec != 0, xin[l]);
-    }
-#pragma unroll
-    for (int r = 0; r < CONV_ROWS; r++) {
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
-      if (active) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < CONV_REG_TAPS; j++) {
-          if (j < kw) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * xin[r + j][e];
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < 4; e++) v[e] = silu_f(acc[e]);
-      }
-      emit(t0 + r, v);
-    }
-  } else {
+  // Rows t .. t_end-1 one at a time, any kw, from their sequences' inputs and histories. Row-level
+  // control flow is uniform over the block (depends on blockIdx and the row only), so every lane of
+  // a warp reaches the shuffles.
+  auto row_loop = [&](i64 t_begin, i64 t_end) {
     i64 row0 = 0, row1 = 0;  // the current sequence's rows [row0, row1)
     const float* hist = nullptr;
     // The inputs of the register taps for the last row computed (win[j]: local row i + j - (kw-1)),
     // so that the next row of the same sequence loads one new input row instead of kw.
     float win[CONV_REG_TAPS][4];
     int last_i = -2;  // local row of the inputs in win; -2: none (a new sequence or the first row)
-    // Row-level control flow is uniform over the block (depends on blockIdx and r only), so every
-    // lane of a warp reaches the shuffles.
-    for (int r = 0; r < CONV_ROWS; r++) {
-      const i64 t = t0 + r;
-      if (t >= n) break;
+    for (i64 t = t_begin; t < t_end; t++) {
       if (t < row0 || t >= row1) {
         const int s = find_row_segment<4>(segs, nseg, t);
         if (s < 0) continue;
@@ -198,18 +165,87 @@ extern "C" __global__ void __launch_bounds__(256, 3)
       }
       emit(t, v);
     }
+  };
+
+  const i64 t0 = (i64)blockIdx.x * groups * GROUP, t_last = min(n, t0 + (i64)groups * GROUP);
+  const bool stream = kw == CONV_REG_TAPS && active;
+  constexpr int K1 = CONV_REG_TAPS - 1;  // kw - 1 when the window is used
+  // win[l]: input row t + l - K1 of the group starting at row t (zero past the batch's rows).
+  uint2 win[WINDOW];
+#pragma unroll
+  for (int l = 0; l < WINDOW; l++) {
+    const i64 r = t0 + l - K1;
+    win[l] = stream && r >= 0 && r < n ? load4_bf16_raw(x + r * ld + c0, vec != 0) : make_uint2(0u, 0u);
   }
-  const int nthreads = gridDim.y * blockDim.x;
-  for (int h = grp; h < vh; h += nthreads) {
-    const float ea = -expf(alog[h]), db = dtb[h];
-    for (int r = 0; r < CONV_ROWS; r++) {
-      const i64 t = t0 + r;
-      if (t >= n) break;
-      beta[t * vh + h] = sigmoid_f(bf(b[t * ld + h]));
-      gout[t * vh + h] = ea * softplus_f(bf(a[t * ld + h]) + db);
+  i64 seg0 = 0, seg1 = 0;  // the rows [seg0, seg1) of the sequence of the last group looked up
+  for (i64 t = t0; t < t_last; t += GROUP) {
+    bool fast = false;
+    if (kw == CONV_REG_TAPS && t + GROUP <= t_last) {
+      if (t < seg0 || t >= seg1) {
+        const int s = find_row_segment<4>(segs, nseg, t);
+        seg0 = s >= 0 ? segs[4 * s] : 0;
+        seg1 = s >= 0 ? seg0 + segs[4 * s + 1] : 0;
+      }
+      fast = t - seg0 >= K1 && t + GROUP <= seg1;
     }
+    // The next group's input rows: in flight while a window group computes (after a row-loop
+    // group, which keeps its own inputs, so that the window is not live through it).
+    uint2 next[GROUP];
+    auto load_next = [&]() {
+#pragma unroll
+      for (int u = 0; u < GROUP; u++) {
+        const i64 r = t + GROUP + u;
+        next[u] = stream && r < t_last ? load4_bf16_raw(x + r * ld + c0, vec != 0) : make_uint2(0u, 0u);
+      }
+    };
+    if (fast) {
+      load_next();
+      // Output row t + r reads win[r + j], taps j = 0..kw-1: the row loop's sum, in its order.
+#pragma unroll
+      for (int r = 0; r < GROUP; r++) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (active) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int j = 0; j < CONV_REG_TAPS; j++) {
+            float xv[4];
+            unpack4_bf16(win[r + j], xv);
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[e] += wr[e][j] * xv[e];
+          }
+#pragma unroll
+          for (int e = 0; e < 4; e++) v[e] = silu_f(acc[e]);
+        }
+        emit(t + r, v);
+      }
+    } else {
+      row_loop(t, min(t + GROUP, t_last));
+      load_next();
+    }
+#pragma unroll
+    for (int l = 0; l < WINDOW; l++) win[l] = l < K1 ? win[l + GROUP] : next[l - K1];
+  }
+  // The gates of the block's rows: one (row, value head) per thread of the grid's columns.
+  const int nthreads = gridDim.y * blockDim.x;
+  const int rows = (int)(t_last - t0);
+  for (int i = grp; i < rows * vh; i += nthreads) {
+    const int h = i % vh;
+    const i64 t = t0 + i / vh;
+    const float ea = -expf(alog[h]), db = dtb[h];
+    beta[t * vh + h] = sigmoid_f(bf(b[t * ld + h]));
+    gout[t * vh + h] = ea * softplus_f(bf(a[t * ld + h]) + db);
   }
 }
+#define GDN_CONV_ENTRY(GROUP, MINB)                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, MINB) gdn_conv_##GROUP(                                 \
+      const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs, int nseg, i64 n, int groups, \
+      const bf16* b, const bf16* a, const float* alog, const float* dtb, float* qo, float* ko, float* vo,      \
+      float* beta, float* gout, int kh, int vh, int dk, int dv) {                                            \
+    gdn_conv<GROUP>(x, ld, vec, convw, kw, segs, nseg, n, groups, b, a, alog, dtb, qo, ko, vo, beta, gout, kh, vh, \
+                    dk, dv);                                                                                 \
+  }
+GDN_CONV_ENTRY(8, 2)
+GDN_CONV_ENTRY(4, 3)
 
 // After gdn_conv: the history becomes the last kw-1 inputs of [history; new rows] (x as in
 // gdn_conv: channel c of row t at x[t*ld + c]). One thread per (channel, sequence); rows are

@@ -7,7 +7,9 @@
 use super::harness::{bit_diff, cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
-use imajev_serve::backend::cuda::deltanet::{split_kernels, warpgroup_scan_runs, PIPELINED_MIN_CHUNKS};
+use imajev_serve::backend::cuda::deltanet::{
+    split_kernels, warpgroup_scan_runs, ConvTiling, PIPELINED_MIN_CHUNKS,
+};
 use imajev_serve::backend::cuda::{CudaBackend, CudaTensor, GdnScan};
 use imajev_serve::backend::{Backend, DeltaNetDims, DeltaNetInputs};
 use imajev_serve::synth::memory::MemoryTensor;
@@ -318,6 +320,66 @@ pub fn unkept_state_cases(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix)
             touched as f64 + if moved == 0 { 1.0 } else { 0.0 },
             0.0,
         );
+    }
+    Ok(())
+}
+
+/// `gdn_conv`'s tilings (rows a thread computes from one window, groups a block: the default by
+/// row count, `gdn_conv_8` and `gdn_conv_4` with one, a few and the most groups) BITWISE against
+/// one group of 8 (the kernel's row loop and window paths as the pre-streaming kernel ran them):
+/// the mixer's outputs, final states and conv histories over a packed tree call whose sequences
+/// start, end and fork at every offset within a group — a 4,097-token parent continued by 73, 1
+/// and 600 tokens, a 2-token parent continued by 65 (its children's windows reach into its old
+/// history), sequences of 3, 5, 9, 63, 64 and 1,000 tokens, and one continued in place from a
+/// 100-token state; then the small value dim.
+pub fn conv_tiling_cases(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let tilings = ["8x1", "8x2", "8x7", "8x64", "4x1", "4x3", "4x64"];
+    let reference = variant(g, |o| o.gdn_conv = Some(ConvTiling { group: 8, groups: 1 }))?;
+    if reference.options().gdn_conv != Some(ConvTiling { group: 8, groups: 1 }) {
+        rep.flag("gdn", "conv tilings", false, "IMAJEV_GDN_CONV forces one tiling: unset it");
+        return Ok(());
+    }
+    let mut backends = vec![("default".to_string(), variant(g, |o| o.gdn_conv = None)?)];
+    for t in tilings.iter().skip(1) {
+        let tiling: ConvTiling = t.parse().map_err(anyhow::Error::msg)?;
+        backends.push((t.to_string(), variant(g, |o| o.gdn_conv = Some(tiling))?));
+    }
+    let lens = [4097, 73, 1, 600, 2, 65, 3, 5, 9, 63, 64, 1000, 130];
+    let tree = [None, Some(0), Some(0), Some(0), None, Some(4), None, None, None, None, None, None, None];
+    for (tag, dims) in [("4B", DELTANET_4B), ("alt", DELTANET_SMALL_VALUE_DIM)] {
+        let wts = DeltaWeights::random(rng, dims);
+        let pw = dims.proj_width();
+        let n: usize = lens.iter().sum();
+        let proj = rng.bf16_normals(n * pw, 1.0);
+        let warm = rng.bf16_normals(100 * pw, 1.0);
+        let run = |be: &CudaBackend| -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+            let mut states =
+                (0..lens.len() - 1).map(|_| be.new_delta_state(&dims)).collect::<Result<Vec<_>>>()?;
+            let mut own = vec![be.new_delta_state(&dims)?];
+            wts.run(be, &warm, dims, &tiling(&[100]), &[], &mut own)?;
+            states.extend(own);
+            let out = be.download(&wts.run(be, &proj, dims, &tiling(&lens), &tree, &mut states)?)?;
+            let mut kept = Vec::new();
+            for s in &states {
+                kept.push(s.recurrent()?);
+                kept.push(s.conv_history()?);
+            }
+            Ok((out, kept))
+        };
+        let (want_out, want_states) = run(&reference)?;
+        for (name, be) in &backends {
+            let (out, states) = run(be)?;
+            let diff = bit_diff(&want_out, &out)
+                + want_states.iter().zip(&states).map(|(a, b)| bit_diff(a, b)).sum::<usize>();
+            rep.check(
+                "gdn",
+                format!(
+                    "{tag}, conv tiling {name} vs 8x1: output, state and history values whose bits differ"
+                ),
+                diff as f64,
+                0.0,
+            );
+        }
     }
     Ok(())
 }

@@ -219,6 +219,15 @@ fn deltanet_matches_cpu_with_both_scans() {
     rep.finish("deltanet");
 }
 
+/// `gdn_conv`'s tilings (rows a window, groups a block) give the same bits.
+#[test]
+fn conv_tilings_bitwise() {
+    let Some(d) = gpu("deltanet conv tilings") else { return };
+    let (mut rep, mut rng) = (Report::default(), SplitMix::new(29));
+    rep.guard("gdn", "conv tilings", |rep| deltanet::conv_tiling_cases(&d.g, rep, &mut rng));
+    rep.finish("deltanet conv tilings");
+}
+
 /// The one-TF32-MMA chunk scans (`gdn_tf32`, the default).
 #[test]
 fn tf32_deltanet_scans_match_cpu() {

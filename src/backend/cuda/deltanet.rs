@@ -540,6 +540,62 @@ struct ConvOutputs {
     g: CudaSlice<f32>,
 }
 
+/// How `gdn_conv` walks its rows ([`super::CudaOptions::gdn_conv`]): a thread computes `group`
+/// rows (8: `gdn_conv_8`, two blocks an SM; 4: `gdn_conv_4`, three) from one window of loads while
+/// the next group's loads are in flight, `groups` groups a block. Every tiling gives the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvTiling {
+    pub group: usize,
+    pub groups: usize,
+}
+
+impl ConvTiling {
+    /// The most groups a block takes.
+    pub const MAX_GROUPS: usize = 64;
+
+    /// The tiling for `n` rows: one group of 8 a block while such a grid is a few waves (there is
+    /// nothing to overlap with: every block's loads are in flight at once), more groups as the rows
+    /// grow, so that each thread keeps its next group's loads in flight while it computes.
+    pub fn for_rows(n: usize) -> Self {
+        let groups = match n {
+            0..4096 => 1,
+            4096..16384 => 4,
+            _ => 8,
+        };
+        Self { group: 8, groups }
+    }
+
+    fn kernel(self) -> &'static str {
+        if self.group == 8 {
+            "gdn_conv_8"
+        } else {
+            "gdn_conv_4"
+        }
+    }
+
+    fn rows_per_block(self) -> usize {
+        self.group * self.groups
+    }
+}
+
+impl std::str::FromStr for ConvTiling {
+    type Err = String;
+    /// `<rows>x<groups>`, rows 8 or 4, groups 1 to [`ConvTiling::MAX_GROUPS`].
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (g, n) =
+            s.split_once('x').ok_or_else(|| format!("expected <rows>x<groups>, e.g. 8x4, not {s:?}"))?;
+        let group: usize = g.parse().map_err(|_| format!("rows {g:?}: expected 8 or 4"))?;
+        let groups: usize = n.parse().map_err(|_| format!("groups {n:?}: expected a number"))?;
+        if group != 8 && group != 4 {
+            return Err(format!("rows {group}: expected 8 or 4"));
+        }
+        if !(1..=Self::MAX_GROUPS).contains(&groups) {
+            return Err(format!("groups {groups}: expected 1 to {}", Self::MAX_GROUPS));
+        }
+        Ok(Self { group, groups })
+    }
+}
+
 /// `gdn_conv` (causal conv + SiLU from each sequence's history, the gates, the L2 norms) with the
 /// history updates around it (`gdn_conv_hist`: the parents' before, everyone else's after).
 fn conv(
@@ -562,10 +618,11 @@ fn conv(
         beta: be.alloc_f32(n * vh)?,
         g: be.alloc_f32(n * vh)?,
     };
-    // gdn_conv: a thread owns 4 channels (C % 4 == 0 as dk % 16 == 0 and dv % 4 == 0) and
-    // CONV_ROWS rows; it stores 4 f32 at once (16-byte aligned: fresh buffers, offsets in
-    // multiples of 4 elements), and loads 4 bf16 at once when the projection allows it.
-    const CONV_ROWS: usize = 8; // = CONV_ROWS in kernels/deltanet.cu
+    // gdn_conv: a thread owns 4 channels (C % 4 == 0 as dk % 16 == 0 and dv % 4 == 0) and a
+    // block's rows (groups of CONV_GROUP); it stores 4 f32 at once (16-byte aligned: fresh
+    // buffers, offsets in multiples of 4 elements), and loads 4 bf16 at once when the projection
+    // allows it.
+    let tiling = be.state.options.gdn_conv.unwrap_or_else(|| ConvTiling::for_rows(n));
     for o in [&out.q, &out.k, &out.v] {
         ensure!(be.p(o) % 16 == 0, "gdn_conv output buffers must be 16-byte aligned");
     }
@@ -591,8 +648,12 @@ fn conv(
     };
     history(0..plan.parents)?;
     be.launch(
-        "gdn_conv",
-        launch_config((n.div_ceil(CONV_ROWS) as u32, groups.div_ceil(threads) as u32, 1), threads as u32, 0),
+        tiling.kernel(),
+        launch_config(
+            (n.div_ceil(tiling.rows_per_block()) as u32, groups.div_ceil(threads) as u32, 1),
+            threads as u32,
+            0,
+        ),
         &[
             Arg::Ptr(blocks.qkv),
             Arg::I64(blocks.ld),
@@ -602,6 +663,7 @@ fn conv(
             Arg::Ptr(be.p(&plan.conv_meta) + 32 * plan.sequences as u64),
             Arg::I32(plan.conv_by_row as i32),
             Arg::I64(n as i64),
+            Arg::I32(tiling.groups as i32),
             Arg::Ptr(blocks.b),
             Arg::Ptr(blocks.a),
             Arg::Ptr(be.p(alog.s())),
@@ -785,6 +847,25 @@ fn delta_rule_split(
 mod tests {
     use super::*;
     use crate::backend::cuda::launch::KERNELS;
+
+    #[test]
+    fn conv_tilings_parse_and_grow_with_the_rows() {
+        assert_eq!("8x4".parse::<ConvTiling>(), Ok(ConvTiling { group: 8, groups: 4 }));
+        assert_eq!("4x64".parse::<ConvTiling>(), Ok(ConvTiling { group: 4, groups: 64 }));
+        for bad in ["8", "6x4", "8x0", "8x65", "x4", "8x-1", "eightx4"] {
+            assert!(bad.parse::<ConvTiling>().is_err(), "{bad} parsed");
+        }
+        let groups = |n| ConvTiling::for_rows(n).groups;
+        assert_eq!((groups(977), groups(4817), groups(16384)), (1, 4, 8));
+        assert!((1..70_000).step_by(97).all(|n| {
+            let t = ConvTiling::for_rows(n);
+            t.group == 8 && (1..=ConvTiling::MAX_GROUPS).contains(&t.groups)
+        }));
+        assert_eq!(
+            (ConvTiling::for_rows(977).kernel(), "4x2".parse::<ConvTiling>().unwrap().kernel()),
+            ("gdn_conv_8", "gdn_conv_4")
+        );
+    }
 
     #[test]
     fn the_warpgroup_scan_is_launched_with_the_threads_its_kernel_is_built_for() {

@@ -163,7 +163,8 @@ pub const KERNELS: &[KernelFile] = &[
             include_str!("../../../kernels/deltanet_wg.cu")
         ),
         functions: &[
-            k("gdn_conv"),
+            k("gdn_conv_8"),
+            k("gdn_conv_4"),
             k("gdn_conv_hist"),
             k_smem("gdn_chunk_prep_16", layout::delta_prep_smem_bytes(16)),
             k_smem("gdn_chunk_prep_32", layout::delta_prep_smem_bytes(32)),

@@ -109,6 +109,12 @@ pub struct CudaOptions {
     /// a block per 64 value columns (`gdn_chunk_scan_wg1_<dk>`): half the blocks, the same bits.
     /// `IMAJEV_GDN_WG_PAIR=1` (or `0`) in the environment sets it.
     pub gdn_wg_pair: bool,
+    /// How `gdn_conv` walks rows: each thread streams its channels' input rows through a register
+    /// window, a group of rows ahead ([`deltanet::ConvTiling`]: the group's rows, 8 or 4, and the
+    /// groups a block). `None`: by the row count ([`deltanet::ConvTiling::for_rows`]). The same
+    /// bits for every tiling (a speed choice). `IMAJEV_GDN_CONV=<rows>x<groups>` (e.g. `8x4`) in
+    /// the environment sets it when left at `None`.
+    pub gdn_conv: Option<deltanet::ConvTiling>,
     /// Quantise the inputs of FP8 projections in their own kernel (`quant_act_1x128`) also when
     /// they come from a row norm, a SwiGLU or a GELU, instead of the fused `*_quant` kernels: the
     /// reference the fused path is tested against (same bits), and a switch for profiling. Default:
@@ -172,6 +178,7 @@ impl Default for CudaOptions {
             gdn_tf32: true,
             gdn_wg_producer: None,
             gdn_wg_pair: false,
+            gdn_conv: None,
             unfused_act_quant: false,
             mlp_lora_fused: true,
             attention: AttentionKernel::default(),
@@ -280,6 +287,13 @@ impl CudaBackend {
                 Ok("one") => options.gdn_wg_producer = Some(false),
                 Ok("") | Ok("by-length") | Err(_) => {}
                 Ok(other) => bail!("IMAJEV_GDN_WG={other}: expected by-length, producer or one"),
+            }
+        }
+        if options.gdn_conv.is_none() {
+            if let Ok(v) = std::env::var("IMAJEV_GDN_CONV") {
+                if !v.is_empty() {
+                    options.gdn_conv = Some(v.parse().map_err(|e| anyhow!("IMAJEV_GDN_CONV={v}: {e}"))?);
+                }
             }
         }
         match std::env::var("IMAJEV_GDN_WG_PAIR").as_deref() {
