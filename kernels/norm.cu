@@ -283,7 +283,7 @@ extern "C" __global__ void add_layer_norm_quant(bf16* x, const bf16* y, const fl
 }
 
 // 1 / rms of one gated-norm row (one warp): lane l sums the squares of columns l, l + 32, ... in
-// order, then warp_sum. Shared by rms_norm_gated and rms_norm_gated_quant.
+// order, then warp_sum (rms_norm_gated; rms_norm_gated_quant does the same on registers).
 __device__ __forceinline__ float gated_rsqrt(const float* xr, int d, float eps, int lane) {
   float ss = 0.f;
   for (int c = lane; c < d; c += 32) ss += xr[c] * xr[c];
@@ -313,7 +313,7 @@ extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_l
 // only then): y is [M, heads·128], so the 128-block `head` of token t is exactly row t·heads + head,
 // one warp: amax is a warp reduction, q[t, head·128 + c] = q[row·128 + c], scale at
 // s[head·Mpad + t]. Warps cover Mpad·heads rows; those of tokens t >= M write the padding (zero
-// codes, scale 1). The bf16 output is rms_norm_gated's (same lanes, same helpers).
+// codes, scale 1). The bf16 output is rms_norm_gated's (same lanes, same arithmetic).
 // CPU twin: cpu::norm::rms_norm_gated then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
                                                 bf16* y, unsigned char* q, float* s, int M, int Mpad, int d,
@@ -329,12 +329,26 @@ extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i
   }
   const float* xr = x + row * d;
   const bf16* zr = z + (i64)t * z_ld + (i64)head * d;
-  float r = gated_rsqrt(xr, d, eps, lane);
-  float v[4];
+  // Every input of the row is loaded first (all twelve loads in flight at once), then gated_rsqrt's
+  // and gated_out's arithmetic runs on the registers: the same operations in the same order as
+  // rms_norm_gated, so the same bits.
+  float xv[4], zv[4], wv[4];
+#pragma unroll
   for (int j = 0; j < 4; j++) {
-    int c = lane + 32 * j;
-    bf16 h = to_bf(gated_out(xr, zr, w, c, r));
-    y[row * 128 + c] = h;
+    const int c = lane + 32 * j;
+    xv[j] = xr[c];
+    zv[j] = bf(zr[c]);
+    wv[j] = w[c];
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; j++) ss += xv[j] * xv[j];
+  const float r = rsqrtf(warp_sum(ss) / d + eps);
+  float v[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const bf16 h = to_bf(wv[j] * (xv[j] * r) * silu_f(zv[j]));
+    y[row * 128 + lane + 32 * j] = h;
     v[j] = bf(h);
   }
   quant_block_1x128(v, q + row * 128 + lane, 32, s + (i64)head * Mpad + t);
