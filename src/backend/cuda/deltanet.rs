@@ -553,16 +553,16 @@ impl ConvTiling {
     /// The most groups a block takes.
     pub const MAX_GROUPS: usize = 64;
 
-    /// The tiling for `n` rows: one group of 8 a block while such a grid is a few waves (there is
-    /// nothing to overlap with: every block's loads are in flight at once), more groups as the rows
-    /// grow, so that each thread keeps its next group's loads in flight while it computes.
+    /// The tiling for `n` rows: while a grid of 8-row blocks is a few waves, 8 rows a block as
+    /// two groups of 4 (`gdn_conv_4`: three blocks an SM, as many as the one-shot kernel before
+    /// it had); more groups of 8 as the rows grow, so that each thread keeps its next group's
+    /// loads in flight while it computes.
     pub fn for_rows(n: usize) -> Self {
-        let groups = match n {
-            0..4096 => 1,
-            4096..16384 => 4,
-            _ => 8,
-        };
-        Self { group: 8, groups }
+        match n {
+            0..4096 => Self { group: 4, groups: 2 },
+            4096..16384 => Self { group: 8, groups: 4 },
+            _ => Self { group: 8, groups: 8 },
+        }
     }
 
     fn kernel(self) -> &'static str {
@@ -855,11 +855,11 @@ mod tests {
         for bad in ["8", "6x4", "8x0", "8x65", "x4", "8x-1", "eightx4"] {
             assert!(bad.parse::<ConvTiling>().is_err(), "{bad} parsed");
         }
-        let groups = |n| ConvTiling::for_rows(n).groups;
-        assert_eq!((groups(977), groups(4817), groups(16384)), (1, 4, 8));
+        let rows = |n| ConvTiling::for_rows(n).rows_per_block();
+        assert_eq!((rows(977), rows(4817), rows(16384)), (8, 32, 64));
         assert!((1..70_000).step_by(97).all(|n| {
             let t = ConvTiling::for_rows(n);
-            t.group == 8 && (1..=ConvTiling::MAX_GROUPS).contains(&t.groups)
+            [4, 8].contains(&t.group) && (1..=ConvTiling::MAX_GROUPS).contains(&t.groups)
         }));
         assert_eq!(
             (ConvTiling::for_rows(977).kernel(), "4x2".parse::<ConvTiling>().unwrap().kernel()),
