@@ -553,16 +553,18 @@ impl ConvTiling {
     /// The most groups a block takes.
     pub const MAX_GROUPS: usize = 64;
 
-    /// The tiling for `n` rows: while a grid of 8-row blocks is a few waves, 8 rows a block as
-    /// two groups of 4 (`gdn_conv_4`: three blocks an SM, as many as the one-shot kernel before
-    /// it had); more groups of 8 as the rows grow, so that each thread keeps its next group's
-    /// loads in flight while it computes.
+    /// The tiling for `n` rows, from `gpu-ops --only conv` on an H100 (bench/NOTES.md, twenty-fifth
+    /// session): groups of 4 rows (`gdn_conv_4`: 80 registers, three blocks an SM) beat groups
+    /// of 8 (123 registers, two) at every length; two groups a block while a grid of such blocks
+    /// is a few waves, four up to 8,192 rows, sixteen beyond, so that each thread keeps its next
+    /// group's loads in flight while it computes.
     pub fn for_rows(n: usize) -> Self {
-        match n {
-            0..4096 => Self { group: 4, groups: 2 },
-            4096..16384 => Self { group: 8, groups: 4 },
-            _ => Self { group: 8, groups: 8 },
-        }
+        let groups = match n {
+            0..1536 => 2,
+            1536..8192 => 4,
+            _ => 16,
+        };
+        Self { group: 4, groups }
     }
 
     fn kernel(self) -> &'static str {
@@ -856,13 +858,13 @@ mod tests {
             assert!(bad.parse::<ConvTiling>().is_err(), "{bad} parsed");
         }
         let rows = |n| ConvTiling::for_rows(n).rows_per_block();
-        assert_eq!((rows(977), rows(4817), rows(16384)), (8, 32, 64));
+        assert_eq!((rows(977), rows(2048), rows(16384)), (8, 16, 64));
         assert!((1..70_000).step_by(97).all(|n| {
             let t = ConvTiling::for_rows(n);
             [4, 8].contains(&t.group) && (1..=ConvTiling::MAX_GROUPS).contains(&t.groups)
         }));
         assert_eq!(
-            (ConvTiling::for_rows(977).kernel(), ConvTiling::for_rows(20_000).kernel()),
+            (ConvTiling::for_rows(977).kernel(), "8x4".parse::<ConvTiling>().unwrap().kernel()),
             ("gdn_conv_4", "gdn_conv_8")
         );
     }
