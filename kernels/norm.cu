@@ -282,17 +282,12 @@ extern "C" __global__ void add_layer_norm_quant(bf16* x, const bf16* y, const fl
   ln_out_quant(xr, w, b, mean, r, out + (i64)m * d, q + (i64)m * d, s, m, Mpad, d);
 }
 
-// 1 / rms of one gated-norm row (one warp): lane l sums the squares of columns l, l + 32, ... in
-// order, then warp_sum (rms_norm_gated; rms_norm_gated_quant does the same on registers).
-__device__ __forceinline__ float gated_rsqrt(const float* xr, int d, float eps, int lane) {
-  float ss = 0.f;
-  for (int c = lane; c < d; c += 32) ss += xr[c] * xr[c];
-  return rsqrtf(warp_sum(ss) / d + eps);
-}
-
-__device__ __forceinline__ float gated_out(const float* xr, const bf16* zr, const float* w, int c, float r) {
-  return w[c] * (xr[c] * r) * silu_f(bf(zr[c]));
-}
+// The gated norm's arithmetic, shared by rms_norm_gated and rms_norm_gated_quant so that both give
+// the same bits. One row is one warp: lane l adds the squares of columns l, l + 32, ... in order
+// into ss (ss += x * x each), then 1 / rms from the lanes' sums.
+__device__ __forceinline__ float gated_rsqrt(float ss, int d, float eps) { return rsqrtf(warp_sum(ss) / d + eps); }
+// One output value from x, the gate z (bf16 as f32), the weight w and the row's 1 / rms.
+__device__ __forceinline__ float gated_out(float x, float z, float w, float r) { return w * (x * r) * silu_f(z); }
 
 // Gated RMSNorm of the DeltaNet output, one warp per (token, value head) row of length d:
 // y = w * x * rsqrt(mean(x^2) + eps) * silu(z)  (norm before gate; x is the f32 delta-rule output).
@@ -305,8 +300,10 @@ extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_l
   if (row >= rows) return;
   const float* xr = x + row * d;
   const bf16* zr = z + (row / heads) * z_ld + (row % heads) * d;
-  float r = gated_rsqrt(xr, d, eps, lane);
-  for (int c = lane; c < d; c += 32) y[row * d + c] = to_bf(gated_out(xr, zr, w, c, r));
+  float ss = 0.f;
+  for (int c = lane; c < d; c += 32) ss += xr[c] * xr[c];
+  const float r = gated_rsqrt(ss, d, eps);
+  for (int c = lane; c < d; c += 32) y[row * d + c] = to_bf(gated_out(xr[c], bf(zr[c]), w[c], r));
 }
 
 // rms_norm_gated fused with quant_act_1x128 of y, for d == 128 (the host passes d and launches this
@@ -329,9 +326,8 @@ extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i
   }
   const float* xr = x + row * d;
   const bf16* zr = z + (i64)t * z_ld + (i64)head * d;
-  // Every input of the row is loaded first (all twelve loads in flight at once), then gated_rsqrt's
-  // and gated_out's arithmetic runs on the registers: the same operations in the same order as
-  // rms_norm_gated, so the same bits.
+  // Every input of the row is loaded first (all twelve loads in flight at once), then the sum of
+  // squares in rms_norm_gated's order, gated_rsqrt and gated_out on the registers.
   float xv[4], zv[4], wv[4];
 #pragma unroll
   for (int j = 0; j < 4; j++) {
@@ -343,11 +339,11 @@ extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; j++) ss += xv[j] * xv[j];
-  const float r = rsqrtf(warp_sum(ss) / d + eps);
+  const float r = gated_rsqrt(ss, d, eps);
   float v[4];
 #pragma unroll
   for (int j = 0; j < 4; j++) {
-    const bf16 h = to_bf(wv[j] * (xv[j] * r) * silu_f(zv[j]));
+    const bf16 h = to_bf(gated_out(xv[j], zv[j], wv[j], r));
     y[row * 128 + lane + 32 * j] = h;
     v[j] = bf(h);
   }
