@@ -543,15 +543,28 @@ struct ConvOutputs {
 /// How `gdn_conv` walks its rows ([`super::CudaOptions::gdn_conv`]): a thread computes `group`
 /// rows (8: `gdn_conv_8`, two blocks an SM; 4: `gdn_conv_4`, three) from one window of loads while
 /// the next group's loads are in flight, `groups` groups a block. Every tiling gives the same bits.
+/// Built by [`ConvTiling::new`] (or parsed), so the launch's rows per block always match the
+/// kernel's group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvTiling {
-    pub group: usize,
-    pub groups: usize,
+    group: usize,
+    groups: usize,
 }
 
 impl ConvTiling {
     /// The most groups a block takes.
     pub const MAX_GROUPS: usize = 64;
+
+    /// `group` rows (8 or 4) from one window, `groups` (1 to [`ConvTiling::MAX_GROUPS`]) a block.
+    pub fn new(group: usize, groups: usize) -> Result<Self, String> {
+        if group != 8 && group != 4 {
+            return Err(format!("rows {group}: expected 8 or 4"));
+        }
+        if !(1..=Self::MAX_GROUPS).contains(&groups) {
+            return Err(format!("groups {groups}: expected 1 to {}", Self::MAX_GROUPS));
+        }
+        Ok(Self { group, groups })
+    }
 
     /// The tiling for `n` rows, from `gpu-ops --only conv` on an H100 (bench/NOTES.md, twenty-fifth
     /// session): groups of 4 rows (`gdn_conv_4`: 80 registers, three blocks an SM) beat groups
@@ -588,13 +601,7 @@ impl std::str::FromStr for ConvTiling {
             s.split_once('x').ok_or_else(|| format!("expected <rows>x<groups>, e.g. 8x4, not {s:?}"))?;
         let group: usize = g.parse().map_err(|_| format!("rows {g:?}: expected 8 or 4"))?;
         let groups: usize = n.parse().map_err(|_| format!("groups {n:?}: expected a number"))?;
-        if group != 8 && group != 4 {
-            return Err(format!("rows {group}: expected 8 or 4"));
-        }
-        if !(1..=Self::MAX_GROUPS).contains(&groups) {
-            return Err(format!("groups {groups}: expected 1 to {}", Self::MAX_GROUPS));
-        }
-        Ok(Self { group, groups })
+        Self::new(group, groups)
     }
 }
 
@@ -621,7 +628,7 @@ fn conv(
         g: be.alloc_f32(n * vh)?,
     };
     // gdn_conv: a thread owns 4 channels (C % 4 == 0 as dk % 16 == 0 and dv % 4 == 0) and a
-    // block's rows (groups of CONV_GROUP); it stores 4 f32 at once (16-byte aligned: fresh
+    // block's rows (groups of the tiling's group); it stores 4 f32 at once (16-byte aligned: fresh
     // buffers, offsets in multiples of 4 elements), and loads 4 bf16 at once when the projection
     // allows it.
     let tiling = be.state.options.gdn_conv.unwrap_or_else(|| ConvTiling::for_rows(n));
@@ -854,6 +861,8 @@ mod tests {
     fn conv_tilings_parse_and_grow_with_the_rows() {
         assert_eq!("8x4".parse::<ConvTiling>(), Ok(ConvTiling { group: 8, groups: 4 }));
         assert_eq!("4x64".parse::<ConvTiling>(), Ok(ConvTiling { group: 4, groups: 64 }));
+        assert_eq!(ConvTiling::new(4, 16), Ok(ConvTiling { group: 4, groups: 16 }));
+        assert!(ConvTiling::new(5, 4).is_err() && ConvTiling::new(8, 0).is_err());
         for bad in ["8", "6x4", "8x0", "8x65", "x4", "8x-1", "eightx4"] {
             assert!(bad.parse::<ConvTiling>().is_err(), "{bad} parsed");
         }
