@@ -30,10 +30,11 @@
 //!   benchmark request's passes: 11 forks × 73 tokens over a shared 2K (16K with `--long`)
 //!   prefix, TFLOP/s counted over the causal half; the 128-row kernel beside the 64-row one;
 //! * the Gated DeltaNet mixer of one sequence and of 11 forks × 73 tokens (their final states
-//!   kept, and not kept as the server runs passes), once with each tensor-core chunk scan
-//!   (plain, pipelined and the wide plain one: the same bits, the rest of the mixer the same
-//!   kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also each scan kernel's
-//!   own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper's default) beside the by-length scans
+//!   kept, and not kept as the server runs passes; at 2,048 rows also 96 forks × 73 and 96 × 64,
+//!   a packed round's passes with and without their 9-row second chunks), once with each
+//!   tensor-core chunk scan (plain, pipelined and the wide plain one: the same bits, the rest of
+//!   the mixer the same kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also
+//!   each configuration's kernels and their own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper's default) beside the by-length scans
 //!   (alone with `--only deltanet-wg`), and its one-warpgroup kernel beside the paired one
 //!   (`gdn_wg_pair`);
 //! * only when named in `--only` (`conv`): the DeltaNet mixer (warpgroup scan) at 977, 2,048
@@ -721,28 +722,41 @@ impl Bench<'_> {
                 dt_bias: &dtb,
                 norm_weight: &nw,
             };
+            // Each configuration's kernels (the profiler's report drains its events).
+            let report = |what: &str| -> Result<()> {
+                if let Some(report) = g.kernel_report()? {
+                    println!("  kernels of the {label} runs, {what} (warm-up included):\n{report}");
+                }
+                Ok(())
+            };
             let ms = time_ms(g, 5, &mut || {
                 let mut s = g.new_delta_state(&dims)?;
                 g.gated_delta_net(&inputs, &dims, &tiling(&[m]), &[], &mut [&mut s], &[]).map(|_| ())
             })?;
             self.push(format!("gated_delta_net 4B, 1×{m} tokens, {label}"), ms, None);
             single.push(ms);
+            report(&format!("1×{m}"))?;
             if forks {
+                // `lens.len()` forks of one state, read out only (their final states not kept, as
+                // the server runs passes) and, with `kept`, also with their states kept.
+                let passes = |lens: &[usize], x: &CudaTensor, kept: bool| -> Result<(f64, f64)> {
+                    let base = g.new_delta_state(&dims)?;
+                    let inputs = DeltaNetInputs { proj: x, ..inputs };
+                    let run = |keep: &[bool]| {
+                        time_ms(g, 5, &mut || {
+                            let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
+                            let mut refs: Vec<_> = forks.iter_mut().collect();
+                            g.gated_delta_net(&inputs, &dims, &tiling(lens), &[], &mut refs, keep).map(|_| ())
+                        })
+                    };
+                    let ms = if kept { run(&[])? } else { f64::NAN };
+                    let unkept = run(&vec![false; lens.len()])?;
+                    Ok((ms, unkept))
+                };
                 // The benchmark request's passes: 11 forks of one state, 73 tokens each (two chunks).
                 let n: usize = lens.iter().sum();
-                let base = g.new_delta_state(&dims)?;
                 let x = g.gather_rows(&proj, &(0..n).collect::<Vec<_>>())?;
-                let inputs = DeltaNetInputs { proj: &x, ..inputs };
-                let run = |keep: &[bool]| {
-                    time_ms(g, 5, &mut || {
-                        let mut forks: Vec<_> = lens.iter().map(|_| base.clone()).collect();
-                        let mut refs: Vec<_> = forks.iter_mut().collect();
-                        g.gated_delta_net(&inputs, &dims, &tiling(&lens), &[], &mut refs, keep).map(|_| ())
-                    })
-                };
-                let ms = run(&[])?;
-                // As the server runs passes: only read out, their final states never computed.
-                let unkept = run(&[false; 11])?;
+                let (ms, unkept) = passes(&lens, &x, true)?;
                 self.push(format!("gated_delta_net 4B, 11 forks × 73 tokens, {label}"), ms, None);
                 self.push(
                     format!("gated_delta_net 4B, 11 forks × 73 tokens, states not kept, {label}"),
@@ -750,9 +764,20 @@ impl Bench<'_> {
                     None,
                 );
                 forked.push(ms);
-            }
-            if let Some(report) = g.kernel_report()? {
-                println!("  kernels of the {label} runs (warm-up included):\n{report}");
+                report("11 forks × 73")?;
+                // A packed round's passes (8 requests × 12 sequences): 73 tokens (a full chunk
+                // and a 9-row one) against 64 (the full chunk alone): what the short chunks cost.
+                let round_h = self.rng.bf16_normals(96 * 73 * pw, 1.0);
+                let round = bf16_tensor(g, &round_h, &[96 * 73, pw])?;
+                for len in [73usize, 64] {
+                    let (_, unkept) = passes(&[len; 96], &round, false)?;
+                    self.push(
+                        format!("gated_delta_net 4B, 96 forks × {len} tokens, states not kept, {label}"),
+                        unkept,
+                        None,
+                    );
+                    report(&format!("96 forks × {len}"))?;
+                }
             }
         }
         for (what, t) in [(format!("1×{m} tokens"), &single), ("11 forks × 73".to_string(), &forked)] {

@@ -15,6 +15,12 @@
 
 #define CHUNK 64
 
+// The columns of a chunk's row-major T, P and K^T (gdn_chunk_prep_rm_<DK>) that the warpgroup scan
+// copies: the chunk's len rounded up to whole 16-byte copies. Of T and P it copies rows < len only;
+// everything past is zero or an identity row in the full tiles, and the scan zero-fills it instead
+// (the products give the same values: R's rows past len are zero), so the prep writes only this.
+__device__ __forceinline__ int rm_read_cols(int len) { return (len + 3) & ~3; }
+
 // gdn_conv: conv taps kept in registers (taps past it are read from global memory).
 #define CONV_REG_TAPS 4
 
@@ -399,7 +405,10 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
 // for the warpgroup scan of deltanet_wg.cu, whose operands are whole rows) stores them ROW-MAJOR,
 // tp[...][i][j], and also writes each chunk's K^T, kt[(chunk*kh + hk)][d][i] (zeros past the
 // chunk's length), from the staging; all three rounded to TF32 (the tensor cores would otherwise
-// truncate these shared-memory operands; the mma.sync scans round theirs with cvt.rna too).
+// truncate these shared-memory operands; the mma.sync scans round theirs with cvt.rna too), and
+// only where that scan reads them: T and P rows < len, columns < rm_read_cols(len), K^T columns
+// < rm_read_cols(len) (a pass's 9-row second chunk: ~7 KB of a head pair's 64 KB). Rows past len
+// are never computed: their products are +0 and their T rows e_i (the loops' exact result).
 //
 // gdn_chunk_prep_<DK>: one block of 256 threads per (chunk, key head). q.k and k.k depend on the key
 // head only and are computed once for its vh/kh value heads: thread (ti, tj) = (tid/16, tid%16) holds
@@ -408,6 +417,39 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
 // P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
 // one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
 // column in registers (no barriers inside the solve).
+// One column c of T = (I + A)^-1 by forward substitution, T_i = e_i - sum_{j<i} A_ij T_j, in
+// registers (no barriers), stored as chunk_prep stores it. Only rows < ROWS (>= the chunk's len)
+// are computed: A's rows past len are +0, so the loop would give exactly e_c's entry there (1 or
+// +0), which rows ROWS.. take directly. Same bits for every ROWS >= len.
+template <int ROWS, bool RM>
+__device__ __forceinline__ void prep_solve_store(const float* Ah, int c, int len, float* Tg) {
+  constexpr int LDA = CHUNK + 1;
+  float x[CHUNK];
+#pragma unroll
+  for (int i = 0; i < CHUNK; i++) {
+    float s0 = i == c ? 1.f : 0.f, s1 = 0.f;
+    if (i < ROWS) {
+#pragma unroll
+      for (int j = 0; j + 1 < i; j += 2) {
+        s0 -= Ah[i * LDA + j] * x[j];
+        s1 -= Ah[i * LDA + j + 1] * x[j + 1];
+      }
+      if (i & 1) s0 -= Ah[i * LDA + i - 1] * x[i - 1];
+    }
+    x[i] = s0 + s1;
+  }
+  if (RM) {
+    if (c >= rm_read_cols(len)) return;
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+      if (i < len) Tg[i * CHUNK + c] = round_tf32(x[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < CHUNK; i += 4)
+      *(float4*)(Tg + c * CHUNK + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+  }
+}
+
 template <int DK, bool RM>
 __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
                            const int* chunks, int kh, int vh, float* tp, float* kt) {
@@ -429,6 +471,7 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
 #pragma unroll
     for (int u = 0; u < DK * CHUNK / 4 / 256; u++) {
       const int idx = tid + 256 * u, d = idx >> 4, i4 = 4 * (idx & 15);
+      if (i4 >= len) continue;  // the scan reads only the chunk's columns (rm_read_cols)
       const float4 k4 = *(const float4*)(Kt + d * LDQK + i4);
       *(float4*)(kto + d * CHUNK + i4) = make_float4(round_tf32(k4.x), round_tf32(k4.y), round_tf32(k4.z), round_tf32(k4.w));
     }
@@ -439,7 +482,7 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   for (int a = 0; a < 4; a++)
 #pragma unroll
     for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.f;
-  if (tj <= ti && 4 * tj < len) {
+  if (tj <= ti && 4 * ti < len) {  // rows past len are zero: their sums stay +0
 #pragma unroll 4
     for (int d = 0; d < DK; d++) {
       const float4 ki = *(const float4*)(Kt + d * LDQK + 4 * ti);
@@ -492,7 +535,7 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
         }
         if (!RM) *(float4*)(Pg + j * CHUNK + 4 * ti) = make_float4(pv[0][b], pv[1][b], pv[2][b], pv[3][b]);
       }
-      if (RM) {
+      if (RM && 4 * ti < len && 4 * tj < len) {  // only the tiles the scan reads (rm_read_cols)
 #pragma unroll
         for (int a = 0; a < 4; a++)
           *(float4*)(Pg + (4 * ti + a) * CHUNK + 4 * tj) =
@@ -503,27 +546,10 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
     if (tid < nh * CHUNK) {
       const int h = tid >> 6, c = tid & 63, hv = hk * r + base + h;
       const float* Ah = As + h * CHUNK * LDA;
-      float x[CHUNK];
-#pragma unroll
-      for (int i = 0; i < CHUNK; i++) {
-        float s0 = i == c ? 1.f : 0.f, s1 = 0.f;
-#pragma unroll
-        for (int j = 0; j + 1 < i; j += 2) {
-          s0 -= Ah[i * LDA + j] * x[j];
-          s1 -= Ah[i * LDA + j + 1] * x[j + 1];
-        }
-        if (i & 1) s0 -= Ah[i * LDA + i - 1] * x[i - 1];
-        x[i] = s0 + s1;
-      }
       float* Tg = tp + ((i64)ck * vh + hv) * 2 * CHUNK * CHUNK;
-      if (RM) {
-#pragma unroll
-        for (int i = 0; i < CHUNK; i++) Tg[i * CHUNK + c] = round_tf32(x[i]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < CHUNK; i += 4)
-          *(float4*)(Tg + c * CHUNK + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
-      }
+      // A pass's short second chunk solves 16 rows; a row past len is e_c either way.
+      if (len <= 16) prep_solve_store<16, RM>(Ah, c, len, Tg);
+      else prep_solve_store<CHUNK, RM>(Ah, c, len, Tg);
     }
   }
 }

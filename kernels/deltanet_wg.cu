@@ -120,17 +120,19 @@ struct WgTileCopy {
     dst = (q0 >> 3) * ROWS * 128 + n0 * 128 + (((q0 & 7) ^ (n0 & 7)) << 4);
   }
   // Copies rows from src (the tile's source row 0; row r at src + r * stride), zero-filling source
-  // rows from `valid` on (their copies read `fallback`, a mapped address).
+  // rows from `valid` on and columns from `cols` on (a multiple of 4; their copies read
+  // `fallback`, a mapped address, and move no bytes).
   __device__ __forceinline__ void operator()(unsigned char* tile, const float* src, i64 stride, int valid,
-                                             const float* fallback) const {
+                                             const float* fallback, int cols = W) const {
     const float* s0 = src + src_row * stride + src_col;
 #pragma unroll
     for (int u = 0; u < NU; u++) {
-      const bool ok = src_row + RP * u < valid;
 #pragma unroll
-      for (int v = 0; v < NV; v++)
+      for (int v = 0; v < NV; v++) {
+        const bool ok = src_row + RP * u < valid && src_col + v * 4 * TPR < cols;
         cp_async16(tile + dst + u * RP * 128 + v * (TPR / 8) * ROWS * 128,
                    ok ? s0 + RP * u * stride + v * 4 * TPR : fallback, ok);
+      }
     }
   }
 };
@@ -220,11 +222,15 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       cp_async16(V + (vi0 + 8 * u) * WG_LDV + vq, ok ? s0 + 8 * u * vrs : v, ok);
     }
   };
+  // Only the part the prep wrote (rm_read_cols); the rest of each tile is zero-filled: T's and P's
+  // rows past the chunk's length meet zero rows of R and are never stored, K^T's columns past it
+  // are zeros anyway. A full chunk copies the whole tiles.
   auto copy_tpk = [&](int ck) {
     const float* t = tph + ck * tstride;
-    tp_copy(Tb, t, CHUNK, CHUNK, t);
-    tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, CHUNK, t);
-    kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t);
+    const int ln = chunks[2 * ck + 1], cols = rm_read_cols(ln);
+    tp_copy(Tb, t, CHUNK, ln, t, cols);
+    tp_copy(Pb, t + CHUNK * CHUNK, CHUNK, ln, t, cols);
+    kt_copy(Ktb, kth + ck * kstride, CHUNK, DK, t, cols);
   };
   if constexpr (WS) {
     if (threadIdx.x == 0) {
