@@ -36,7 +36,7 @@
 //!   the mixer the same kernels), their difference and ratio; with `IMAJEV_PROFILE=kernels` also
 //!   each configuration's kernels and their own device time; the warpgroup scan (`GdnScan::Warpgroup`, Hopper's default) beside the by-length scans
 //!   (alone with `--only deltanet-wg`), and its one-warpgroup kernel beside the paired one
-//!   (`gdn_wg_pair`);
+//!   (`gdn_wg_pair`) and the lean one (`gdn_wg_lean`);
 //! * only when named in `--only` (`conv`): the DeltaNet mixer (warpgroup scan) at 977, 2,048
 //!   (with the 11 forks × 73) and 16,304 rows (or at `--lengths`) under each `gdn_conv` tiling
 //!   of `IMAJEV_CONV_TILINGS` (default `8x1,8x4,8x16,4x1,4x4,4x16`; the same bits, so only the
@@ -972,6 +972,11 @@ fn main() -> Result<()> {
         CudaOptions { gdn_wg_producer: Some(false), gdn_wg_pair: true, ..warpgroup.options().clone() },
     )?;
     let wg_pairing = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, paired", &wg_paired)];
+    let wg_lean = CudaBackend::new(
+        0,
+        CudaOptions { gdn_wg_producer: Some(false), gdn_wg_lean: true, ..warpgroup.options().clone() },
+    )?;
+    let wg_leaning = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, lean", &wg_lean)];
     if named("conv") {
         let list =
             std::env::var("IMAJEV_CONV_TILINGS").unwrap_or_else(|_| "8x1,8x4,8x16,4x1,4x4,4x16".into());
@@ -998,6 +1003,7 @@ fn main() -> Result<()> {
         b.deltanet(&wg_pair, delta, m, m == 2048)?;
         b.deltanet(&wg_kernels, delta, m, m == 2048)?;
         b.deltanet(&wg_pairing, delta, m, m == 2048)?;
+        b.deltanet(&wg_leaning, delta, m, m == 2048)?;
     }
     println!(
         "\ncuBLASLt plans of the large shapes (algorithm fixed per shape at M={}):",

@@ -151,7 +151,13 @@ constexpr int WG_LDV = CHUNK + 8;  // V row stride: a warp's R reads (8 columns 
 // so a short launch runs half as many blocks of one SM each. K and Q have one buffer (two would not
 // fit beside a second V): the next chunk's are copied once every warp is past the first products,
 // with its V. Each warpgroup's products are wg1's, in the same order: the same bits.
-template <int DK, bool WS, bool PAIR = false>
+// LEAN (gdn_chunk_scan_wgl_<DK>, without WS and PAIR): wg1 in a third of its shared memory, so that
+// two blocks share an SM: one K and one Q tile, and once a chunk's first products have read them,
+// the chunk's T and P are copied over Q and its K^T over K. Nothing is copied ahead (each chunk
+// waits for its K, Q, V and then its T, P, K^T), which costs little where a sequence has one or
+// two chunks (the passes: nothing to run ahead of) and the other block on the SM computes while
+// one waits. The same products in the same order on the same values as wg1: the same bits.
+template <int DK, bool WS, bool PAIR = false, bool LEAN = false>
 __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, const float* beta, const float* g,
                               const float* tp, const float* ktg, const int* chunks, const i64* segs, int kh, int vh,
                               int dv, float* out) {
@@ -161,15 +167,19 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
   unsigned char* base =
       smem_wg_raw + ((1024u - ((unsigned)__cvta_generic_to_shared(smem_wg_raw) & 1023u)) & 1023u);
   static_assert(!(PAIR && WS), "the paired form has no producer");
+  static_assert(!(LEAN && (WS || PAIR)), "the lean form is wg1's");
   constexpr int QKB = CHUNK * DK * 4;        // bytes of one chunk's K (or Q)
   constexpr int NS = DK / 2;                 // state accumulators per thread
-  constexpr int KQBUF = PAIR ? 1 : 2;        // K, Q buffers
+  constexpr int KQBUF = PAIR || LEAN ? 1 : 2;  // K, Q buffers
   constexpr int NWG = PAIR ? 2 : 1;          // consumer warpgroups
+  constexpr int TPB = 2 * CHUNK * CHUNK * 4;  // T and P
+  // LEAN: Q's buffer also holds T and P, so it is the larger of the two (layout::delta_wgl_smem_bytes).
+  constexpr int QSLOT = LEAN && TPB > QKB ? TPB : QKB;
   unsigned char* KQ = base;                  // [KQBUF][K | Q]
-  unsigned char* Ktb = KQ + 2 * KQBUF * QKB;  // K^T: DK rows x 64
-  unsigned char* Tb = Ktb + QKB;             // T: 64 rows x 64
+  unsigned char* Ktb = LEAN ? KQ : KQ + 2 * KQBUF * QKB;  // K^T: DK rows x 64 (LEAN: over K)
+  unsigned char* Tb = LEAN ? KQ + QKB : Ktb + QKB;         // T: 64 rows x 64 (LEAN: over Q)
   unsigned char* Pb = Tb + CHUNK * CHUNK * 4;
-  float* Vs = (float*)(Pb + CHUNK * CHUNK * 4);  // [NWG][64][WG_LDV]
+  float* Vs = (float*)(LEAN ? KQ + QKB + QSLOT : Pb + CHUNK * CHUNK * 4);  // [NWG][64][WG_LDV]
   float* gates = Vs + NWG * CHUNK * WG_LDV;      // [2][3][64]: e^gamma, decay factors, beta
   unsigned long long* bars = (unsigned long long*)(gates + 6 * CHUNK);
   unsigned long long *full_a = bars, *empty_a = bars + 2;  // [2] each: K, Q and the gates of a chunk
@@ -269,6 +279,14 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       cp_async_wait_all();
       return;
     }
+  } else if constexpr (LEAN) {
+    // K, Q, V and the gates of the first chunk; T, P and K^T once its first products are done.
+    if (nch > 0) {
+      copy_kq(0, first);
+      copy_v(first);
+    }
+    cp_async_commit();
+    if (nch > 0 && warp == 0) write_gates(0, first);
   } else {
     // One warpgroup copies between its products, cp.async groups committed by every thread in the
     // same order (empty when nothing is copied): {K,Q,V of the first chunk} {K^T,T,P of it}, then
@@ -307,7 +325,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 #pragma unroll
   for (int e = 0; e < 32; e++) x[e] = y[e] = vn[e] = 0.f;
   for (int ck = first; ck < end; ck++) {
-    const int n = ck - first, b = n & 1, kb = PAIR ? 0 : b;  // gates' buffer, K and Q's
+    const int n = ck - first, b = LEAN ? 0 : n & 1, kb = PAIR ? 0 : b;  // gates' buffer, K and Q's
     const i64 row0 = chunks[2 * ck];
     const int len = chunks[2 * ck + 1];
     const float* G = gates + b * 3 * CHUNK;
@@ -315,6 +333,10 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
     if constexpr (WS) {
       mbar_wait(full_a + b, (n >> 1) & 1);  // K, Q and the gates of this chunk
       fence_proxy_async();
+    } else if constexpr (LEAN) {
+      cp_async_wait_group<0>();  // K, Q, V of this chunk
+      fence_proxy_async();
+      __syncthreads();  // ... and the gates, visible to all
     } else {
       cp_async_wait_group<1>();  // K, Q, V of this chunk (its K^T, T, P may still fly)
       fence_proxy_async();
@@ -341,6 +363,11 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       fence_regs(x);
       fence_regs(y);
     }
+    if constexpr (LEAN) {
+      __syncthreads();  // every warp's X and Y are done with K and Q: K^T over K, T and P over Q
+      copy_tpk(ck);
+      cp_async_commit();
+    }
     // R^T = beta (V^T - e^gamma X) in place of X (Y is scaled by e^gamma after Vn).
     if constexpr (WS) mbar_wait(full_v, n & 1);
 #pragma unroll
@@ -354,6 +381,10 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       release(empty_v);
       mbar_wait(full_b, n & 1);  // K^T, T and P of this chunk
       fence_proxy_async();
+    } else if constexpr (LEAN) {
+      cp_async_wait_group<0>();  // K^T, T and P of this chunk
+      fence_proxy_async();
+      __syncthreads();
     } else {
       __syncthreads();  // every thread is done with V (and warp 0 may overwrite the gates b^1; PAIR:
                         // with K and Q, read by the first products)
@@ -421,6 +452,14 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
     if constexpr (WS) {
       release(empty_b);
       release(empty_a + b);  // K and Q were read by the first products, the gates up to here
+    } else if constexpr (LEAN) {
+      __syncthreads();  // every warp is done with K^T, T, P, V and the gates
+      if (has_next) {
+        copy_kq(0, ck + 1);
+        copy_v(ck + 1);
+      }
+      cp_async_commit();
+      if (has_next && warp == 0) write_gates(0, ck + 1);
     } else {
       __syncthreads();  // every warp's products are done with K^T, T and P
       if (has_next && copier) copy_tpk(ck + 1);
@@ -455,28 +494,32 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
 // Entries exist on every architecture (the kernel table loads them by name); off Hopper they do
 // nothing, and the host only launches them on sm_90.
 #ifdef IMAJEV_WGMMA
-#define SCAN_WG_BODY(DK, WS, PAIR) \
-  chunk_scan_wg<DK, WS, PAIR>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
+#define SCAN_WG_BODY(DK, WS, PAIR, LEAN) \
+  chunk_scan_wg<DK, WS, PAIR, LEAN>(qn, kn, v, beta, g, tp, kt, chunks, segs, kh, vh, dv, out);
 #else
-#define SCAN_WG_BODY(DK, WS, PAIR)
+#define SCAN_WG_BODY(DK, WS, PAIR, LEAN)
 #endif
 // gdn_chunk_scan_wg_<DK>: the producer warpgroup and the consumer warpgroup (256 threads);
 // gdn_chunk_scan_wg1_<DK>: one warpgroup that copies between its products (128 threads), for short
 // launches (the same products in the same order on the same values: the same bits);
-// gdn_chunk_scan_wg2_<DK>: two such warpgroups sharing a (sequence, head)'s tiles (PAIR above).
-#define SCAN_WG_ENTRY(NAME, DK, WS, PAIR, THREADS)                                                              \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                   \
+// gdn_chunk_scan_wg2_<DK>: two such warpgroups sharing a (sequence, head)'s tiles (PAIR above);
+// gdn_chunk_scan_wgl_<DK>: wg1 in a third of the shared memory, two blocks an SM (LEAN above).
+#define SCAN_WG_ENTRY(NAME, DK, WS, PAIR, LEAN, THREADS, MINB)                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                                \
       NAME(const float* qn, const float* kn, const float* v, const float* beta, const float* g,              \
            const float* tp, const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv,     \
            float* out) {                                                                                     \
-    SCAN_WG_BODY(DK, WS, PAIR)                                                                               \
+    SCAN_WG_BODY(DK, WS, PAIR, LEAN)                                                                         \
   }
-SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, false, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg_64, 64, true, false, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg_128, 128, true, false, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg1_32, 32, false, false, 128)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg1_64, 64, false, false, 128)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg1_128, 128, false, false, 128)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg2_32, 32, false, true, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg2_64, 64, false, true, 256)
-SCAN_WG_ENTRY(gdn_chunk_scan_wg2_128, 128, false, true, 256)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, false, false, 256, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_64, 64, true, false, false, 256, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg_128, 128, true, false, false, 256, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_32, 32, false, false, false, 128, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_64, 64, false, false, false, 128, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg1_128, 128, false, false, false, 128, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg2_32, 32, false, true, false, 256, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg2_64, 64, false, true, false, 256, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wg2_128, 128, false, true, false, 256, 1)
+SCAN_WG_ENTRY(gdn_chunk_scan_wgl_32, 32, false, false, true, 128, 2)
+SCAN_WG_ENTRY(gdn_chunk_scan_wgl_64, 64, false, false, true, 128, 2)
+SCAN_WG_ENTRY(gdn_chunk_scan_wgl_128, 128, false, false, true, 128, 2)

@@ -247,7 +247,20 @@ pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
         rep.flag("gdn", "paired warpgroup scan", false, "IMAJEV_GDN_WG_PAIR forces it off: unset it");
         return Ok(());
     }
-    twin_cases(&pair, ("one-warpgroup scan", &one), c, rep, rng, "paired warpgroup scan")
+    twin_cases(&pair, ("one-warpgroup scan", &one), c, rep, rng, "paired warpgroup scan")?;
+    // The lean kernel (a third of the shared memory, two blocks an SM) for every launch, BITWISE
+    // against the one-warpgroup kernel.
+    let lean = variant(&be, |o| {
+        o.gdn_scan = GdnScan::Warpgroup;
+        o.gdn_wg_producer = Some(false);
+        o.gdn_wg_pair = false;
+        o.gdn_wg_lean = true;
+    })?;
+    if !lean.options().gdn_wg_lean {
+        rep.flag("gdn", "lean warpgroup scan", false, "IMAJEV_GDN_WG_LEAN forces it off: unset it");
+        return Ok(());
+    }
+    twin_cases(&lean, ("one-warpgroup scan", &one), c, rep, rng, "lean warpgroup scan")
 }
 
 /// The warpgroup scan with its paired kernel (`gdn_chunk_scan_wg2_<dk>`) for every launch.

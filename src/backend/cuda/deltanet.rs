@@ -215,7 +215,9 @@ pub fn split_kernels(options: &CudaOptions, dk: usize, dv: usize) -> Option<[(St
 /// for a producer to run ahead of (11 passes of 73 tokens: mixer 0.229 ms with one warpgroup, 0.272
 /// with the producer on the H100, NOTES). With `gdn_wg_pair` (and more than 64 value columns) the
 /// short launches run `gdn_chunk_scan_wg2_<dk>` instead: two such warpgroups a block sharing the
-/// copies of one (sequence, head), half the blocks (the same bits).
+/// copies of one (sequence, head), half the blocks (the same bits); else with `gdn_wg_lean`
+/// `gdn_chunk_scan_wgl_<dk>`: one warpgroup in a third of the shared memory, two blocks an SM (the
+/// same bits).
 pub fn warpgroup_kernel(
     options: &CudaOptions,
     dk: usize,
@@ -235,10 +237,16 @@ pub fn warpgroup_kernel(
             column_blocks: dv.div_ceil(128) as u32,
         });
     }
-    let (kind, threads) = if producer { ("wg", WARPGROUP_SCAN_THREADS) } else { ("wg1", 128) };
+    let (kind, threads, smem) = if producer {
+        ("wg", WARPGROUP_SCAN_THREADS, layout::delta_wg_smem_bytes(dk))
+    } else if options.gdn_wg_lean {
+        ("wgl", 128, layout::delta_wgl_smem_bytes(dk))
+    } else {
+        ("wg1", 128, layout::delta_wg_smem_bytes(dk))
+    };
     Some(ScanKernel {
         name: format!("gdn_chunk_scan_{kind}_{dk}"),
-        smem: layout::delta_wg_smem_bytes(dk),
+        smem,
         threads,
         column_blocks: dv.div_ceil(64) as u32,
     })
@@ -880,17 +888,19 @@ mod tests {
 
     #[test]
     fn the_warpgroup_scan_is_launched_with_the_threads_its_kernel_is_built_for() {
-        // kernels/deltanet_wg.cu: SCAN_WG_ENTRY(name, dk, producer, paired, launch-bounds threads).
+        // kernels/deltanet_wg.cu: SCAN_WG_ENTRY(name, dk, producer, paired, lean, launch-bounds
+        // threads, blocks an SM).
         let src = KERNELS.iter().find(|f| f.name == "deltanet").expect("deltanet unit").source;
-        assert!(src.contains("__launch_bounds__(THREADS, 1)"));
+        assert!(src.contains("__launch_bounds__(THREADS, MINB)"));
         for dk in [32, 64, 128] {
-            for (kind, producer, paired, threads) in [
-                ("wg", true, false, WARPGROUP_SCAN_THREADS),
-                ("wg1", false, false, 128),
-                ("wg2", false, true, 256),
+            for (kind, producer, paired, lean, threads, minb) in [
+                ("wg", true, false, false, WARPGROUP_SCAN_THREADS, 1),
+                ("wg1", false, false, false, 128, 1),
+                ("wg2", false, true, false, 256, 1),
+                ("wgl", false, false, true, 128, 2),
             ] {
                 let entry = format!(
-                    "SCAN_WG_ENTRY(gdn_chunk_scan_{kind}_{dk}, {dk}, {producer}, {paired}, {threads})"
+                    "SCAN_WG_ENTRY(gdn_chunk_scan_{kind}_{dk}, {dk}, {producer}, {paired}, {lean}, {threads}, {minb})"
                 );
                 assert!(src.contains(&entry), "kernels/deltanet_wg.cu must declare {entry}");
             }
@@ -920,6 +930,22 @@ mod tests {
         assert_eq!(
             warpgroup_kernel(&paired, 128, 64, 1, true).map(|k| k.name),
             Some("gdn_chunk_scan_wg1_128".into())
+        );
+        // Lean: the short launches only (the paired form wins where both are asked for).
+        let lean = CudaOptions { gdn_wg_lean: true, ..opts.clone() };
+        let k = warpgroup_kernel(&lean, 128, 128, long - 1, true).expect("short launch");
+        assert_eq!(
+            (k.name.as_str(), k.threads, k.column_blocks, k.smem),
+            ("gdn_chunk_scan_wgl_128", 128, 2, layout::delta_wgl_smem_bytes(128))
+        );
+        assert_eq!(
+            warpgroup_kernel(&lean, 128, 128, long, true).map(|k| k.name),
+            Some("gdn_chunk_scan_wg_128".into())
+        );
+        let both = CudaOptions { gdn_wg_pair: true, ..lean.clone() };
+        assert_eq!(
+            warpgroup_kernel(&both, 128, 128, 1, true).map(|k| k.name),
+            Some("gdn_chunk_scan_wg2_128".into())
         );
         let forced = CudaOptions { gdn_wg_producer: Some(true), ..opts.clone() };
         assert_eq!(

@@ -286,6 +286,16 @@ pub const fn delta_wg2_smem_bytes(dk: usize) -> usize {
     1024 + (2 * c * dk + dk * c + 2 * c * c + 2 * c * (c + 8) + 6 * c) * 4 + 8 * 8
 }
 
+/// Dynamic shared memory of `gdn_chunk_scan_wgl_<dk>` (kernels/deltanet_wg.cu, LEAN): 1,024 bytes
+/// of slack, one K tile [64][dk] (later the chunk's K^T [dk][64] over it), one Q tile (later T and
+/// P [64][64] each over it: the larger of the two), v [64][72], the gates [2][3][64] (one used),
+/// 8 mbarriers (unused). 86,592 bytes at dk 128: two blocks an SM.
+pub const fn delta_wgl_smem_bytes(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    let q_slot = if 2 * c * c > c * dk { 2 * c * c } else { c * dk };
+    1024 + (c * dk + q_slot + c * (c + 8) + 6 * c) * 4 + 8 * 8
+}
+
 /// The row of a chunk (or the key dim) whose values `gdn_chunk_scan_wg_<dk>` keeps in accumulator
 /// column / shared row `n` (`wg_row` in kernels/deltanet_wg.cu, the same arithmetic): within each
 /// group of 8, `n = 8a + 2t + e` holds `8a + t + 4e`. A TF32 A fragment's lane holds the k columns
@@ -712,6 +722,11 @@ mod tests {
         assert_eq!(delta_wg2_smem_bytes(128), 170_560);
         assert!(delta_wg2_smem_bytes(128) + 1024 <= 228 * 1024);
         assert!(delta_wg_smem_bytes(128) + 1024 <= 228 * 1024);
+        // The lean scan: two blocks an SM at every key dim (its __launch_bounds__(128, 2)).
+        assert_eq!(delta_wgl_smem_bytes(128), 86_592);
+        for dk in [32, 64, 128] {
+            assert!(2 * (delta_wgl_smem_bytes(dk) + 1024) <= 228 * 1024, "dk {dk}");
+        }
         for dk in [16, 32, 64, 128] {
             for b in [
                 delta_split_wu_smem_bytes(dk),

@@ -109,6 +109,12 @@ pub struct CudaOptions {
     /// a block per 64 value columns (`gdn_chunk_scan_wg1_<dk>`): half the blocks, the same bits.
     /// `IMAJEV_GDN_WG_PAIR=1` (or `0`) in the environment sets it.
     pub gdn_wg_pair: bool,
+    /// Whether the warpgroup scan's short launches (no producer, not paired) run
+    /// `gdn_chunk_scan_wgl_<dk>` instead of `gdn_chunk_scan_wg1_<dk>`: the same warpgroup in a
+    /// third of the shared memory (T, P and K^T copied over a chunk's Q and K once its first
+    /// products are done, nothing copied ahead), so two blocks share an SM; the same bits.
+    /// `IMAJEV_GDN_WG_LEAN=1` (or `0`) in the environment sets it.
+    pub gdn_wg_lean: bool,
     /// How `gdn_conv` walks rows: each thread streams its channels' input rows through a register
     /// window, a group of rows ahead ([`deltanet::ConvTiling`]: the group's rows, 8 or 4, and the
     /// groups a block). `None`: by the row count ([`deltanet::ConvTiling::for_rows`]). The same
@@ -178,6 +184,7 @@ impl Default for CudaOptions {
             gdn_tf32: true,
             gdn_wg_producer: None,
             gdn_wg_pair: false,
+            gdn_wg_lean: false,
             gdn_conv: None,
             unfused_act_quant: false,
             mlp_lora_fused: true,
@@ -301,6 +308,12 @@ impl CudaBackend {
             Ok("0") => options.gdn_wg_pair = false,
             Ok("") | Err(_) => {}
             Ok(other) => bail!("IMAJEV_GDN_WG_PAIR={other}: expected 1 (two warpgroups a block) or 0"),
+        }
+        match std::env::var("IMAJEV_GDN_WG_LEAN").as_deref() {
+            Ok("1") => options.gdn_wg_lean = true,
+            Ok("0") => options.gdn_wg_lean = false,
+            Ok("") | Err(_) => {}
+            Ok(other) => bail!("IMAJEV_GDN_WG_LEAN={other}: expected 1 (two lean blocks an SM) or 0"),
         }
         match std::env::var("IMAJEV_GDN_TF32").as_deref() {
             Ok("1") => options.gdn_tf32 = true,
