@@ -962,7 +962,14 @@ fn main() -> Result<()> {
     let wg_pair = [("by-length scans", &by_length), ("warpgroup scan", &warpgroup)];
     // Its two kernels (the same bits), each forced.
     let wg_kernel = |producer| {
-        CudaBackend::new(0, CudaOptions { gdn_wg_producer: Some(producer), ..warpgroup.options().clone() })
+        CudaBackend::new(
+            0,
+            CudaOptions {
+                gdn_wg_producer: Some(producer),
+                gdn_wg_lean: false,
+                ..warpgroup.options().clone()
+            },
+        )
     };
     let (wg_one, wg_producer) = (wg_kernel(false)?, wg_kernel(true)?);
     let wg_kernels = [("warpgroup, one warpgroup", &wg_one), ("warpgroup, producer", &wg_producer)];

@@ -232,11 +232,20 @@ pub fn warpgroup_cases(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &
         variant(&be, |o| {
             o.gdn_scan = GdnScan::Warpgroup;
             o.gdn_wg_producer = Some(producer);
+            o.gdn_wg_lean = false;
         })
     };
     let (one, producer) = (forced(false)?, forced(true)?);
-    if one.options().gdn_wg_producer != Some(false) || producer.options().gdn_wg_producer != Some(true) {
-        rep.flag("gdn", "warpgroup scan kernels", false, "IMAJEV_GDN_WG forces one: unset it");
+    if one.options().gdn_wg_producer != Some(false)
+        || producer.options().gdn_wg_producer != Some(true)
+        || one.options().gdn_wg_lean
+    {
+        rep.flag(
+            "gdn",
+            "warpgroup scan kernels",
+            false,
+            "IMAJEV_GDN_WG or IMAJEV_GDN_WG_LEAN forces one: unset them",
+        );
         return Ok(());
     }
     twin_cases(&one, ("producer warpgroup scan", &producer), c, rep, rng, "one-warpgroup scan")?;

@@ -905,7 +905,12 @@ mod tests {
                 assert!(src.contains(&entry), "kernels/deltanet_wg.cu must declare {entry}");
             }
         }
-        let opts = CudaOptions { gdn_scan: GdnScan::Warpgroup, gdn_ffma: false, ..CudaOptions::default() };
+        let opts = CudaOptions {
+            gdn_scan: GdnScan::Warpgroup,
+            gdn_ffma: false,
+            gdn_wg_lean: false,
+            ..CudaOptions::default()
+        };
         let long = PIPELINED_MIN_CHUNKS;
         let k = warpgroup_kernel(&opts, 128, 128, long, true).expect("dk 128 on Hopper");
         assert_eq!(
@@ -931,7 +936,8 @@ mod tests {
             warpgroup_kernel(&paired, 128, 64, 1, true).map(|k| k.name),
             Some("gdn_chunk_scan_wg1_128".into())
         );
-        // Lean: the short launches only (the paired form wins where both are asked for).
+        // Lean (the default): the short launches only (the paired form wins where both are asked for).
+        assert!(CudaOptions::default().gdn_wg_lean);
         let lean = CudaOptions { gdn_wg_lean: true, ..opts.clone() };
         let k = warpgroup_kernel(&lean, 128, 128, long - 1, true).expect("short launch");
         assert_eq!(
