@@ -10,6 +10,7 @@
 #   BUDGETS="64:8192 96:8192 128:12288" CLIENTS=16,64 DURATION=8 bash bench/h200_budgets.sh
 #   BUDGETS="96:8192 96:8192:two-level 120:8192:two-level" CLIENTS=16,64 DURATION=6 bash bench/h200_budgets.sh
 #   BUDGETS="96:8192 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1" CLIENTS=16 bash bench/h200_budgets.sh
+#   B=96:8192:one-level:IMAJEV_OVERLAP_ROUNDS; BUDGETS="$B=0 $B=1 $B=0 $B=1" CLIENTS=16,64 DURATION=6 bash bench/h200_budgets.sh
 # SERVE_ARGS adds `serve` flags to every run. Writes $OUT/budget-S-T[-TREE].json per entry,
 # $OUT/load.log and $OUT/summary.txt, and $OUT/profile-NAME.log for an entry whose ENV has
 # IMAJEV_PROFILE=kernels (its round's kernel profile; at most 8 files in all). Needs
@@ -23,6 +24,8 @@ reports=()
 for b in ${BUDGETS:-64:8192 96:8192 128:12288}; do
   IFS=: read -r s t tree envs <<<"$b"
   name="$s-$t${tree:+-$tree}${envs:+-$(echo "$envs" | tr -c 'A-Za-z0-9_=\n' '_' | tr '=' '-')}" t0=$SECONDS
+  # The same entry twice (an A/B repeated in one call) keeps both reports.
+  [[ -e "$OUT/budget-$name.json" ]] && name="$name-$port"
   # shellcheck disable=SC2086  # SERVE_ARGS is a list of words; ENV entries VAR=VALUE for env
   PYTHONUNBUFFERED=1 timeout 300 env ${envs//,/ } python3 bench/http_load.py --bin .gpu/imajev-serve --work "$W" --port $port \
     --duration "${DURATION:-8}" --clients "${CLIENTS:-16,64}" --start-timeout 240 --server-log "$W/server-$name.log" \

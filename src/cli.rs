@@ -81,6 +81,12 @@ pub struct ModelArgs {
     /// (one-level) or run once with the passes continuing them (two-level).
     #[arg(long, value_enum, default_value_t = QuestionTree::OneLevel, env = "IMAJEV_QUESTION_TREE")]
     pub question_tree: QuestionTree,
+    /// Queue the next packed round while the GPU still runs the current one, instead of reading
+    /// out and answering first: the same answers, and the GPU no longer waits for the host between
+    /// rounds under load. No effect on the CPU (a round there is done when launched). Off until
+    /// measured on the device. Takes true/false (also 1/0, yes/no, on/off).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), env = "IMAJEV_OVERLAP_ROUNDS")]
+    pub overlap_rounds: bool,
     /// Serve the built-in demo instead of a model: a tiny random-weight Qwen3.5 with the real
     /// tokenizer (the API works, the answers are meaningless).
     #[arg(long, conflicts_with_all = ["model", "adapter", "calibration"])]
@@ -107,6 +113,7 @@ impl ModelArgs {
             max_tokens: self.batch_tokens,
             max_sequences: self.batch_sequences,
             question_tree: self.question_tree,
+            overlap_rounds: self.overlap_rounds,
             ..Default::default()
         }
     }

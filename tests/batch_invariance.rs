@@ -40,6 +40,21 @@ fn packed_requests_get_the_bits_they_get_alone() {
     }
 }
 
+/// Rounds launched while the round before is still in flight, as the engine thread overlaps them
+/// (`--overlap-rounds`), get the bits they get on their own. On the CPU a launch has run when it
+/// returns; this checks the launch/finish split itself (which job and pass each logit goes to).
+#[test]
+fn rounds_in_flight_get_the_bits_they_get_alone() {
+    let m = common::tiny(SynthDtype::Bf16, 33);
+    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let d = packing::decider(&m.model, &m.adapter, 12, 2);
+    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    for tree in [QuestionTree::OneLevel, QuestionTree::TwoLevel] {
+        let bad = packing::in_flight_vs_alone(&engine, &reqs, &packing::round_groups(), roomy(tree));
+        assert!(bad.is_empty(), "{tree:?}:\n{}", bad.join("\n"));
+    }
+}
+
 /// The two-level tree in one forward runs exactly the arithmetic of the path it replaces
 /// (prefix prefilled and shared, each question's shared tokens extended and shared, each pass
 /// extended from them), so the bits agree; against the one-level tree (the question's tokens

@@ -178,6 +178,17 @@ fn gpu_packed_requests_get_the_bits_they_get_alone() {
             eprintln!("{name}, {tree:?}: {} packings, {} changed a request", cases.len(), bad.len());
             failures.extend(bad.into_iter().map(|b| format!("{name}, {tree:?}: {b}")));
         }
+        // Rounds queued while the one before is in flight (`--overlap-rounds`): the readout of
+        // one round waits in pinned memory while the next is queued behind it.
+        for tree in [QuestionTree::OneLevel, QuestionTree::TwoLevel] {
+            let bad = packing::in_flight_vs_alone(&engine, &reqs, &packing::round_groups(), roomy(tree));
+            eprintln!(
+                "{name}, {tree:?}: {} rounds in flight, {} requests changed",
+                packing::round_groups().len(),
+                bad.len()
+            );
+            failures.extend(bad.into_iter().map(|b| format!("{name}, {tree:?}: {b}")));
+        }
         // The two-level tree vs the separate forwards it replaces, and vs the one-level tree.
         let separate = BatchLimits {
             max_tokens: 1,

@@ -234,6 +234,10 @@ pub trait Backend: Send + Sync + 'static {
     type KvCache: Clone + Send + Sync;
     /// Conv history and recurrent state of one DeltaNet layer for one sequence.
     type DeltaState: Clone + Send + Sync;
+    /// Readout logits on their way to the host ([`Backend::readout_start`]).
+    type Readout: 'static;
+    /// A point in the queue of device work ([`Backend::marker`]).
+    type Marker: 'static;
 
     /// A one-line description for logs and `/v1/models`.
     fn describe(&self) -> String;
@@ -250,6 +254,18 @@ pub trait Backend: Send + Sync + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    /// Whether ops return before the device has run them (queued work, read back later). The
+    /// worker then prepares and queues the next round while one runs; on a backend whose ops
+    /// finish when they return (the CPU) that would only hold the finished round's answers back.
+    fn queues_work(&self) -> bool {
+        false
+    }
+
+    /// Marks the work queued so far, to wait for later ([`Backend::wait_marker`]).
+    fn marker(&self) -> Result<Self::Marker>;
+    /// Waits until the work queued before `marker` has run.
+    fn wait_marker(&self, marker: &Self::Marker) -> Result<()>;
 
     /// Keeps the host at most one step ahead of the device in a loop of long steps (the vision
     /// blocks): waits until the work queued before the previous call has run, then marks the work
@@ -382,7 +398,16 @@ pub trait Backend: Send + Sync + 'static {
         self.matmul(x, w)
     }
     /// `h · Wᵀ` in f32 for an f32 `[rows, d]` weight; returns `[n, rows]` on the host.
-    fn readout(&self, h: &Self::Tensor, w: &Self::Tensor) -> Result<Vec<f32>>;
+    fn readout(&self, h: &Self::Tensor, w: &Self::Tensor) -> Result<Vec<f32>> {
+        let pending = self.readout_start(h, w)?;
+        self.readout_finish(pending)
+    }
+    /// [`Backend::readout`] queued: the product and its copy to the host, collected by
+    /// [`Backend::readout_finish`] (which waits for them), so that the host can queue more work
+    /// in between. `h`, `w` and every other tensor may be dropped in the meantime.
+    fn readout_start(&self, h: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Readout>;
+    /// The logits of a [`Backend::readout_start`], `[n, rows]`, once they are on the host.
+    fn readout_finish(&self, pending: Self::Readout) -> Result<Vec<f32>>;
 
     fn new_kv_cache(&self, dims: &AttentionDims) -> Result<Self::KvCache>;
     fn kv_len(&self, cache: &Self::KvCache) -> usize;

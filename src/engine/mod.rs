@@ -10,4 +10,4 @@ pub mod profile;
 pub mod progress;
 
 pub use config::{LayerKind, ModelConfig};
-pub use model::{FinalStates, LayerDump, LoadReport, Qwen35, Segment, State};
+pub use model::{FinalStates, LayerDump, LayerMark, LoadReport, Qwen35, Segment, State};

@@ -50,6 +50,16 @@ impl<B: Backend> Clone for State<B> {
     }
 }
 
+/// A mark to record in a forward's device queue before one of its layers
+/// ([`Qwen35::forward_readout_marked`]).
+#[derive(Debug)]
+pub struct LayerMark<M> {
+    /// Before this layer (a forward of fewer layers records none).
+    pub layer: usize,
+    /// Set by the forward.
+    pub marker: Option<M>,
+}
+
 /// Which sequences of a forward have usable states after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinalStates {
@@ -668,7 +678,21 @@ impl<B: Backend> Qwen35<B> {
     /// no other sequence of the forward continues are left unfinished ([`FinalStates::Continued`]).
     pub fn forward_readout(&self, segs: &[Segment<B>], states: &mut [&mut State<B>]) -> Result<B::Tensor> {
         Ok(self
-            .forward_inner(segs, states, None, None, FinalStates::Continued)?
+            .forward_inner(segs, states, None, None, FinalStates::Continued, None)?
+            .expect("a forward without a stop check runs to its end"))
+    }
+
+    /// [`Qwen35::forward_readout`] that also marks the device's queue before layer `mark.layer`
+    /// ([`Backend::marker`]): waiting on the mark returns while the device still runs the layers
+    /// after it.
+    pub fn forward_readout_marked(
+        &self,
+        segs: &[Segment<B>],
+        states: &mut [&mut State<B>],
+        mark: &mut LayerMark<B::Marker>,
+    ) -> Result<B::Tensor> {
+        Ok(self
+            .forward_inner(segs, states, None, None, FinalStates::Continued, Some(mark))?
             .expect("a forward without a stop check runs to its end"))
     }
 
@@ -683,7 +707,7 @@ impl<B: Backend> Qwen35<B> {
         dump: Option<&mut LayerDump>,
     ) -> Result<B::Tensor> {
         Ok(self
-            .forward_inner(segs, states, dump, None, FinalStates::All)?
+            .forward_inner(segs, states, dump, None, FinalStates::All, None)?
             .expect("a forward without a stop check runs to its end"))
     }
 
@@ -698,7 +722,7 @@ impl<B: Backend> Qwen35<B> {
         states: &mut [&mut State<B>],
         stop: &dyn Fn() -> bool,
     ) -> Result<Option<B::Tensor>> {
-        self.forward_inner(segs, states, None, Some(stop), FinalStates::All)
+        self.forward_inner(segs, states, None, Some(stop), FinalStates::All, None)
     }
 
     fn forward_inner(
@@ -708,6 +732,7 @@ impl<B: Backend> Qwen35<B> {
         mut dump: Option<&mut LayerDump>,
         stop: Option<&dyn Fn() -> bool>,
         finals: FinalStates,
+        mut mark: Option<&mut LayerMark<B::Marker>>,
     ) -> Result<Option<B::Tensor>> {
         ensure!(segs.len() == states.len() && !segs.is_empty(), "forward needs one state per sequence");
         for (j, (s, st)) in segs.iter().zip(states.iter()).enumerate() {
@@ -802,6 +827,9 @@ impl<B: Backend> Qwen35<B> {
         let mut h =
             b.rms_norm(&x, self.layers.first().map_or(&self.norm, |l| &l.input_norm), self.eps, 1.0)?;
         for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(m) = mark.as_deref_mut().filter(|m| m.layer == li) {
+                m.marker = Some(b.marker()?);
+            }
             if let Some(stop) = stop {
                 b.pace()?;
                 if stop() {
@@ -962,7 +990,7 @@ impl<B: Backend> Qwen35<B> {
             layouts.iter().map(|l| Segment { layout: l, images: &[], parent: None }).collect();
         let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
         Ok(self
-            .forward_inner(&segs, &mut refs, None, None, finals)?
+            .forward_inner(&segs, &mut refs, None, None, finals, None)?
             .expect("a forward without a stop check runs to its end"))
     }
 
@@ -992,10 +1020,28 @@ impl<B: Backend> Qwen35<B> {
 
     /// Readout logits `[rows]` per hidden row, in f32.
     pub fn readout(&self, hidden: &B::Tensor) -> Result<Vec<Vec<f32>>> {
+        let pending = self.readout_start(hidden)?;
+        self.readout_finish(pending)
+    }
+
+    /// [`Qwen35::readout`] queued ([`Backend::readout_start`]): collected by
+    /// [`Qwen35::readout_finish`], the host free to queue other work in between.
+    pub fn readout_start(&self, hidden: &B::Tensor) -> Result<B::Readout> {
+        let (w, _) = self.readout_head()?;
+        self.backend.readout_start(hidden, w)
+    }
+
+    /// The logits of a [`Qwen35::readout_start`], `[rows]` per hidden row.
+    pub fn readout_finish(&self, pending: B::Readout) -> Result<Vec<Vec<f32>>> {
+        let (_, rows) = self.readout_head()?;
+        let flat = self.backend.readout_finish(pending)?;
+        Ok(flat.chunks(rows).map(|c| c.to_vec()).collect())
+    }
+
+    fn readout_head(&self) -> Result<(&B::Tensor, usize)> {
         let (w, rows) = self.readout.as_ref().ok_or_else(|| {
             anyhow!("no readout head is loaded (adapter folder without decision_readout.safetensors)")
         })?;
-        let flat = self.backend.readout(hidden, w)?;
-        Ok(flat.chunks(*rows).map(|c| c.to_vec()).collect())
+        Ok((w, *rows))
     }
 }

@@ -31,6 +31,10 @@ pub struct BatchLimits {
     pub min_shared_tokens: usize,
     /// Inside one forward: one level, or the question's shared tokens as a second.
     pub question_tree: QuestionTree,
+    /// Whether the engine thread queues the next packed round while the device still runs the
+    /// current one (on engines that launch ahead: the GPU), instead of reading out and answering
+    /// first. The same answers; the device no longer idles between rounds.
+    pub overlap_rounds: bool,
 }
 
 impl Default for BatchLimits {
@@ -40,6 +44,7 @@ impl Default for BatchLimits {
             max_sequences: 96,
             min_shared_tokens: 1024,
             question_tree: QuestionTree::OneLevel,
+            overlap_rounds: false,
         }
     }
 }

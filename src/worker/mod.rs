@@ -13,10 +13,12 @@
 
 pub mod limits;
 pub mod metrics;
+pub mod round;
 pub mod runner;
 
 pub use limits::{BatchLimits, QuestionTree, TreeSize};
 pub use metrics::EngineMetrics;
+pub use round::{Round, RoundResults};
 pub use runner::{
     DecisionEngine, EngineOutput, ForwardShape, PackedJob, RunError, Stage, StopReason, WorkEstimate,
     DROP_REASONS,
@@ -373,11 +375,37 @@ impl Shared {
 /// still fits one packed forward with it ([`BatchLimits::one_forward`], [`BatchLimits::admits`]),
 /// in arrival order, skipping those nobody waits for any more and refusing those past their
 /// deadline. A job that does not fit waits for the next round, which it opens.
+///
+/// With [`BatchLimits::overlap_rounds`] on an engine that launches ahead (the GPU), the next
+/// round is gathered and queued while the device still runs the current one — once that one is
+/// nearly done, so that the callers answered by the round before have had time to send their
+/// next requests — and the current one is then finished and answered: the device goes from one
+/// round to the next without waiting for the host to read out, answer, gather and lay out. Only
+/// packed rounds without images are queued ahead (vision and a request that runs alone wait for
+/// the device as they go: the round in flight is finished before them, so its answers are not
+/// held back). Answers are the same bits either way: rounds share nothing but the stream.
 fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
     let mut next: Option<Job> = None;
-    // The loop ends when every WorkerHandle (sender) is gone and the queue is drained.
+    let mut flight = Flight::default();
+    // The loop ends when every WorkerHandle (sender) is gone, the queue is drained and no round
+    // is in flight.
     loop {
-        let Some(first) = next.take().or_else(|| rx.recv().ok()) else { break };
+        if let (Some(engine), Some(r)) = (engine.as_ref(), flight.round.as_ref()) {
+            engine.wait_nearly_done(&r.round);
+        }
+        // With a round in flight, an empty queue means: finish it (then wait for work).
+        let first = match next.take() {
+            Some(job) => Some(job),
+            None if flight.round.is_some() => rx.try_recv().ok(),
+            None => rx.recv().ok(),
+        };
+        let Some(first) = first else {
+            match (engine.as_ref(), flight.round.take()) {
+                (Some(engine), Some(r)) => flight.finish(engine.as_ref(), r, h),
+                _ => break,
+            }
+            continue;
+        };
         let Some(first) = h.admit(first) else { continue };
         let Some(engine) = engine.as_ref() else {
             let why = match h.status() {
@@ -409,42 +437,109 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
                 }
             }
         }
-        run_batch(engine.as_ref(), batch, h, limits);
+        let ahead = limits.overlap_rounds
+            && engine.launches_ahead()
+            && batch.iter().all(|(j, _)| j.images.is_empty() && limits.one_forward(&j.plan).is_some());
+        if !ahead {
+            if let Some(r) = flight.round.take() {
+                flight.finish(engine.as_ref(), r, h);
+            }
+        }
+        let launched = flight.launch(engine.as_ref(), batch, h, limits);
+        if let Some(r) = flight.round.take() {
+            flight.finish(engine.as_ref(), r, h);
+        }
+        if ahead {
+            flight.round = Some(launched);
+        } else {
+            flight.finish(engine.as_ref(), launched, h);
+        }
     }
     tracing::info!("engine thread: queue drained, stopping");
 }
 
-/// Runs one round's jobs (one packed forward, or a job alone) and answers each.
-fn run_batch(engine: &dyn DecisionEngine, batch: Vec<(Job, WorkEstimate)>, h: &Shared, limits: BatchLimits) {
-    let (batch, work): (Vec<Job>, Vec<WorkEstimate>) = batch.into_iter().unzip();
-    let started = Instant::now();
-    let images: Vec<Vec<&PatchedImage>> = batch.iter().map(|j| j.images.iter().collect()).collect();
-    let checks: Vec<_> = batch.iter().map(|j| move || j.stop_reason().map_or(Ok(()), Err)).collect();
-    let jobs: Vec<PackedJob<'_>> = batch
-        .iter()
-        .zip(&images)
-        .zip(&checks)
-        .map(|((j, imgs), check)| PackedJob { plan: &j.plan, images: imgs, keep_going: check })
-        .collect();
-    h.metrics.requests_running.set(batch.len() as i64);
-    let results = engine.run_packed(&jobs, limits);
-    let secs = started.elapsed().as_secs_f64();
-    h.metrics.busy_seconds.inc_by(secs);
-    drop(jobs);
-    drop(checks);
-    h.metrics.batch_requests.observe(batch.len() as f64);
-    if batch.len() > 1 {
-        tracing::debug!(requests = batch.len(), ms = secs * 1e3, "packed forward");
+/// A launched round's jobs, what they were estimated to cost, and when it was launched.
+struct LaunchedBatch {
+    jobs: Vec<Job>,
+    work: Vec<WorkEstimate>,
+    round: Round,
+    launched: Instant,
+}
+
+/// The rounds launched and not yet answered (at most one kept in flight) and the device's
+/// bookkeeping across them.
+#[derive(Default)]
+struct Flight {
+    round: Option<LaunchedBatch>,
+    /// Jobs launched and not yet answered.
+    running: usize,
+    /// When the last finished round's results came in: a round launched before it began its
+    /// device work then, not at its launch.
+    last_finish: Option<Instant>,
+}
+
+impl Flight {
+    /// Launches one round's jobs (one packed forward, or a job alone).
+    fn launch(
+        &mut self,
+        engine: &dyn DecisionEngine,
+        batch: Vec<(Job, WorkEstimate)>,
+        h: &Shared,
+        limits: BatchLimits,
+    ) -> LaunchedBatch {
+        let (jobs, work): (Vec<Job>, Vec<WorkEstimate>) = batch.into_iter().unzip();
+        let launched = Instant::now();
+        self.running += jobs.len();
+        h.metrics.requests_running.set(self.running as i64);
+        let images: Vec<Vec<&PatchedImage>> = jobs.iter().map(|j| j.images.iter().collect()).collect();
+        let checks: Vec<_> = jobs.iter().map(|j| move || j.stop_reason().map_or(Ok(()), Err)).collect();
+        let packed: Vec<PackedJob<'_>> = jobs
+            .iter()
+            .zip(&images)
+            .zip(&checks)
+            .map(|((j, imgs), check)| PackedJob { plan: &j.plan, images: imgs, keep_going: check })
+            .collect();
+        let round = engine.launch_round(&packed, limits);
+        drop(packed);
+        drop(checks);
+        drop(images);
+        LaunchedBatch { jobs, work, round, launched }
     }
-    // Retry-After estimates from the time per request.
-    let per_job_ms = secs * 1000.0 / batch.len() as f64;
-    let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
-    h.avg_job_ms.store((0.8 * prev + 0.2 * per_job_ms) as u64, Ordering::Relaxed);
-    // Nothing runs once the results are in; said before the answers go out, so that a scrape a
-    // client makes after its answer never still counts it as running.
-    h.metrics.requests_running.set(0);
-    for ((job, work), result) in batch.into_iter().zip(work).zip(results) {
-        h.answer(job, work, result);
+
+    /// Waits for a launched round's results and answers each job.
+    fn finish(&mut self, engine: &dyn DecisionEngine, launched: LaunchedBatch, h: &Shared) {
+        let LaunchedBatch { jobs, work, round, launched } = launched;
+        let mut results = engine.finish_round(round);
+        let finished = Instant::now();
+        // A round queued behind another began its device work when that one's results came in.
+        let began = match self.last_finish {
+            Some(t) if t > launched => t,
+            _ => launched,
+        };
+        self.last_finish = Some(finished);
+        let waited_ms = (began - launched).as_secs_f64() * 1e3;
+        if waited_ms > 0.0 {
+            for out in results.iter_mut().flatten() {
+                out.questions_ms = (out.questions_ms - waited_ms).max(0.0);
+            }
+        }
+        let secs = (finished - began).as_secs_f64();
+        h.metrics.busy_seconds.inc_by(secs);
+        h.metrics.batch_requests.observe(jobs.len() as f64);
+        if jobs.len() > 1 {
+            tracing::debug!(requests = jobs.len(), ms = secs * 1e3, "packed forward");
+        }
+        // Retry-After estimates from the time per request.
+        let per_job_ms = secs * 1000.0 / jobs.len() as f64;
+        let prev = h.avg_job_ms.load(Ordering::Relaxed) as f64;
+        h.avg_job_ms.store((0.8 * prev + 0.2 * per_job_ms) as u64, Ordering::Relaxed);
+        // Said before the answers go out, so that a scrape a client makes after its answer never
+        // still counts it as running.
+        self.running -= jobs.len();
+        h.metrics.requests_running.set(self.running as i64);
+        for ((job, work), result) in jobs.into_iter().zip(work).zip(results) {
+            h.answer(job, work, result);
+        }
     }
 }
 
@@ -652,5 +747,172 @@ mod tests {
         assert_eq!(*calls.lock().unwrap(), vec![vec![1], vec![2], vec![3, 4]]);
         drop(w);
         join.join().unwrap();
+    }
+
+    /// What a [`Launcher`] was asked, in order: launch, wait until nearly done, finish (each with
+    /// the round's tags).
+    #[derive(Debug, Clone, PartialEq)]
+    enum Step {
+        Launch(Vec<u32>),
+        Nearly(Vec<u32>),
+        Finish(Vec<u32>),
+    }
+
+    /// An engine that launches ahead, as the GPU does: a round's results come only when it is
+    /// finished. Its first launch waits until released, so that the test can queue jobs behind it.
+    struct Launcher {
+        steps: Arc<Mutex<Vec<Step>>>,
+        release: Mutex<StdReceiver<()>>,
+    }
+
+    impl DecisionEngine for Launcher {
+        fn run(
+            &self,
+            _: &Plan,
+            _: &[&PatchedImage],
+            _: BatchLimits,
+            _: &dyn Fn() -> Result<(), StopReason>,
+        ) -> Result<EngineOutput, RunError> {
+            unreachable!("the worker launches rounds")
+        }
+        fn launches_ahead(&self) -> bool {
+            true
+        }
+        fn launch_round(&self, jobs: &[PackedJob<'_>], _: BatchLimits) -> Round {
+            let tags: Vec<u32> = jobs.iter().map(|j| j.plan.prefix[0]).collect();
+            let first = {
+                let mut steps = self.steps.lock().unwrap();
+                steps.push(Step::Launch(tags.clone()));
+                steps.len() == 1
+            };
+            if first {
+                self.release.lock().unwrap().recv().unwrap();
+            }
+            Round::launched(jobs.iter().map(|_| None).collect(), Some(Box::new(tags)))
+        }
+        fn wait_nearly_done(&self, round: &Round) {
+            let tags = round.pending().and_then(|p| p.downcast_ref::<Vec<u32>>()).unwrap().clone();
+            self.steps.lock().unwrap().push(Step::Nearly(tags));
+        }
+        fn finish_round(&self, round: Round) -> RoundResults {
+            round.finish(|pending, results| {
+                let tags = *pending.downcast::<Vec<u32>>().unwrap();
+                for (slot, &tag) in results.iter_mut().zip(&tags) {
+                    let out = EngineOutput {
+                        logits: vec![vec![vec![tag as f32]]],
+                        packed_with: tags.len(),
+                        ..Default::default()
+                    };
+                    *slot = Some(Ok(out));
+                }
+                self.steps.lock().unwrap().push(Step::Finish(tags));
+            })
+        }
+        fn backend_name(&self) -> String {
+            "launcher".into()
+        }
+        fn readout_rows(&self) -> Option<usize> {
+            None
+        }
+    }
+
+    /// The steps a [`Launcher`] is asked for: job 1 launched (held), then 2 and 3 (one round),
+    /// 4 with 5 (which has an image), 6 (alone, over the budget) and 7 queued behind it.
+    fn launcher_steps(overlap_rounds: bool) -> Vec<Step> {
+        let steps = Arc::new(Mutex::new(Vec::new()));
+        let (release, gate) = channel();
+        let engine = Launcher { steps: steps.clone(), release: Mutex::new(gate) };
+        let registry = prometheus::Registry::new();
+        let metrics = Arc::new(EngineMetrics::new(&registry).unwrap());
+        let limits = BatchLimits { max_tokens: 100, max_sequences: 10, overlap_rounds, ..Default::default() };
+        let (w, join) =
+            spawn(move || Ok(Box::new(engine) as Box<dyn DecisionEngine>), 16, limits, metrics.clone());
+        let long = Duration::from_secs(60);
+        let mut replies = vec![(1, submit(&w, plan(1, 10, 1), long))];
+        let t = Instant::now();
+        while steps.lock().unwrap().is_empty() {
+            assert!(t.elapsed() < Duration::from_secs(10), "the first round was never launched");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for (tag, tokens, passes) in [(2, 30, 2), (3, 30, 2), (4, 60, 1), (5, 10, 1), (6, 101, 1), (7, 10, 1)]
+        {
+            let p = plan(tag, tokens, passes);
+            let (tx, rx) = oneshot::channel();
+            let now = Instant::now();
+            let images = if tag == 5 {
+                vec![PatchedImage {
+                    rgb: vec![0; 2 * 2 * 3],
+                    lut: [[0.0; 256]; 3],
+                    grid_thw: [1, 2, 2],
+                    resized_hw: (2, 2),
+                    patch_dim: 12,
+                    patch_size: 1,
+                    temporal_patch_size: 1,
+                    merge_size: 1,
+                }]
+            } else {
+                vec![]
+            };
+            let job = Job {
+                id: format!("job {tag}"),
+                plan: Arc::new(p),
+                images,
+                deadline: now + long,
+                timeout: long,
+                enqueued: now,
+                reply: tx,
+            };
+            w.submit(job).unwrap();
+            replies.push((tag, rx));
+        }
+        release.send(()).unwrap();
+        for (tag, rx) in replies {
+            let out = rx.blocking_recv().unwrap().unwrap();
+            assert_eq!(out.logits, vec![vec![vec![tag as f32]]], "job {tag} got another job's answer");
+        }
+        drop(w);
+        join.join().unwrap();
+        assert_eq!(metrics.requests_running.get(), 0);
+        assert_eq!(metrics.batch_requests.get_sample_count(), 5);
+        let steps = steps.lock().unwrap().clone();
+        steps
+    }
+
+    #[test]
+    fn the_next_round_is_launched_before_the_one_in_flight_is_finished() {
+        use Step::*;
+        assert_eq!(
+            launcher_steps(true),
+            vec![
+                Launch(vec![1]),
+                Nearly(vec![1]),
+                // 2 and 3 queued while 1 ran: launched behind it, then 1 read out and answered.
+                Launch(vec![2, 3]),
+                Finish(vec![1]),
+                Nearly(vec![2, 3]),
+                // 5 has an image: its vision would wait for the device, so 2 and 3 are answered
+                // first; 6 runs alone (after 4 and 5 are answered); 7 is launched, and with
+                // nothing queued behind it, finished.
+                Finish(vec![2, 3]),
+                Launch(vec![4, 5]),
+                Finish(vec![4, 5]),
+                Launch(vec![6]),
+                Finish(vec![6]),
+                Launch(vec![7]),
+                Nearly(vec![7]),
+                Finish(vec![7]),
+            ]
+        );
+    }
+
+    #[test]
+    fn without_overlap_each_round_is_finished_before_the_next_is_launched() {
+        use Step::*;
+        let steps = launcher_steps(false);
+        let expected: Vec<Step> = [vec![1], vec![2, 3], vec![4, 5], vec![6], vec![7]]
+            .into_iter()
+            .flat_map(|tags| [Launch(tags.clone()), Finish(tags)])
+            .collect();
+        assert_eq!(steps, expected);
     }
 }

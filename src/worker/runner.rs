@@ -10,10 +10,11 @@
 //! logits do not depend on which requests share its forward.
 
 use super::limits::{BatchLimits, QuestionTree};
+use super::round::Round;
 use crate::backend::{Backend, MemoryProbe};
 use crate::decision::Plan;
 use crate::engine::positions::SequenceLayout;
-use crate::engine::{Qwen35, Segment, State};
+use crate::engine::{LayerMark, Qwen35, Segment, State};
 use crate::image::PatchedImage;
 use anyhow::{anyhow, ensure};
 use std::time::Instant;
@@ -157,6 +158,25 @@ pub trait DecisionEngine: Send {
     /// alone. This default runs the jobs one after another.
     fn run_packed(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
         jobs.iter().map(|j| self.run(j.plan, j.images, limits, j.keep_going)).collect()
+    }
+    /// Whether [`DecisionEngine::launch_round`] returns while the device still runs the round's
+    /// forward (the engine thread may then launch the next round before finishing this one).
+    fn launches_ahead(&self) -> bool {
+        false
+    }
+    /// [`DecisionEngine::run_packed`] as a launch: the jobs' packed forward queued, its results
+    /// collected by [`DecisionEngine::finish_round`]. Jobs that run alone, and every job of an
+    /// engine that does not launch ahead, have their results when this returns.
+    fn launch_round(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Round {
+        Round::done(self.run_packed(jobs, limits))
+    }
+    /// Waits until a launched round's device work is nearly done (its last layers still to run),
+    /// for the engine thread to gather the next round as late as it can and still queue it in
+    /// time. Returns at once when nothing is in flight.
+    fn wait_nearly_done(&self, _round: &Round) {}
+    /// The results of a launched round, one per job in order (waits for the device).
+    fn finish_round(&self, round: Round) -> Vec<Result<EngineOutput, RunError>> {
+        round.finish(|_, _| {})
     }
     /// What `plan` with `images` would cost ([`WorkEstimate`]); zero (always admitted) for
     /// engines that cannot say.
@@ -314,14 +334,16 @@ impl<B: Backend> Qwen35<B> {
         Ok(JobLayouts { prefix, commons, passes })
     }
 
-    /// The one-forward path of [`DecisionEngine::run_packed`]: every job fits one forward.
-    fn run_one_forward(
+    /// The one-forward path of [`DecisionEngine::launch_round`]: every job of `which` fits one
+    /// forward. Vision once per image (waited for), then the packed forward and its readout queued;
+    /// `None` when nothing was queued (every job stopped or failed, its result in `results`).
+    fn launch_one_forward(
         &self,
         jobs: &[PackedJob<'_>],
         limits: BatchLimits,
         results: &mut [Option<Result<EngineOutput, RunError>>],
         which: &[usize],
-    ) {
+    ) -> Option<LaunchedForward<B>> {
         // Vision once per image, request by request (a request's features never depend on
         // another's), then a last look at each caller before the forward.
         let mut live: Vec<(usize, Vec<B::Tensor>, JobLayouts, EngineOutput)> = Vec::new();
@@ -346,12 +368,15 @@ impl<B: Backend> Qwen35<B> {
             }
         }
         if live.is_empty() {
-            return;
+            return None;
         }
-        let t = Instant::now();
+        let started = Instant::now();
         let layouts: Vec<&JobLayouts> = live.iter().map(|(_, _, l, _)| l).collect();
         let tree = packed_tree(&layouts);
-        let ran = (|| -> anyhow::Result<Vec<Vec<f32>>> {
+        // The engine thread gathers the next round once the device reaches this layer.
+        let layers = self.config.text_config.num_hidden_layers;
+        let mut mark = LayerMark { layer: layers - layers / 4, marker: None };
+        let queued = (|| -> anyhow::Result<B::Readout> {
             let segs: Vec<Segment<B>> = tree
                 .iter()
                 .map(|s| {
@@ -374,21 +399,20 @@ impl<B: Backend> Qwen35<B> {
             let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
             // Nothing continues these states after the forward: only the states the forward
             // itself continues (prefixes, shared question tokens) are finished.
-            let hidden = self.forward_readout(&segs, &mut refs)?;
+            let hidden = self.forward_readout_marked(&segs, &mut refs, &mut mark)?;
             // Only the passes' rows are read out (not the prefixes' or the shared tokens').
             let rows: Vec<usize> =
                 (0..tree.len()).filter(|&i| matches!(tree[i].part, Part::Pass(_))).collect();
             let hidden = self.backend.gather_rows(&hidden, &rows)?;
-            self.readout(&hidden)
+            self.readout_start(&hidden)
         })();
-        let questions_ms = ms(t);
-        let logits = match ran {
-            Ok(l) => l,
+        let readout = match queued {
+            Ok(r) => r,
             Err(e) => {
                 for (j, ..) in &live {
                     results[*j] = Some(Err(RunError::Engine(anyhow!("{e:#}"))));
                 }
-                return;
+                return None;
             }
         };
         let packed_with = live.len();
@@ -396,33 +420,60 @@ impl<B: Backend> Qwen35<B> {
             sequences: tree.len(),
             passes: tree.iter().filter(|s| matches!(s.part, Part::Pass(_))).count(),
         };
-        let mut outs: Vec<EngineOutput> = live
+        let outs: Vec<(usize, EngineOutput)> = live
             .iter()
             .enumerate()
             .map(|(i, (j, _, l, out))| {
                 let plan = jobs[*j].plan;
-                EngineOutput {
+                let out = EngineOutput {
                     logits: plan.scored.iter().map(|sp| vec![Vec::new(); sp.passes.len()]).collect(),
-                    questions_ms,
                     tokens: l.tokens(),
                     passes: l.passes.len(),
                     packed_with,
                     // The shared forward is counted once, on the first request.
                     forwards: if i == 0 { vec![shape] } else { Vec::new() },
                     ..out.clone()
-                }
+                };
+                (*j, out)
             })
             .collect();
-        let passes = tree.iter().filter_map(|s| match s.part {
-            Part::Pass(p) => Some((s.job, p)),
-            _ => None,
-        });
-        for ((job, p), l) in passes.zip(logits) {
-            let (q, pass, ..) = layouts[job].passes[p];
-            outs[job].logits[q][pass] = l;
+        let rows = tree
+            .iter()
+            .filter_map(|s| match s.part {
+                Part::Pass(p) => {
+                    let (q, pass, ..) = layouts[s.job].passes[p];
+                    Some((s.job, q, pass))
+                }
+                _ => None,
+            })
+            .collect();
+        Some(LaunchedForward { outs, rows, readout, nearly_done: mark.marker, started })
+    }
+
+    /// Collects a [`Qwen35::launch_one_forward`]: waits for its readout and puts each pass's
+    /// logits in its job's result.
+    fn finish_one_forward(
+        &self,
+        launched: LaunchedForward<B>,
+        results: &mut [Option<Result<EngineOutput, RunError>>],
+    ) {
+        let LaunchedForward { mut outs, rows, readout, started, .. } = launched;
+        let logits = match self.readout_finish(readout) {
+            Ok(l) => l,
+            Err(e) => {
+                for (j, _) in &outs {
+                    results[*j] = Some(Err(RunError::Engine(anyhow!("{e:#}"))));
+                }
+                return;
+            }
+        };
+        let questions_ms = ms(started);
+        for ((i, q, pass), l) in rows.into_iter().zip(logits) {
+            outs[i].1.logits[q][pass] = l;
         }
-        for ((j, ..), out) in live.iter().zip(outs) {
-            results[*j] = Some(Ok(out));
+        for (j, mut out) in outs {
+            out.questions_ms = questions_ms;
+            results[j] = Some(Ok(out));
         }
     }
 
@@ -539,6 +590,19 @@ impl<B: Backend> Qwen35<B> {
     }
 }
 
+/// A packed forward queued on the device ([`Qwen35::launch_one_forward`]).
+struct LaunchedForward<B: Backend> {
+    /// Per job in the forward: its index in the round and its output, all but the logits' values.
+    outs: Vec<(usize, EngineOutput)>,
+    /// Per read-out row, in order: (index into `outs`, scored question, pass).
+    rows: Vec<(usize, usize, usize)>,
+    readout: B::Readout,
+    /// In the device's queue before the forward's last quarter of layers.
+    nearly_done: Option<B::Marker>,
+    /// When the forward began to be queued.
+    started: Instant,
+}
+
 /// One job's layouts in a packed forward.
 struct JobLayouts {
     prefix: SequenceLayout,
@@ -594,17 +658,40 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
     }
 
     fn run_packed(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Vec<Result<EngineOutput, RunError>> {
+        let round = self.launch_round(jobs, limits);
+        self.finish_round(round)
+    }
+
+    fn launches_ahead(&self) -> bool {
+        self.backend.queues_work()
+    }
+
+    fn launch_round(&self, jobs: &[PackedJob<'_>], limits: BatchLimits) -> Round {
         let mut results: Vec<Option<Result<EngineOutput, RunError>>> = jobs.iter().map(|_| None).collect();
         let (fit, alone): (Vec<usize>, Vec<usize>) =
             (0..jobs.len()).partition(|&j| limits.one_forward(jobs[j].plan).is_some());
-        if !fit.is_empty() {
-            self.run_one_forward(jobs, limits, &mut results, &fit);
-        }
+        let launched =
+            if fit.is_empty() { None } else { self.launch_one_forward(jobs, limits, &mut results, &fit) };
         for j in alone {
             let job = &jobs[j];
             results[j] = Some(self.run_alone(job.plan, job.images, limits, job.keep_going));
         }
-        results.into_iter().map(|r| r.expect("every job has a result")).collect()
+        Round::launched(results, launched.map(|l| Box::new(l) as Box<dyn std::any::Any>))
+    }
+
+    fn wait_nearly_done(&self, round: &Round) {
+        let launched = round.pending().and_then(|p| p.downcast_ref::<LaunchedForward<B>>());
+        if let Some(marker) = launched.and_then(|l| l.nearly_done.as_ref()) {
+            // An error here surfaces again when the round is finished.
+            let _ = self.backend.wait_marker(marker);
+        }
+    }
+
+    fn finish_round(&self, round: Round) -> Vec<Result<EngineOutput, RunError>> {
+        round.finish(|pending, results| match pending.downcast::<LaunchedForward<B>>() {
+            Ok(launched) => self.finish_one_forward(*launched, results),
+            Err(_) => tracing::error!("a round launched by another engine cannot be finished by this one"),
+        })
     }
 
     fn estimate(&self, plan: &Plan, images: &[&PatchedImage]) -> WorkEstimate {

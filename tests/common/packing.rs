@@ -8,7 +8,7 @@ use imajev_serve::decision::{
 };
 use imajev_serve::image::{ImageLimits, ImageProcessorConfig, PatchedImage};
 use imajev_serve::tokenizer::QwenTokenizer;
-use imajev_serve::worker::{BatchLimits, DecisionEngine, EngineOutput, PackedJob};
+use imajev_serve::worker::{BatchLimits, DecisionEngine, EngineOutput, PackedJob, Round, RoundResults};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::sync::Arc;
@@ -150,17 +150,89 @@ pub fn run_packed(
 ) -> Vec<EngineOutput> {
     let images: Vec<Vec<&PatchedImage>> = which.iter().map(|&i| reqs[i].images.iter().collect()).collect();
     let go = || Ok(());
-    let jobs: Vec<PackedJob> = which
+    let jobs = packed_jobs(reqs, which, &images, &go);
+    answered(reqs, which, engine.run_packed(&jobs, limits))
+}
+
+/// The jobs of `reqs[i]` for each `i` of `which`, with their images' references.
+fn packed_jobs<'a>(
+    reqs: &'a [Prepared],
+    which: &[usize],
+    images: &'a [Vec<&'a PatchedImage>],
+    go: &'a dyn Fn() -> Result<(), imajev_serve::worker::StopReason>,
+) -> Vec<PackedJob<'a>> {
+    which
         .iter()
-        .zip(&images)
-        .map(|(&i, imgs)| PackedJob { plan: &reqs[i].plan, images: imgs, keep_going: &go })
-        .collect();
-    engine
-        .run_packed(&jobs, limits)
+        .zip(images)
+        .map(|(&i, imgs)| PackedJob { plan: &reqs[i].plan, images: imgs, keep_going: go })
+        .collect()
+}
+
+/// Each result of `reqs[i]` for `i` of `which`, a failure a panic naming the request.
+fn answered(reqs: &[Prepared], which: &[usize], results: RoundResults) -> Vec<EngineOutput> {
+    results
         .into_iter()
         .zip(which)
         .map(|(r, &i)| r.unwrap_or_else(|e| panic!("{}: {e:#}", reqs[i].name)))
         .collect()
+}
+
+/// Runs each group of `reqs` as one round the way the engine thread overlaps them
+/// ([`BatchLimits::overlap_rounds`]): a round is launched while the one before it is still in
+/// flight (after waiting until that one is nearly done), then the one before is finished.
+/// One output per request of each group.
+pub fn run_rounds_in_flight(
+    engine: &dyn DecisionEngine,
+    reqs: &[Prepared],
+    groups: &[Vec<usize>],
+    limits: BatchLimits,
+) -> Vec<Vec<EngineOutput>> {
+    let go = || Ok(());
+    let mut outs = Vec::new();
+    let mut in_flight: Option<(Round, &Vec<usize>)> = None;
+    for group in groups {
+        let images: Vec<Vec<&PatchedImage>> =
+            group.iter().map(|&i| reqs[i].images.iter().collect()).collect();
+        let jobs = packed_jobs(reqs, group, &images, &go);
+        if let Some((round, _)) = &in_flight {
+            engine.wait_nearly_done(round);
+        }
+        let launched = engine.launch_round(&jobs, limits);
+        if let Some((round, which)) = in_flight.replace((launched, group)) {
+            outs.push(answered(reqs, which, engine.finish_round(round)));
+        }
+    }
+    if let Some((round, which)) = in_flight {
+        outs.push(answered(reqs, which, engine.finish_round(round)));
+    }
+    outs
+}
+
+/// Each group of `groups` run as rounds in flight ([`run_rounds_in_flight`]) against the same
+/// group run on its own: logits bitwise. Returns the mismatches.
+pub fn in_flight_vs_alone(
+    engine: &dyn DecisionEngine,
+    reqs: &[Prepared],
+    groups: &[Vec<usize>],
+    limits: BatchLimits,
+) -> Vec<String> {
+    let overlapped = run_rounds_in_flight(engine, reqs, groups, limits);
+    let mut bad = Vec::new();
+    for (group, got) in groups.iter().zip(overlapped) {
+        let alone = run_packed(engine, reqs, group, limits);
+        for ((&i, a), b) in group.iter().zip(&alone).zip(&got) {
+            if bits(a) != bits(b) {
+                bad.push(format!("{} in round {group:?}: other logits with a round in flight", reqs[i].name));
+            }
+        }
+    }
+    bad
+}
+
+/// Rounds of text requests (0..5 of [`bodies`]) one after another, and one with an image (5) in
+/// the middle: for [`in_flight_vs_alone`].
+pub fn round_groups() -> Vec<Vec<usize>> {
+    vec![vec![0, 1], vec![2, 3, 4], vec![1, 4], vec![0], vec![5, 0], vec![3, 0, 2], vec![4]]
 }
 
 /// Bits of every logit, in order.

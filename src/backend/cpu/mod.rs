@@ -67,6 +67,9 @@ impl Backend for CpuBackend {
     type Linear = CpuLinear;
     type KvCache = CpuKvCache;
     type DeltaState = CpuDeltaState;
+    /// The CPU's ops have finished when they return: the logits themselves.
+    type Readout = Vec<f32>;
+    type Marker = ();
 
     fn kind(&self) -> &'static str {
         "cpu"
@@ -174,8 +177,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn readout(&self, h: &CpuTensor, w: &CpuTensor) -> Result<Vec<f32>> {
+    fn readout_start(&self, h: &CpuTensor, w: &CpuTensor) -> Result<Vec<f32>> {
         linear::readout(h, w)
+    }
+
+    fn readout_finish(&self, logits: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(logits)
+    }
+
+    fn marker(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait_marker(&self, _marker: &()) -> Result<()> {
+        Ok(())
     }
 
     fn new_kv_cache(&self, _dims: &AttentionDims) -> Result<CpuKvCache> {

@@ -9,6 +9,7 @@ use super::gemm::{Gemm, GemmKind};
 use super::gemm_fp8::LoraEpilogue;
 use super::launch::{grid1, launch_config, Arg};
 use super::layout::{self, PartFormat, PartInfo};
+use super::readback::CudaReadout;
 use super::tensor::{bf16_values, ActFp8, CudaTensor};
 use super::CudaBackend;
 use crate::backend::LinearPart;
@@ -648,13 +649,14 @@ fn with_input_fp8<R>(
     }
 }
 
-/// `Backend::readout` (the trait documents the contract).
-pub(super) fn readout(be: &CudaBackend, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {
+/// `Backend::readout_start` (the trait documents the contract): the f32 product on the device,
+/// then its copy to the host queued behind it ([`super::readback`]).
+pub(super) fn readout_start(be: &CudaBackend, h: &CudaTensor, w: &CudaTensor) -> Result<CudaReadout> {
     let (m, k) = h.rows_cols();
     let (rows, wk) = w.rows_cols();
     ensure!(k == wk, "readout: hidden {k} vs weight width {wk}");
     if m * rows == 0 {
-        return Ok(vec![0.0; m * rows]);
+        return Ok(be.readback_empty());
     }
     let (hs, ws) = (be.bf16_of(h)?, be.f32_of(w)?);
     let y = be.alloc_f32(m * rows)?;
@@ -670,5 +672,5 @@ pub(super) fn readout(be: &CudaBackend, h: &CudaTensor, w: &CudaTensor) -> Resul
             Arg::I32(k as i32),
         ],
     )?;
-    Ok(be.state.stream.clone_dtoh(&y.slice(0..m * rows))?)
+    be.readback_start(&y, m * rows)
 }

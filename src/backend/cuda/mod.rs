@@ -3,10 +3,10 @@
 //! * One file per operation family, each beside its `.cu` file in `kernels/` and its CPU twin in
 //!   `src/backend/cpu/`: [`linear`] (projections, LoRA, readout), [`quant`] (FP8 activations),
 //!   [`norm`], [`attention`], [`deltanet`], [`elementwise`]. The plumbing they share:
-//!   [`tensor`] (device tensors and views), [`staging`] (uploads), [`launch`] (the kernel table
-//!   and launches), [`gemm`] (cuBLASLt), [`compile`] (NVRTC and the kernel cache), [`layout`]
-//!   (planning that needs no GPU), [`profile`] (`IMAJEV_PROFILE=kernels`), [`tma`] (TMA tensor
-//!   maps).
+//!   [`tensor`] (device tensors and views), [`staging`] (uploads), [`readback`] (readouts copied
+//!   back without waiting), [`launch`] (the kernel table and launches), [`gemm`] (cuBLASLt),
+//!   [`compile`] (NVRTC and the kernel cache), [`layout`] (planning that needs no GPU),
+//!   [`profile`] (`IMAJEV_PROFILE=kernels`), [`tma`] (TMA tensor maps).
 //! * Kernels are compiled by NVRTC for the running GPU at start-up and cached on disk as CUBIN.
 //! * GEMMs go through cuBLASLt ([`gemm`]): block-scaled FP8 for projections stored as FP8 (or
 //!   quantised at load with `quantize_fp8`), BF16 for the rest; LoRA stays unmerged in BF16.
@@ -49,6 +49,7 @@ pub mod narrow;
 pub mod norm;
 pub mod profile;
 pub mod quant;
+pub mod readback;
 pub mod staging;
 pub mod tensor;
 pub mod tma;
@@ -56,6 +57,7 @@ pub mod tma;
 pub use attention::{AttentionKernel, CudaKvCache};
 pub use deltanet::{CudaDeltaState, GdnScan};
 pub use linear::CudaLinear;
+pub use readback::CudaReadout;
 pub use tensor::CudaTensor;
 
 use super::{
@@ -239,6 +241,8 @@ struct DeviceState {
     blas: Blas,
     funcs: HashMap<&'static str, CudaFunction>,
     staging: std::sync::Mutex<staging::Staging>,
+    /// Pinned buffers of finished readouts, for the next ones ([`readback`]).
+    readback: readback::PinnedPool,
     /// The mark of the previous [`Backend::pace`] call (an event after the work queued then).
     pace: std::sync::Mutex<Option<cudarc::driver::CudaEvent>>,
     stream: Arc<CudaStream>,
@@ -455,6 +459,7 @@ impl CudaBackend {
                 blas,
                 funcs,
                 staging,
+                readback: Default::default(),
                 pace: std::sync::Mutex::new(None),
                 stream,
                 ctx,
@@ -505,6 +510,9 @@ impl Backend for CudaBackend {
     type Linear = CudaLinear;
     type KvCache = CudaKvCache;
     type DeltaState = CudaDeltaState;
+    type Readout = CudaReadout;
+    /// An event recorded after the work queued so far.
+    type Marker = cudarc::driver::CudaEvent;
 
     fn kernel_report(&self) -> Result<Option<String>> {
         CudaBackend::kernel_report(self)
@@ -512,6 +520,19 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.state.stream.synchronize()?;
+        Ok(())
+    }
+
+    fn queues_work(&self) -> bool {
+        true
+    }
+
+    fn marker(&self) -> Result<cudarc::driver::CudaEvent> {
+        Ok(self.state.stream.record_event(None)?)
+    }
+
+    fn wait_marker(&self, marker: &cudarc::driver::CudaEvent) -> Result<()> {
+        marker.synchronize()?;
         Ok(())
     }
 
@@ -678,8 +699,12 @@ impl Backend for CudaBackend {
         quant::gelu_matmul(self, x, kind, w)
     }
 
-    fn readout(&self, h: &CudaTensor, w: &CudaTensor) -> Result<Vec<f32>> {
-        linear::readout(self, h, w)
+    fn readout_start(&self, h: &CudaTensor, w: &CudaTensor) -> Result<CudaReadout> {
+        linear::readout_start(self, h, w)
+    }
+
+    fn readout_finish(&self, pending: CudaReadout) -> Result<Vec<f32>> {
+        self.readback_finish(pending)
     }
 
     fn new_kv_cache(&self, dims: &AttentionDims) -> Result<CudaKvCache> {
