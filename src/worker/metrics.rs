@@ -25,10 +25,12 @@ pub struct EngineMetrics {
     pub queue_depth: IntGauge,
     /// `imajev_queue_capacity`: how many may wait (`--queue-depth`).
     pub queue_capacity: IntGauge,
-    /// `imajev_engine_requests_running`: requests in the engine's current round.
+    /// `imajev_engine_requests_running`: requests in the engine's current round (with
+    /// `--overlap-rounds`, also those of the round queued behind it).
     pub requests_running: IntGauge,
     /// `imajev_engine_busy_seconds_total`: wall time the engine thread spent in rounds (from
-    /// taking a round's requests to having their results). Its rate is the engine's
+    /// taking a round's requests to having their results; a round queued behind another counts
+    /// from that one's results, so overlapping rounds are counted once). Its rate is the engine's
     /// utilisation: near 1 the one GPU worker is saturated (scale out), and 1 − rate is the time
     /// it spent waiting for requests or between rounds.
     pub busy_seconds: Counter,
@@ -82,7 +84,7 @@ impl EngineMetrics {
             )?,
             requests_running: IntGauge::new(
                 "imajev_engine_requests_running",
-                "Requests inside the engine now (its current round)",
+                "Requests inside the engine now (its current round and any round queued behind it)",
             )?,
             busy_seconds: Counter::new(
                 "imajev_engine_busy_seconds_total",
