@@ -378,8 +378,9 @@ impl Shared {
 ///
 /// With [`BatchLimits::overlap_rounds`] on an engine that launches ahead (the GPU), the next
 /// round is gathered and queued while the device still runs the current one — once that one is
-/// nearly done, so that the callers answered by the round before have had time to send their
-/// next requests — and the current one is then finished and answered: the device goes from one
+/// halfway through its layers ([`runner::nearly_done_layer`]), so that the callers answered by
+/// the round before have had time to send their next requests — and the current one is then
+/// finished and answered: the device goes from one
 /// round to the next without waiting for the host to read out, answer, gather and lay out. Only
 /// packed rounds without images are queued ahead (vision and a request that runs alone wait for
 /// the device as they go: the round in flight is finished before them, so its answers are not
