@@ -1,12 +1,14 @@
 //! Data movement and elementwise ops (kernels/elementwise.cu) against the CPU: embeddings, row
 //! gathers and scatters, column splits, concatenation (all exact), image patch rows (bitwise the
-//! host's f32 rows rounded to BF16), residual adds, SwiGLU, GELU.
+//! host's f32 rows rounded to BF16), residual adds, SwiGLU, GELU; and the copies that run behind
+//! queued work (src/backend/cuda/staging.rs, readback.rs): uploads through the pinned ring over
+//! several turns, readouts left in flight and collected out of order.
 
 use super::harness::{rel, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::cuda::CudaBackend;
-use imajev_serve::backend::{Backend, Gelu, PatchGeometry, RgbImage};
+use imajev_serve::backend::{Backend, Gelu, LinearPart, PatchGeometry, RgbImage};
 use imajev_serve::image::patchify;
 use imajev_serve::synth::memory::MemoryTensor;
 use imajev_serve::synth::rng::SplitMix;
@@ -121,5 +123,64 @@ pub fn image_patch_rows(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -
         f64::INFINITY
     };
     rep.check(P, "image_patches 96×64 + 4096² (values that differ from the host rows in BF16)", differ, 0.0);
+    Ok(())
+}
+
+/// Uploads through the staging ring while the device is kept busy, so that the ring turns over
+/// (several times its 32 MiB) with copies still queued: every tensor must arrive as sent. Then
+/// readouts queued behind device work and collected in another order than queued, more of them
+/// at once than the pinned pool keeps: each must equal the same readout waited for at once.
+pub fn queued_copies(g: &CudaBackend, rep: &mut Report, rng: &mut SplitMix) -> Result<()> {
+    let p = P;
+    // ~30 ms of GEMMs queued ahead of the copies (the host fills the ring far faster).
+    let (m, k) = (4096, 4096);
+    let w = MemoryTensor::bf16("busy", &[k, k], &rng.bf16_normals(k * k, 0.02));
+    let lin = g.linear(&[LinearPart { weight: w.r(), bias: None, lora: None }])?;
+    let x = g.upload(&rng.bf16_normals(m * k, 1.0), &[m, k])?;
+    let busy = |g: &CudaBackend| -> Result<()> {
+        for _ in 0..200 {
+            g.matmul(&x, &lin)?;
+        }
+        Ok(())
+    };
+    busy(g)?;
+    // 48 tensors of 1.5 MiB (f32: staged, one quarter holds five): 72 MiB, over two turns.
+    let sent: Vec<Vec<f32>> =
+        (0..48).map(|i| (0..384 * 1024).map(|j| (i * 1_000_003 + j) as f32).collect()).collect();
+    let uploaded: Vec<_> = sent.iter().map(|v| g.upload(v, &[384, 1024])).collect::<Result<_>>()?;
+    let mut worst = 0f64;
+    for (t, v) in uploaded.iter().zip(&sent) {
+        worst = worst.max(rel(&g.download(t)?, v));
+    }
+    rep.check(p, "48 uploads of 1.5 MiB through the staging ring behind queued GEMMs", worst, 0.0);
+
+    let d = 2560;
+    let head = MemoryTensor::f32("readout", &[12, d], &rng.bf16_normals(12 * d, 0.05));
+    let head = g.param_f32(&head.r())?;
+    let hidden: Vec<Vec<f32>> = (0..6).map(|i| rng.bf16_normals((3 + i) * d, 1.0)).collect();
+    let want: Vec<Vec<f32>> =
+        hidden.iter().map(|h| g.readout(&g.upload(h, &[h.len() / d, d])?, &head)).collect::<Result<_>>()?;
+    let mut pending = Vec::new();
+    for h in &hidden {
+        busy(g)?;
+        pending.push(g.readout_start(&g.upload(h, &[h.len() / d, d])?, &head)?);
+    }
+    // Out of order: the last first, then the rest from the front.
+    let last = pending.pop().expect("six readouts");
+    let mut got = vec![g.readout_finish(last)?];
+    for r in pending {
+        got.push(g.readout_finish(r)?);
+    }
+    got.rotate_left(1);
+    let bitwise = got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    rep.flag(
+        p,
+        "6 readouts in flight behind GEMMs, collected out of order",
+        bitwise,
+        "bitwise vs waited at once",
+    );
     Ok(())
 }

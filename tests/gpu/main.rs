@@ -36,6 +36,7 @@ fn elementwise_ops_match_cpu() {
     rep.guard("elem", "data movement", |rep| elementwise::data_movement(&d.g, &d.c, rep, &mut rng));
     rep.guard("elem", "activations", |rep| elementwise::activations(&d.g, &d.c, rep, &mut rng));
     rep.guard("elem", "image patch rows", |rep| elementwise::image_patch_rows(&d.g, rep, &mut rng));
+    rep.guard("elem", "queued copies", |rep| elementwise::queued_copies(&d.g, rep, &mut rng));
     rep.finish("elementwise");
 }
 
