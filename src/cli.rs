@@ -81,6 +81,13 @@ pub struct ModelArgs {
     /// (one-level) or run once with the passes continuing them (two-level).
     #[arg(long, value_enum, default_value_t = QuestionTree::OneLevel, env = "IMAJEV_QUESTION_TREE")]
     pub question_tree: QuestionTree,
+    /// A request over the packing budget runs alone; with at most this many tokens in its whole
+    /// tree (prefix, shared question tokens and passes; its passes within --batch-tokens) it still
+    /// runs as ONE forward, its passes alongside its prefix, instead of the prefix first and the
+    /// passes in a second forward over its state. 0 (the default until measured on the device):
+    /// never. Deadlines and disconnects are still checked before every layer.
+    #[arg(long, default_value_t = BatchLimits::default().alone_forward_tokens, env = "IMAJEV_ALONE_FORWARD_TOKENS")]
+    pub alone_forward_tokens: usize,
     /// Queue the next packed round while the GPU still runs the current one, instead of reading
     /// out and answering first: the same answers, and the GPU no longer waits for the host between
     /// rounds under load. No effect on the CPU (a round there is done when launched). Off until
@@ -113,6 +120,7 @@ impl ModelArgs {
             max_tokens: self.batch_tokens,
             max_sequences: self.batch_sequences,
             question_tree: self.question_tree,
+            alone_forward_tokens: self.alone_forward_tokens,
             overlap_rounds: self.overlap_rounds,
             ..Default::default()
         }

@@ -1,8 +1,8 @@
 //! Work the engine abandons says where it stopped: a request whose deadline passes (or whose
 //! caller leaves) between two steps is stopped there, and the error names the stage — before the
 //! first stage, inside the vision tower after how many blocks, after vision, inside a lone
-//! prefix's forward after how many layers, or between question passes after how many ran — with
-//! the reason. The worker logs that stage with the request id
+//! prefix's forward (or a lone request's one forward) after how many layers, or between question
+//! passes after how many ran — with the reason. The worker logs that stage with the request id
 //! and the caller's 504 names it (`src/worker/mod.rs`, `src/api/server.rs`; the real server's log
 //! and 504 are checked by tests/adversarial.rs).
 
@@ -97,6 +97,27 @@ fn a_stopped_run_names_the_stage_it_abandoned() {
         );
     }
     assert_eq!(stop_after(&engine, text, alone, first_pass_check + total, deadline), Ok(()));
+
+    // Alone, but its prefix and passes in one forward (`alone_forward_tokens`): before every
+    // layer of that forward, and nothing after it.
+    let tree = packed.one_forward(&text.plan).unwrap().tokens;
+    let one = BatchLimits {
+        max_tokens: tree - 1,
+        max_sequences: 1 << 10,
+        alone_forward_tokens: tree,
+        ..Default::default()
+    };
+    assert!(one.one_forward(&text.plan).is_none() && one.alone_in_one_forward(&text.plan));
+    assert_eq!(stop_after(&engine, text, one, 0, deadline), Err((deadline, Stage::Start)));
+    assert_eq!(stop_after(&engine, text, one, 1, deadline), Err((deadline, Stage::Prefill)));
+    for layer in [0, 1, layers - 1] {
+        assert_eq!(
+            stop_after(&engine, text, one, 2 + layer, deadline),
+            Err((deadline, Stage::PrefixLayers { layer, layers })),
+            "stopped after {layer} layers of the one forward"
+        );
+    }
+    assert_eq!(stop_after(&engine, text, one, 2 + layers, deadline), Ok(()));
 }
 
 #[test]

@@ -55,6 +55,36 @@ fn rounds_in_flight_get_the_bits_they_get_alone() {
     }
 }
 
+/// A request over the budget runs alone; with `alone_forward_tokens` its prefix and passes still
+/// run as one forward, which gives the bits of the prefix forward followed by the passes it
+/// replaces (one and two levels, text and images).
+#[test]
+fn a_request_alone_in_one_forward_gets_the_bits_of_prefix_then_passes() {
+    let m = common::tiny(SynthDtype::Bf16, 34);
+    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let d = packing::decider(&m.model, &m.adapter, 12, 2);
+    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    for tree in [QuestionTree::OneLevel, QuestionTree::TwoLevel] {
+        for (i, r) in reqs.iter().enumerate() {
+            let size = roomy(tree).one_forward(&r.plan).unwrap();
+            // One token over the budget: alone; its passes still fit one batch. Prefix then passes,
+            // with two levels each question's shared tokens in a forward of their own (the
+            // arithmetic of the two-level tree); with one level inside every pass, as in the tree.
+            let min_shared_tokens = if tree == QuestionTree::TwoLevel { 0 } else { usize::MAX };
+            let apart = BatchLimits { max_tokens: size.tokens - 1, min_shared_tokens, ..roomy(tree) };
+            let one = BatchLimits { alone_forward_tokens: size.tokens, ..apart };
+            assert!(one.one_forward(&r.plan).is_none() && one.alone_in_one_forward(&r.plan), "{}", r.name);
+            let (a, b) = (
+                run_packed(&engine, &reqs, &[i], apart).remove(0),
+                run_packed(&engine, &reqs, &[i], one).remove(0),
+            );
+            assert!(a.prefill_ran && !b.prefill_ran, "{}: the paths that ran", r.name);
+            assert_eq!(b.forwards.len(), 1, "{}: one forward", r.name);
+            assert_eq!(bits(&a), bits(&b), "{tree:?}, {}: other logits in one forward", r.name);
+        }
+    }
+}
+
 /// The two-level tree in one forward runs exactly the arithmetic of the path it replaces
 /// (prefix prefilled and shared, each question's shared tokens extended and shared, each pass
 /// extended from them), so the bits agree; against the one-level tree (the question's tokens

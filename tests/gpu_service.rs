@@ -220,6 +220,28 @@ fn gpu_packed_requests_get_the_bits_they_get_alone() {
             if e_sep > 3e-2 || e_one > one_level_tol {
                 failures.push(format!("{name}, {}: two-level tree off by {e_sep:.2e} / {e_one:.2e}", r.name));
             }
+            // Alone (one token over the budget), prefix then passes against its one forward
+            // (`alone_forward_tokens`): the same arithmetic, the passes' attention and scans as
+            // children of the prefix in the same call rather than forks of its finished state.
+            let size = roomy(QuestionTree::OneLevel).one_forward(&r.plan).unwrap();
+            let apart = BatchLimits {
+                max_tokens: size.tokens - 1,
+                min_shared_tokens: usize::MAX,
+                ..roomy(QuestionTree::OneLevel)
+            };
+            let alone_apart = run_packed(&engine, &reqs, &[i], apart).remove(0);
+            let alone_one =
+                run_packed(&engine, &reqs, &[i], BatchLimits { alone_forward_tokens: size.tokens, ..apart })
+                    .remove(0);
+            let e_alone = common::rel_err(&flat(&alone_one), &flat(&alone_apart));
+            let differ = bits(&alone_one).iter().zip(bits(&alone_apart)).filter(|(a, b)| *a != b).count();
+            eprintln!(
+                "{name}, {:25} alone in one forward vs prefix then passes {e_alone:.2e} ({differ} logits with other bits)",
+                r.name
+            );
+            if alone_apart.prefill_ran == alone_one.prefill_ran || e_alone > 3e-2 {
+                failures.push(format!("{name}, {}: alone in one forward off by {e_alone:.2e}", r.name));
+            }
         }
     }
     assert!(failures.is_empty(), "{} failure(s):\n{}", failures.len(), failures.join("\n"));

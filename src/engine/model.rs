@@ -684,16 +684,16 @@ impl<B: Backend> Qwen35<B> {
 
     /// [`Qwen35::forward_readout`] that also marks the device's queue before layer `mark.layer`
     /// ([`Backend::marker`]): waiting on the mark returns while the device still runs the layers
-    /// after it.
+    /// after it. With `stop`, paced and asked before every layer as [`Qwen35::forward_until`]
+    /// (`Ok(None)`: it said stop).
     pub fn forward_readout_marked(
         &self,
         segs: &[Segment<B>],
         states: &mut [&mut State<B>],
+        stop: Option<&dyn Fn() -> bool>,
         mark: &mut LayerMark<B::Marker>,
-    ) -> Result<B::Tensor> {
-        Ok(self
-            .forward_inner(segs, states, None, None, FinalStates::Continued, Some(mark))?
-            .expect("a forward without a stop check runs to its end"))
+    ) -> Result<Option<B::Tensor>> {
+        self.forward_inner(segs, states, None, stop, FinalStates::Continued, Some(mark))
     }
 
     /// [`Qwen35::forward`], and with `dump` also every row's hidden state at each layer boundary

@@ -31,6 +31,10 @@ pub struct BatchLimits {
     pub min_shared_tokens: usize,
     /// Inside one forward: one level, or the question's shared tokens as a second.
     pub question_tree: QuestionTree,
+    /// A request over the budget with at most this many tokens in its whole tree still runs as one
+    /// forward, alone ([`BatchLimits::alone_in_one_forward`]): its passes ride along with its
+    /// prefix instead of a second forward over the prefix's state (0: never).
+    pub alone_forward_tokens: usize,
     /// Whether the engine thread queues the next packed round while the device still runs the
     /// current one (on engines that launch ahead: the GPU), instead of reading out and answering
     /// first. The same answers; the device no longer idles between rounds.
@@ -44,6 +48,7 @@ impl Default for BatchLimits {
             max_sequences: 96,
             min_shared_tokens: 1024,
             question_tree: QuestionTree::OneLevel,
+            alone_forward_tokens: 0,
             overlap_rounds: false,
         }
     }
@@ -68,11 +73,30 @@ impl BatchLimits {
     /// is over the limits by itself, it has no passes, or — one level — sharing its questions'
     /// tokens in separate forwards saves enough).
     pub fn one_forward(&self, plan: &Plan) -> Option<TreeSize> {
+        self.tree_size(plan).filter(|&size| self.admits(TreeSize::default(), size))
+    }
+
+    /// Whether a request that runs alone (not [`BatchLimits::one_forward`]) still runs its prefix
+    /// and passes as one forward: its tree is at most [`BatchLimits::alone_forward_tokens`] tokens,
+    /// and everything past the prefix fits the budget of one forward as a batch of its passes
+    /// would (so the forward holds no more than its prefix's forward and a pass batch together).
+    /// Otherwise the prefix runs first and the passes continue it in batches.
+    pub fn alone_in_one_forward(&self, plan: &Plan) -> bool {
+        self.tree_size(plan).is_some_and(|size| {
+            size.tokens <= self.alone_forward_tokens
+                && size.tokens - plan.prefix_tokens <= self.max_tokens
+                && size.sequences <= self.max_sequences
+        })
+    }
+
+    /// The size of `plan`'s tree whatever the budget; `None` when it has no passes or (one
+    /// level) sharing its questions' tokens in separate forwards saves enough.
+    fn tree_size(&self, plan: &Plan) -> Option<TreeSize> {
         let passes = plan.pass_count();
         if passes == 0 {
             return None;
         }
-        let size = match self.question_tree {
+        Some(match self.question_tree {
             QuestionTree::OneLevel => {
                 let saved: usize =
                     plan.scored.iter().map(|q| q.common.len() * q.passes.len().saturating_sub(1)).sum();
@@ -90,8 +114,7 @@ impl BatchLimits {
                 let commons = plan.scored.iter().filter(|q| !q.common.is_empty()).count();
                 TreeSize { tokens: plan.processed_tokens, sequences: 1 + commons + passes }
             }
-        };
-        self.admits(TreeSize::default(), size).then_some(size)
+        })
     }
 
     /// Whether a tree of size `next` fits a forward that already holds `used`.
@@ -150,5 +173,43 @@ mod tests {
         let mut empty = plan();
         empty.scored.clear();
         assert_eq!(l.one_forward(&empty), None, "no passes: nothing to pack");
+    }
+
+    #[test]
+    fn a_request_alone_runs_as_one_forward_only_within_its_bounds() {
+        // plan(): 207 tokens, 100 of them the prefix, 6 sequences; one level.
+        let alone = BatchLimits {
+            max_tokens: 107,
+            max_sequences: 6,
+            alone_forward_tokens: 207,
+            ..Default::default()
+        };
+        assert_eq!(alone.one_forward(&plan()), None, "over the budget: it runs alone");
+        assert!(alone.alone_in_one_forward(&plan()));
+        assert!(
+            !BatchLimits { alone_forward_tokens: 206, ..alone }.alone_in_one_forward(&plan()),
+            "tree too long"
+        );
+        assert!(!BatchLimits { alone_forward_tokens: 0, ..alone }.alone_in_one_forward(&plan()), "off");
+        assert!(
+            !BatchLimits { max_tokens: 106, ..alone }.alone_in_one_forward(&plan()),
+            "passes over a batch"
+        );
+        assert!(
+            !BatchLimits { max_sequences: 5, ..alone }.alone_in_one_forward(&plan()),
+            "too many sequences"
+        );
+        // Sharing the questions' tokens apart saves enough: prefix first, as before.
+        assert!(!BatchLimits { min_shared_tokens: 60, ..alone }.alone_in_one_forward(&plan()));
+        // Two levels: the shared tokens are part of the tree (147 tokens, 47 past the prefix).
+        let two = BatchLimits {
+            question_tree: QuestionTree::TwoLevel,
+            max_tokens: 47,
+            max_sequences: 7,
+            alone_forward_tokens: 147,
+            ..Default::default()
+        };
+        assert!(two.alone_in_one_forward(&plan()));
+        assert!(!BatchLimits { max_tokens: 46, ..two }.alone_in_one_forward(&plan()));
     }
 }

@@ -347,12 +347,15 @@ impl<B: Backend> Qwen35<B> {
     /// The one-forward path of [`DecisionEngine::launch_round`]: every job of `which` fits one
     /// forward. Vision once per image (waited for), then the packed forward and its readout queued;
     /// `None` when nothing was queued (every job stopped or failed, its result in `results`).
+    /// `paced` (a job alone, [`BatchLimits::alone_in_one_forward`]): the forward is paced and the
+    /// job asked before every layer whether to go on, as a prefix that runs alone is.
     fn launch_one_forward(
         &self,
         jobs: &[PackedJob<'_>],
         limits: BatchLimits,
         results: &mut [Option<Result<EngineOutput, RunError>>],
         which: &[usize],
+        paced: bool,
     ) -> Option<LaunchedForward<B>> {
         // Vision once per image, request by request (a request's features never depend on
         // another's), then a last look at each caller before the forward.
@@ -386,7 +389,14 @@ impl<B: Backend> Qwen35<B> {
         // The engine thread gathers the next round once the device reaches this layer.
         let layers = self.config.text_config.num_hidden_layers;
         let mut mark = LayerMark { layer: nearly_done_layer(layers), marker: None };
-        let queued = (|| -> anyhow::Result<B::Readout> {
+        // Paced, a job alone is asked before every layer (at most a layer behind the device).
+        let asker = match &live[..] {
+            [(j, ..)] if paced => Some(StopAsker::new(jobs[*j].keep_going)),
+            _ => None,
+        };
+        let ask = || asker.as_ref().is_some_and(|a| a.stop());
+        let stop: Option<&dyn Fn() -> bool> = if asker.is_some() { Some(&ask) } else { None };
+        let queued = (|| -> anyhow::Result<Option<B::Readout>> {
             let segs: Vec<Segment<B>> = tree
                 .iter()
                 .map(|s| {
@@ -409,15 +419,27 @@ impl<B: Backend> Qwen35<B> {
             let mut refs: Vec<&mut State<B>> = states.iter_mut().collect();
             // Nothing continues these states after the forward: only the states the forward
             // itself continues (prefixes, shared question tokens) are finished.
-            let hidden = self.forward_readout_marked(&segs, &mut refs, &mut mark)?;
+            let Some(hidden) = self.forward_readout_marked(&segs, &mut refs, stop, &mut mark)? else {
+                return Ok(None);
+            };
             // Only the passes' rows are read out (not the prefixes' or the shared tokens').
             let rows: Vec<usize> =
                 (0..tree.len()).filter(|&i| matches!(tree[i].part, Part::Pass(_))).collect();
             let hidden = self.backend.gather_rows(&hidden, &rows)?;
-            self.readout_start(&hidden)
+            self.readout_start(&hidden).map(Some)
         })();
         let readout = match queued {
-            Ok(r) => r,
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                // Only a paced forward stops, and it has one job.
+                let asker = asker.as_ref().expect("only a paced forward stops");
+                let stage = Stage::PrefixLayers { layer: asker.asked(), layers };
+                tracing::debug!(reason = %asker.why(), %stage, "forward abandoned between layers");
+                for (j, ..) in &live {
+                    results[*j] = Some(Err(RunError::Stopped(asker.why(), stage)));
+                }
+                return None;
+            }
             Err(e) => {
                 for (j, ..) in &live {
                     results[*j] = Some(Err(RunError::Engine(anyhow!("{e:#}"))));
@@ -680,11 +702,20 @@ impl<B: Backend> DecisionEngine for Qwen35<B> {
         let mut results: Vec<Option<Result<EngineOutput, RunError>>> = jobs.iter().map(|_| None).collect();
         let (fit, alone): (Vec<usize>, Vec<usize>) =
             (0..jobs.len()).partition(|&j| limits.one_forward(jobs[j].plan).is_some());
-        let launched =
-            if fit.is_empty() { None } else { self.launch_one_forward(jobs, limits, &mut results, &fit) };
+        let launched = if fit.is_empty() {
+            None
+        } else {
+            self.launch_one_forward(jobs, limits, &mut results, &fit, false)
+        };
         for j in alone {
             let job = &jobs[j];
-            results[j] = Some(self.run_alone(job.plan, job.images, limits, job.keep_going));
+            if limits.alone_in_one_forward(job.plan) {
+                if let Some(one) = self.launch_one_forward(jobs, limits, &mut results, &[j], true) {
+                    self.finish_one_forward(one, &mut results);
+                }
+            } else {
+                results[j] = Some(self.run_alone(job.plan, job.images, limits, job.keep_going));
+            }
         }
         Round::launched(results, launched.map(|l| Box::new(l) as Box<dyn std::any::Any>))
     }
