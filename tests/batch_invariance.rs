@@ -2,28 +2,41 @@
 //! packed into one forward with 1–7 other requests of different lengths (text, one and two
 //! images), with one- and two-level question trees; and a two-level tree gives the bits of the
 //! separate prefill → shared question tokens → passes path it replaces, within rounding of the
-//! one-level tree.
+//! one-level tree; rounds launched while another is in flight, and a request alone in one
+//! forward, get the bits of their plain runs.
 
 mod common;
 
-use common::packing::{self, bits, prepare, run_packed};
+use common::packing::{self, bits, prepare, run_packed, Prepared};
 use imajev_serve::backend::cpu::CpuBackend;
+use imajev_serve::decision::Decider;
 use imajev_serve::engine::Qwen35;
 use imajev_serve::image::ImageProcessorConfig;
 use imajev_serve::synth::SynthDtype;
 use imajev_serve::worker::{BatchLimits, QuestionTree};
+use std::sync::Arc;
 
 /// Room for all eight requests in one forward.
 fn roomy(question_tree: QuestionTree) -> BatchLimits {
     BatchLimits { max_tokens: 1 << 16, max_sequences: 1 << 10, question_tree, ..Default::default() }
 }
 
+/// The tiny BF16 model of `seed` on the CPU, its decision layer with `rotations`, and the eight
+/// requests of `packing::bodies` planned for it (the model's files live as long as the first).
+fn cpu_engine(
+    seed: u64,
+    rotations: usize,
+) -> (common::TinyModel, Qwen35<CpuBackend>, Vec<Prepared>, Arc<Decider>) {
+    let m = common::tiny(SynthDtype::Bf16, seed);
+    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let d = packing::decider(&m.model, &m.adapter, 12, rotations);
+    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    (m, engine, reqs, d)
+}
+
 #[test]
 fn packed_requests_get_the_bits_they_get_alone() {
-    let m = common::tiny(SynthDtype::Bf16, 31);
-    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
-    let d = packing::decider(&m.model, &m.adapter, 12, 2);
-    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    let (_m, engine, reqs, d) = cpu_engine(31, 2);
     assert_eq!(reqs.len(), 8);
     // A text request (0), a one-image (5) and a two-image request (6) in turn, packed with
     // 1..=7 others.
@@ -45,10 +58,7 @@ fn packed_requests_get_the_bits_they_get_alone() {
 /// returns; this checks the launch/finish split itself (which job and pass each logit goes to).
 #[test]
 fn rounds_in_flight_get_the_bits_they_get_alone() {
-    let m = common::tiny(SynthDtype::Bf16, 33);
-    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
-    let d = packing::decider(&m.model, &m.adapter, 12, 2);
-    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    let (_m, engine, reqs, _) = cpu_engine(33, 2);
     for tree in [QuestionTree::OneLevel, QuestionTree::TwoLevel] {
         let bad = packing::in_flight_vs_alone(&engine, &reqs, &packing::round_groups(), roomy(tree));
         assert!(bad.is_empty(), "{tree:?}:\n{}", bad.join("\n"));
@@ -60,10 +70,7 @@ fn rounds_in_flight_get_the_bits_they_get_alone() {
 /// replaces (one and two levels, text and images).
 #[test]
 fn a_request_alone_in_one_forward_gets_the_bits_of_prefix_then_passes() {
-    let m = common::tiny(SynthDtype::Bf16, 34);
-    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
-    let d = packing::decider(&m.model, &m.adapter, 12, 2);
-    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    let (_m, engine, reqs, _) = cpu_engine(34, 2);
     for tree in [QuestionTree::OneLevel, QuestionTree::TwoLevel] {
         for (i, r) in reqs.iter().enumerate() {
             let size = roomy(tree).one_forward(&r.plan).unwrap();
@@ -91,10 +98,7 @@ fn a_request_alone_in_one_forward_gets_the_bits_of_prefix_then_passes() {
 /// inside every pass, chunked differently by the delta rule) they agree within rounding.
 #[test]
 fn two_level_trees_equal_the_separate_forwards_they_replace() {
-    let m = common::tiny(SynthDtype::Bf16, 32);
-    let engine = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
-    let d = packing::decider(&m.model, &m.adapter, 12, 4);
-    let reqs = prepare(&d, &packing::bodies(true), ImageProcessorConfig::default());
+    let (_m, engine, reqs, _) = cpu_engine(32, 4);
     let two = roomy(QuestionTree::TwoLevel);
     let one = roomy(QuestionTree::OneLevel);
     // Too small for one forward: prefix, then every question's shared tokens (min 0: always),
