@@ -380,11 +380,11 @@ impl Shared {
 /// round is gathered and queued while the device still runs the current one — once that one is
 /// halfway through its layers ([`runner::nearly_done_layer`]), so that the callers answered by
 /// the round before have had time to send their next requests — and the current one is then
-/// finished and answered: the device goes from one
-/// round to the next without waiting for the host to read out, answer, gather and lay out. Only
-/// packed rounds without images are queued ahead (vision and a request that runs alone wait for
-/// the device as they go: the round in flight is finished before them, so its answers are not
-/// held back). Answers are the same bits either way: rounds share nothing but the stream.
+/// finished and answered: the device goes from one round to the next without waiting for the
+/// host to read out, answer, gather and lay out. Only packed rounds without images are queued
+/// ahead (vision and a request that runs alone wait for the device as they go: the round in
+/// flight is finished before them, so its answers are not held back). Answers are the same bits
+/// either way: rounds share nothing but the stream.
 fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shared, limits: BatchLimits) {
     let mut next: Option<Job> = None;
     let mut flight = Flight::default();
