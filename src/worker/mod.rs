@@ -417,8 +417,10 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
             continue;
         };
         let Some(first) = h.afford(engine.as_ref(), first) else { continue };
+        // The first job's tree fits one forward: the round packs (else that job runs alone).
+        let packed = limits.one_forward(&first.0.plan);
         let mut batch = vec![first];
-        if let Some(mut used) = limits.one_forward(&batch[0].0.plan) {
+        if let Some(mut used) = packed {
             // Everything already waiting that fits, in order; the first that does not fit
             // opens the next round.
             while let Ok(job) = rx.try_recv() {
@@ -440,7 +442,8 @@ fn run_jobs(engine: Option<Box<dyn DecisionEngine>>, rx: Receiver<Job>, h: &Shar
         }
         let ahead = limits.overlap_rounds
             && engine.launches_ahead()
-            && batch.iter().all(|(j, _)| j.images.is_empty() && limits.one_forward(&j.plan).is_some());
+            && packed.is_some()
+            && batch.iter().all(|(j, _)| j.images.is_empty());
         if !ahead {
             if let Some(r) = flight.round.take() {
                 flight.finish(engine.as_ref(), r, h);
