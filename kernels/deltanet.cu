@@ -409,14 +409,7 @@ __device__ __forceinline__ void store_state(float* state, int dv, int c0, int nc
 // only where that scan reads them: T and P rows < len, columns < rm_read_cols(len), K^T columns
 // < rm_read_cols(len) (a pass's 9-row second chunk: ~7 KB of a head pair's 64 KB). Rows past len
 // are never computed: their products are +0 and their T rows e_i (the loops' exact result).
-//
-// gdn_chunk_prep_<DK>: one block of 256 threads per (chunk, key head). q.k and k.k depend on the key
-// head only and are computed once for its vh/kh value heads: thread (ti, tj) = (tid/16, tid%16) holds
-// the 4x4 tile rows 4ti.., cols 4tj.. of both (tiles above the diagonal are zero) from q and k staged
-// transposed in shared memory ([DK][64]: 16-byte loads of 4 rows). Then, two value heads at a time,
-// P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
-// one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
-// column in registers (no barriers inside the solve).
+
 // One column c of T = (I + A)^-1 by forward substitution, T_i = e_i - sum_{j<i} A_ij T_j, in
 // registers (no barriers), stored as chunk_prep stores it. Only rows < ROWS (>= the chunk's len)
 // are computed: A's rows past len are +0, so the loop would give exactly e_c's entry there (1 or
@@ -450,6 +443,13 @@ __device__ __forceinline__ void prep_solve_store(const float* Ah, int c, int len
   }
 }
 
+// gdn_chunk_prep_<DK>: one block of 256 threads per (chunk, key head). q.k and k.k depend on the key
+// head only and are computed once for its vh/kh value heads: thread (ti, tj) = (tid/16, tid%16) holds
+// the 4x4 tile rows 4ti.., cols 4tj.. of both (tiles above the diagonal are zero) from q and k staged
+// transposed in shared memory ([DK][64]: 16-byte loads of 4 rows). Then, two value heads at a time,
+// P goes straight to global memory and A to shared memory (over the staging, no longer needed), and
+// one thread per column c of T runs the forward substitution T_i = e_i - sum_{j<i} A_ij T_j for its
+// column in registers (no barriers inside the solve; prep_solve_store above).
 template <int DK, bool RM>
 __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, const float* g,
                            const int* chunks, int kh, int vh, float* tp, float* kt) {
