@@ -37,11 +37,6 @@ impl Round {
         Round { results, pending }
     }
 
-    /// Whether some of its results wait for the device.
-    pub fn is_pending(&self) -> bool {
-        self.pending.is_some()
-    }
-
     /// The engine's handle, for the engine that launched it.
     pub fn pending(&self) -> Option<&dyn Any> {
         self.pending.as_deref()
@@ -83,14 +78,13 @@ mod tests {
     #[test]
     fn a_finished_round_keeps_its_results_in_order() {
         let round = Round::done(vec![out(1.0), out(2.0)]);
-        assert!(!round.is_pending());
+        assert!(round.pending().is_none());
         assert_eq!(tags(round.finish(|_, _| panic!("nothing in flight"))), vec![Some(1.0), Some(2.0)]);
     }
 
     #[test]
     fn the_engine_fills_its_jobs_and_a_forgotten_job_is_an_error_not_a_loss() {
         let round = Round::launched(vec![None, Some(out(2.0)), None], Some(Box::new(7u32)));
-        assert!(round.is_pending());
         assert_eq!(round.pending().and_then(|p| p.downcast_ref::<u32>()), Some(&7));
         let results = round.finish(|p, slots| {
             assert_eq!(*p.downcast::<u32>().unwrap(), 7);

@@ -60,17 +60,6 @@ pub struct CudaReadout {
     pool: PinnedPool,
 }
 
-impl CudaReadout {
-    /// The number of floats it brings.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 impl Drop for CudaReadout {
     fn drop(&mut self) {
         // Dropped unfinished (an error path): the copy may still be writing into the buffer, which
