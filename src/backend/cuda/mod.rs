@@ -537,10 +537,10 @@ impl Backend for CudaBackend {
     }
 
     fn pace(&self) -> Result<()> {
-        let now = self.state.stream.record_event(None)?;
+        let now = self.marker()?;
         let before = self.state.pace.lock().unwrap_or_else(|p| p.into_inner()).replace(now);
         if let Some(e) = before {
-            e.synchronize()?;
+            self.wait_marker(&e)?;
         }
         Ok(())
     }
