@@ -90,9 +90,9 @@ pub struct ModelArgs {
     pub alone_forward_tokens: usize,
     /// Queue the next packed round while the GPU still runs the current one, instead of reading
     /// out and answering first: the same answers, and the GPU no longer waits for the host between
-    /// rounds under load. No effect on the CPU (a round there is done when launched). Off until
-    /// measured on the device. Takes true/false (also 1/0, yes/no, on/off).
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), env = "IMAJEV_OVERLAP_ROUNDS")]
+    /// rounds under load. No effect on the CPU (a round there is done when launched). On by
+    /// default. Takes true/false (also 1/0, yes/no, on/off).
+    #[arg(long, default_value_t = BatchLimits::default().overlap_rounds, action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), env = "IMAJEV_OVERLAP_ROUNDS")]
     pub overlap_rounds: bool,
     /// Serve the built-in demo instead of a model: a tiny random-weight Qwen3.5 with the real
     /// tokenizer (the API works, the answers are meaningless).
