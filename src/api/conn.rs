@@ -48,6 +48,11 @@ pub const MAX_HEADERS: usize = 96;
 /// Largest request head (request line and headers), bytes; more is 431.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
 
+/// How long a closing connection waits for its peer to close after the server's answer: the
+/// dispatcher's disconnect timeout, and the most [`Guarded`]'s close drains what the peer still
+/// sends.
+pub const DISCONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The connection layer's settings.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
@@ -313,6 +318,8 @@ pub struct Guarded {
     clock: Option<Instant>,
     body_bytes: u64,
     timer: Pin<Box<Sleep>>,
+    /// Set by the first `poll_shutdown`: when its drain gives up on the peer's close.
+    closing: Option<Pin<Box<Sleep>>>,
     _guard: ConnGuard,
 }
 
@@ -340,6 +347,7 @@ impl Guarded {
             clock: Some(now),
             body_bytes: 0,
             timer: Box::pin(tokio::time::sleep_until(now + limits.head_timeout)),
+            closing: None,
             _guard: guard,
         };
         if open > limits.max_connections {
@@ -603,15 +611,23 @@ impl AsyncWrite for Guarded {
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
-    /// Shuts the sending side, then reads and drops what the peer still sends until it closes
-    /// (the dispatcher bounds this by its disconnect timeout): closing with unread bytes would
-    /// reset the connection and could destroy the answer before the peer reads it.
+    /// Shuts the sending side, then reads and drops what the peer still sends until it closes,
+    /// for at most [`DISCONNECT_TIMEOUT`]: closing with unread bytes would reset the connection
+    /// and could destroy the answer before the peer reads it. The bound is this layer's own:
+    /// actix-http's disconnect timer does not end this wait (it never runs after a
+    /// `Connection: close` answer or at shutdown, and after a keep-alive timeout it is re-armed
+    /// at every wake-up), so an idle peer that keeps its socket open held the connection — and
+    /// a graceful shutdown — for good.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if let Poll::Ready(Err(e)) = Pin::new(&mut this.io).poll_shutdown(cx) {
-            return Poll::Ready(Err(e));
+        if this.closing.is_none() {
+            std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+            this.closing = Some(Box::pin(tokio::time::sleep(DISCONNECT_TIMEOUT)));
         }
         loop {
+            if this.closing.as_mut().is_some_and(|t| t.as_mut().poll(cx).is_ready()) {
+                return Poll::Ready(Ok(()));
+            }
             let mut tmp = [0u8; 8 << 10];
             let mut rb = ReadBuf::new(&mut tmp);
             match Pin::new(&mut this.io).poll_read(cx, &mut rb) {

@@ -10,7 +10,7 @@
 //! the engine skips its job (a half-closed connection still gets its answer).
 
 use super::body::{self, BodyKind};
-use super::conn::{ConnCounter, ConnLimits, ConnShared, Guarded, REFUSAL_HEADER};
+use super::conn::{ConnCounter, ConnLimits, ConnShared, Guarded, DISCONNECT_TIMEOUT, REFUSAL_HEADER};
 use super::error::{ApiError, Loc};
 use super::metrics::{route_label, HttpMetrics};
 use super::parse::{ParseContext, RequestBody, DEFAULT_MAX_QUESTIONS};
@@ -583,9 +583,10 @@ fn connection_refusal(req: &ServiceRequest) -> Option<ApiError> {
     req.conn_data::<Arc<ConnShared>>()?.take_refusal()
 }
 
-/// Serves HTTP on `listener` until `shutdown` resolves, then stops accepting, lets accepted
-/// requests finish for up to `--shutdown-grace` and returns (requests still running then are
-/// dropped: their callers' connections close, and the engine skips or stops their jobs).
+/// Serves HTTP on `listener` until `shutdown` resolves, then stops accepting, closes idle
+/// connections, lets accepted requests finish for up to `--shutdown-grace` (each connection
+/// closes after its answer) and returns (requests still running then are dropped: their callers'
+/// connections close, and the engine skips or stops their jobs).
 pub async fn run_http_server(
     listener: std::net::TcpListener,
     cfg: ServerConfig,
@@ -653,12 +654,19 @@ pub async fn run_http_server(
     };
     // What actix_web::HttpServer::listen builds, with the connection layer's I/O in between
     // (see super::conn for why).
-    let server = actix_web::dev::Server::build()
+    let builder = actix_web::dev::Server::build();
+    // Tells every connection's dispatcher that shutdown began (as HttpServer does): an idle
+    // keep-alive connection closes at once, one with a request in flight after its answer
+    // (`Connection: close`). Without it the workers waited for idle connections, whose clients
+    // may keep them open for the whole grace.
+    let draining = builder.graceful_shutdown_signal();
+    let server = builder
         .workers(cfg.workers.max(1))
         .shutdown_timeout(grace.as_secs().max(1))
         .shutdown_signal(shutdown)
         .listen("imajev-http", listener, move || {
             let counter = counter.clone();
+            let draining = draining.clone();
             let accept = fn_service(move |io: actix_web::rt::net::TcpStream| {
                 let peer = io.peer_addr().ok();
                 let conn = Guarded::new(io, limits, &counter);
@@ -666,10 +674,14 @@ pub async fn run_http_server(
             });
             let app = make_app().into_factory().map_err(|e| e.error_response());
             let http = actix_http::HttpService::build()
+                .graceful_shutdown_signal(move || {
+                    let draining = draining.clone();
+                    async move { draining.notified().await }
+                })
                 .keep_alive(actix_http::KeepAlive::Timeout(Duration::from_secs(5)))
                 // The connection layer times heads itself (answering 408 with a body).
                 .client_request_timeout(Duration::ZERO)
-                .client_disconnect_timeout(Duration::from_secs(1))
+                .client_disconnect_timeout(DISCONNECT_TIMEOUT)
                 .h1_allow_half_closed(true)
                 .local_addr(addr)
                 .on_connect_ext(|io: &Guarded, ext: &mut actix_http::Extensions| {
