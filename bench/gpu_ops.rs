@@ -3,19 +3,21 @@
 //! requests (`bench/gpu_bench.py`).
 //!
 //! `cargo run --release --example bench_gpu_ops -- [--json bench/results/h200-ops.json] [--long]
-//! [--only gemm,gemm-algos,mlp,fp8-own,norm,attention,vision,deltanet,deltanet-wg,narrow,conv] [--lengths 16384]` (`--only`:
+//! [--only gemm,gemm-algos,lora-a-algos,mlp,fp8-own,norm,attention,vision,deltanet,deltanet-wg,narrow,conv] [--lengths 16384]` (`--only`:
 //! those groups; `--lengths`: the sequence lengths instead of 2K (4K, 16K with `--long`); e.g.
 //! under a profiler)
 //!
 //! * FP8 and BF16 GEMMs of the three large projection shapes at M = 2048;
 //! * only when named in `--only` (`gemm-algos`): every cuBLASLt algorithm a fixed plan could use
-//!   for the five FP8 projection shapes of a forward (`Blas::candidates`: the heuristic's answers
-//!   at the reference M under the plan's no-split-K preference), each timed at 977, 7,816 and
-//!   16,384 rows or at `--lengths` (FP8-padded), cold L2, median device time of 20 runs; per
+//!   for the five FP8 projection shapes and the four BF16 LoRA A shapes of a forward
+//!   (`Blas::candidates`: the heuristic's answers at the reference M under the plan's split-K
+//!   preference), each timed at 977, 7,816 and 16,384 rows or at `--lengths` (FP8-padded), cold
+//!   L2, median device time of 20 runs; per
 //!   shape the candidate of least total time among those every M accepts, its ratio to today's
 //!   pick (the heuristic's first), and whether each such candidate's rows are bitwise equal
 //!   across the row counts (a pin must keep batch invariance); last, the `IMAJEV_GEMM_PINS` value
-//!   that would pin the winners (see src/backend/cuda/gemm.rs);
+//!   that would pin the winners (see src/backend/cuda/gemm.rs); `lora-a-algos`: the LoRA A shapes
+//!   alone;
 //! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
 //!   16,384 rows (or at `--lengths`): on Hopper the gate/up output stored then the SwiGLU kernel
 //!   against the GLU form (`swiglu_epilogue`), elsewhere the gate/up LoRA B side as its own GEMM
@@ -113,6 +115,14 @@ const FP8_SHAPES: [(&str, usize, usize, usize); 5] = [
     ("attention qkv", 10240, 2560, 10240),
     ("mlp down", 2560, 9216, 2560),
     ("out_proj / o_proj", 2560, 4096, 2560),
+];
+/// The LoRA A sides of a forward of Qwen3.5-4B with the rank-64 adapter, pairs that read the same
+/// input fused into one GEMM: (what, N = the pairs' ranks, K).
+const LORA_A_SHAPES: [(&str, usize, usize); 4] = [
+    ("LoRA A in_proj qkv+z, mlp gate+up", 128, 2560),
+    ("LoRA A attention q+k+v", 192, 2560),
+    ("LoRA A out_proj / o_proj", 64, 4096),
+    ("LoRA A mlp down", 64, 9216),
 ];
 /// Bytes written before each timed GEMM of `gemm-algos` (twice the H200's 50 MB L2): in a forward
 /// a projection's weights come after other layers' weights, never warm from its own last call.
@@ -358,7 +368,8 @@ impl Bench<'_> {
 
     /// `--only gemm-algos` (module doc). Runs on its own stream and `Blas` in the backend's
     /// (primary) context, so it times cuBLASLt's candidates as such, whatever pins are set.
-    fn gemm_algos(&mut self, rows: &[usize]) -> Result<()> {
+    /// `fp8` false: the LoRA A shapes only (`--only lora-a-algos`).
+    fn gemm_algos(&mut self, rows: &[usize], fp8: bool) -> Result<()> {
         let ctx = CudaContext::new(self.g.info().ordinal)?;
         let stream = ctx.new_stream()?;
         let blas = Blas::new(stream.clone())?;
@@ -368,10 +379,11 @@ impl Bench<'_> {
         let mut ms: Vec<usize> = rows.iter().map(|&m| fp8_rows(m)).collect();
         ms.sort_unstable();
         ms.dedup();
-        let (mmin, mmax) = (ms[0], ms[ms.len() - 1]);
+        let mmax = ms[ms.len() - 1];
         let mut flush = stream.alloc_zeros::<u8>(L2_FLUSH)?;
         let mut winners = Vec::new();
-        for (what, n, k, ldy) in FP8_SHAPES {
+        let fp8_shapes: &[_] = if fp8 { &FP8_SHAPES } else { &[] };
+        for &(what, n, k, ldy) in fp8_shapes {
             let (wq, ws) = quantize_fp8_blocks(&self.rng.bf16_normals(n * k, 0.02), n, k);
             let (xq, xs) = fp8_activations(&mut self.rng, mmax, k);
             let (wq, ws, xq) = (stream.clone_htod(&wq)?, stream.clone_htod(&ws)?, stream.clone_htod(&xq)?);
@@ -403,139 +415,194 @@ impl Bench<'_> {
                 w_scale,
                 x_scale: dptr(&xs[i], &stream),
             };
-            let cands = blas.candidates(&gemm(ms.len() - 1))?;
-            let flop = |m: usize| 2.0 * (m * n * k) as f64;
             let name = format!("fp8 GEMM {what} N={n} K={k}");
-            println!(
-                "\n{name} (ldy {ldy}): {} candidates at M={} in cuBLASLt's order (* today's pick), \
-                 median of 20 runs, L2 flushed before each; ms and TFLOP/s:",
-                cands.len(),
-                imajev_serve::backend::cuda::gemm::reference_m(GemmKind::Fp8Block, n)
-            );
-            let head: String = ms.iter().map(|m| format!("{:>16}", format!("M={m}"))).collect();
-            println!("    # rank{head}  total ms    rows  candidate");
-            // Per candidate: the time at each row count (None: rejected), the total over them
-            // when every count took it, and whether its first `mmin` rows were bitwise the same
-            // at every count.
-            let mut rows_out = Vec::new();
-            for (ci, c) in cands.iter().enumerate() {
-                let mut times = Vec::new();
-                let mut rejected = Vec::new();
-                for (i, m) in ms.iter().enumerate() {
-                    match time_cold(&stream, &mut flush, &mut || blas.run_candidate(&gemm(i), c)) {
-                        Ok(t) => times.push(Some(t)),
-                        Err(e) => {
-                            times.push(None);
-                            rejected.push(format!("M={m}: {e:#}"));
-                        }
-                    }
-                }
-                let total: Option<f64> = times.iter().copied().sum();
-                // Bitwise rows across row counts (only for candidates every count takes).
-                let invariant = match total {
-                    Some(_) => {
-                        let mut first_rows = Vec::new();
-                        for i in (0..ms.len()).rev() {
-                            stream.memset_zeros(&mut y)?;
-                            blas.run_candidate(&gemm(i), c)?;
-                            first_rows.push(stream.clone_dtoh(&y.slice(0..mmin * ldy))?);
-                        }
-                        Some(first_rows.iter().all(|r| *r == first_rows[0]))
-                    }
-                    None => None,
-                };
-                let cells: String = times
-                    .iter()
-                    .zip(&ms)
-                    .map(|(t, &m)| match t {
-                        Some(t) => format!("{t:9.3} {:6.0}", flop(m) / t / 1e9),
-                        None => format!("{:>16}", "rejected"),
-                    })
-                    .collect();
-                let mark = if c.heuristic_first { "*" } else { " " };
-                let total_s = total.map_or("-".into(), |t| format!("{t:.3}"));
-                let inv = match invariant {
-                    Some(true) => "OK",
-                    Some(false) => "FAILED",
-                    None => "-",
-                };
-                println!("{mark}{ci:>4} {:>4}{cells}  {total_s:>8}  {inv:>6}  {c}", c.rank);
-                for r in &rejected {
-                    println!("           rejected at {r}");
-                }
-                for (t, &m) in times.iter().zip(&ms) {
-                    if let Some(t) = *t {
-                        let today = if c.heuristic_first { " (today's pick)" } else { "" };
-                        self.out.push(Timing {
-                            name: format!("gemm-algos {name} M={m} [{c}]{today}"),
-                            ms: t,
-                            tflops: Some(flop(m) / t / 1e9),
-                        });
-                    }
-                }
-                rows_out.push((total, invariant));
-            }
-            let today =
-                cands.iter().position(|c| c.heuristic_first).context("today's pick is a candidate")?;
-            let best_of = |need_invariant: bool| {
-                (0..cands.len())
-                    .filter(|&i| !need_invariant || rows_out[i].1 == Some(true))
-                    .filter_map(|i| rows_out[i].0.map(|t| (i, t)))
-                    .min_by(|a, b| a.1.total_cmp(&b.1))
+            winners
+                .extend(self.sweep_candidates(&blas, &stream, &mut flush, &ms, &name, &mut y, ldy, &gemm)?);
+        }
+        // The LoRA A sides (BF16, N the pairs' ranks): planned at a small M with split K allowed
+        // (`Blas::plan`'s narrow rule), then run at every M, a packed round's ~7,800 rows too.
+        let to_bits =
+            |v: Vec<f32>| v.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+        for (what, n, k) in LORA_A_SHAPES {
+            let a = stream.clone_htod(&to_bits(self.rng.bf16_normals(n * k, 0.02)))?;
+            // 1024 random rows, repeated (as fp8_activations: each row index has one input).
+            let base = to_bits(self.rng.bf16_normals(1024 * k, 1.0));
+            let x: Vec<u16> =
+                (0..mmax).flat_map(|r| &base[(r % 1024) * k..(r % 1024 + 1) * k]).copied().collect();
+            let x = stream.clone_htod(&x)?;
+            let mut y = stream.alloc_zeros::<u16>(mmax * n)?;
+            let (w, xp, yp) = (dptr(&a, &stream), dptr(&x, &stream), dptr(&y, &stream));
+            let gemm = |i: usize| Gemm {
+                kind: GemmKind::Bf16,
+                n,
+                m: ms[i],
+                k,
+                w,
+                ldw: k,
+                x: xp,
+                ldx: k,
+                y: yp,
+                ldy: n,
+                alpha: 1.0,
+                beta: 0.0,
+                w_scale: 0,
+                x_scale: 0,
             };
-            // Today's total, None when some row count rejects it (the plan falls back per M there).
-            let today_total = rows_out[today].0;
-            let vs_today = |t: f64| match today_total {
-                Some(d) => format!("{:.3}x today's pick ({d:.3} ms)", t / d),
-                None => "today's pick is rejected at some row count".to_string(),
-            };
-            let Some((best, best_total)) = best_of(false) else {
-                println!("  no candidate is accepted at every row count");
-                continue;
-            };
-            println!(
-                "  best fixed candidate #{best}: {best_total:.3} ms over the row counts, {}: {}",
-                vs_today(best_total),
-                cands[best]
-            );
-            let inv = if rows_out[best].1 == Some(true) { "OK" } else { "FAILED" };
-            let counts = ms.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(", ");
-            let one = if ms.len() < 2 { " (one row count: nothing compared)" } else { "" };
-            println!("  row invariance (rows 0..{mmin} at M={counts}): {inv}{one}");
-            self.out.push(Timing {
-                name: format!(
-                    "gemm-algos {name} best over M={counts}: [{}], {}, row invariance {inv}",
-                    cands[best],
-                    vs_today(best_total)
-                ),
-                ms: best_total,
-                tflops: None,
-            });
-            // A pin is proposed for the fastest candidate with bitwise rows when it beats today's
-            // pick by at least 1% (less is within the noise of 20 runs), or when today's pick
-            // needs a per-M fallback somewhere.
-            match best_of(true) {
-                Some((b, _)) if b == today => {
-                    println!("  no pin: today's pick is the fastest fixed candidate with bitwise rows")
-                }
-                Some((b, t)) if today_total.is_none_or(|d| t < 0.99 * d) => {
-                    if b != best {
-                        println!("  fastest with bitwise rows: #{b}, {}: {}", vs_today(t), cands[b]);
-                    }
-                    println!("  pin: {}", cands[b].pin());
-                    winners.push(cands[b].pin().to_string());
-                }
-                Some((b, _)) => {
-                    println!("  no pin: the fastest with bitwise rows (#{b}) is within 1% of today's pick")
-                }
-                None => println!("  no pin: no candidate kept its rows bitwise across the row counts"),
-            }
+            let name = format!("bf16 GEMM {what} N={n} K={k}");
+            winners.extend(self.sweep_candidates(&blas, &stream, &mut flush, &ms, &name, &mut y, n, &gemm)?);
         }
         match winners.is_empty() {
-            true => println!("\nno FP8 shape has a faster fixed candidate than today's pick"),
+            true => println!("\nno shape has a faster fixed candidate than today's pick"),
             false => println!("\nIMAJEV_GEMM_PINS='{}'", winners.join(";")),
         }
         Ok(())
+    }
+
+    /// One shape of `gemm-algos`: every candidate cuBLASLt offers for it, timed at each of `ms`
+    /// rows (`gemm(i)` is the GEMM at `ms[i]` rows, writing `y` with row stride `ldy`), whether
+    /// its rows are bitwise the same at every row count, and the pin proposed for the shape (the
+    /// `IMAJEV_GEMM_PINS` entry), if any.
+    #[allow(clippy::too_many_arguments)]
+    fn sweep_candidates(
+        &mut self,
+        blas: &Blas,
+        stream: &Arc<CudaStream>,
+        flush: &mut CudaSlice<u8>,
+        ms: &[usize],
+        name: &str,
+        y: &mut CudaSlice<u16>,
+        ldy: usize,
+        gemm: &dyn Fn(usize) -> Gemm,
+    ) -> Result<Option<String>> {
+        let mmin = ms[0];
+        let last = gemm(ms.len() - 1);
+        let (kind, n, k) = (last.kind, last.n, last.k);
+        let cands = blas.candidates(&last)?;
+        let flop = |m: usize| 2.0 * (m * n * k) as f64;
+        println!(
+            "\n{name} (ldy {ldy}): {} candidates at M={} in cuBLASLt's order (* today's pick), \
+             median of 20 runs, L2 flushed before each; ms and TFLOP/s:",
+            cands.len(),
+            imajev_serve::backend::cuda::gemm::reference_m(kind, n)
+        );
+        let head: String = ms.iter().map(|m| format!("{:>16}", format!("M={m}"))).collect();
+        println!("    # rank{head}  total ms    rows  candidate");
+        // Per candidate: the time at each row count (None: rejected), the total over them
+        // when every count took it, and whether its first `mmin` rows were bitwise the same
+        // at every count.
+        let mut rows_out = Vec::new();
+        for (ci, c) in cands.iter().enumerate() {
+            let mut times = Vec::new();
+            let mut rejected = Vec::new();
+            for (i, m) in ms.iter().enumerate() {
+                match time_cold(stream, flush, &mut || blas.run_candidate(&gemm(i), c)) {
+                    Ok(t) => times.push(Some(t)),
+                    Err(e) => {
+                        times.push(None);
+                        rejected.push(format!("M={m}: {e:#}"));
+                    }
+                }
+            }
+            let total: Option<f64> = times.iter().copied().sum();
+            // Bitwise rows across row counts (only for candidates every count takes).
+            let invariant = match total {
+                Some(_) => {
+                    let mut first_rows = Vec::new();
+                    for i in (0..ms.len()).rev() {
+                        stream.memset_zeros(y)?;
+                        blas.run_candidate(&gemm(i), c)?;
+                        first_rows.push(stream.clone_dtoh(&y.slice(0..mmin * ldy))?);
+                    }
+                    Some(first_rows.iter().all(|r| *r == first_rows[0]))
+                }
+                None => None,
+            };
+            let cells: String = times
+                .iter()
+                .zip(ms)
+                .map(|(t, &m)| match t {
+                    Some(t) => format!("{t:9.3} {:6.0}", flop(m) / t / 1e9),
+                    None => format!("{:>16}", "rejected"),
+                })
+                .collect();
+            let mark = if c.heuristic_first { "*" } else { " " };
+            let total_s = total.map_or("-".into(), |t| format!("{t:.3}"));
+            let inv = match invariant {
+                Some(true) => "OK",
+                Some(false) => "FAILED",
+                None => "-",
+            };
+            println!("{mark}{ci:>4} {:>4}{cells}  {total_s:>8}  {inv:>6}  {c}", c.rank);
+            for r in &rejected {
+                println!("           rejected at {r}");
+            }
+            for (t, &m) in times.iter().zip(ms) {
+                if let Some(t) = *t {
+                    let today = if c.heuristic_first { " (today's pick)" } else { "" };
+                    self.out.push(Timing {
+                        name: format!("gemm-algos {name} M={m} [{c}]{today}"),
+                        ms: t,
+                        tflops: Some(flop(m) / t / 1e9),
+                    });
+                }
+            }
+            rows_out.push((total, invariant));
+        }
+        let today = cands.iter().position(|c| c.heuristic_first).context("today's pick is a candidate")?;
+        let best_of = |need_invariant: bool| {
+            (0..cands.len())
+                .filter(|&i| !need_invariant || rows_out[i].1 == Some(true))
+                .filter_map(|i| rows_out[i].0.map(|t| (i, t)))
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+        };
+        // Today's total, None when some row count rejects it (the plan falls back per M there).
+        let today_total = rows_out[today].0;
+        let vs_today = |t: f64| match today_total {
+            Some(d) => format!("{:.3}x today's pick ({d:.3} ms)", t / d),
+            None => "today's pick is rejected at some row count".to_string(),
+        };
+        let Some((best, best_total)) = best_of(false) else {
+            println!("  no candidate is accepted at every row count");
+            return Ok(None);
+        };
+        println!(
+            "  best fixed candidate #{best}: {best_total:.3} ms over the row counts, {}: {}",
+            vs_today(best_total),
+            cands[best]
+        );
+        let inv = if rows_out[best].1 == Some(true) { "OK" } else { "FAILED" };
+        let counts = ms.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(", ");
+        let one = if ms.len() < 2 { " (one row count: nothing compared)" } else { "" };
+        println!("  row invariance (rows 0..{mmin} at M={counts}): {inv}{one}");
+        self.out.push(Timing {
+            name: format!(
+                "gemm-algos {name} best over M={counts}: [{}], {}, row invariance {inv}",
+                cands[best],
+                vs_today(best_total)
+            ),
+            ms: best_total,
+            tflops: None,
+        });
+        // A pin is proposed for the fastest candidate with bitwise rows when it beats today's
+        // pick by at least 1% (less is within the noise of 20 runs), or when today's pick
+        // needs a per-M fallback somewhere.
+        match best_of(true) {
+            Some((b, _)) if b == today => {
+                println!("  no pin: today's pick is the fastest fixed candidate with bitwise rows")
+            }
+            Some((b, t)) if today_total.is_none_or(|d| t < 0.99 * d) => {
+                if b != best {
+                    println!("  fastest with bitwise rows: #{b}, {}: {}", vs_today(t), cands[b]);
+                }
+                println!("  pin: {}", cands[b].pin());
+                return Ok(Some(cands[b].pin().to_string()));
+            }
+            Some((b, _)) => {
+                println!("  no pin: the fastest with bitwise rows (#{b}) is within 1% of today's pick")
+            }
+            None => println!("  no pin: no candidate kept its rows bitwise across the row counts"),
+        }
+        Ok(None)
     }
 
     /// The row norms at `m` rows each: RMSNorm and the residual add + RMSNorm at the text width
@@ -800,10 +867,11 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_out = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let long = args.iter().any(|a| a == "--long");
-    const GROUPS: [&str; 11] = [
+    const GROUPS: [&str; 12] = [
         "conv",
         "gemm",
         "gemm-algos",
+        "lora-a-algos",
         "mlp",
         "fp8-own",
         "norm",
@@ -852,8 +920,8 @@ fn main() -> Result<()> {
     if named("fp8-own") {
         b.fp8_own(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
     }
-    if named("gemm-algos") {
-        b.gemm_algos(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]))?;
+    if named("gemm-algos") || named("lora-a-algos") {
+        b.gemm_algos(lengths_arg.as_deref().unwrap_or(&[977, 7816, 16384]), named("gemm-algos"))?;
     }
     let lengths: &[usize] = match &lengths_arg {
         Some(l) => l,
