@@ -25,7 +25,8 @@
 //! * only when named in `--only` (`fp8-own`): the five FP8 projection shapes, plain and with a
 //!   rank-64 LoRA, and the 4B MLP with LoRA, on cuBLASLt beside our `gemm_fp8_128` / `_192` and
 //!   their clusters of two sharing W (`_128m` / `_192m`; LoRA B in the epilogue), and `_192` with
-//!   the LoRA A side on `gemm_bf16_192` (`own192+A`; `own192+A whole` never splits its K), at
+//!   the LoRA A side on `gemm_bf16_192` / `_64` (`own192+A`; `own192+A whole` never splits its K,
+//!   `whole192` also keeps 192-row tiles), at
 //!   977, 7,816 and 16,384 rows (or at `--lengths`), with ratios;
 //! * RMSNorm with and without the fused FP8 quantisation;
 //! * causal gated attention of one sequence (2K, and with `--long` 4K and 16K tokens) and the
@@ -284,23 +285,26 @@ impl Bench<'_> {
             println!("fp8-own: not a Hopper GPU, skipped");
             return Ok(());
         }
-        // own192+A: the LoRA A side split over K slices up to layout::LORA_A_SPLIT_ROWS rows (the
-        // same bits as whole), own192+A whole: never split.
+        // own192+A: the LoRA A side split over K slices up to layout::LORA_A_SPLIT_ROWS rows, whole
+        // on 64-row tiles past them (the same bits); own192+A whole: never split (64-row tiles);
+        // whole192: never split, on the FP8 GEMM's 192-row tiles.
         let sides: Vec<(&str, CudaBackend)> = [
-            ("cuBLASLt", Fp8Gemm::Cublas, false, None),
-            ("own128", Fp8Gemm::Own128, false, None),
-            ("own192", Fp8Gemm::Own192, false, None),
-            ("own192+A", Fp8Gemm::Own192, true, None),
-            ("own192+A whole", Fp8Gemm::Own192, true, Some(0)),
-            ("own128m", Fp8Gemm::Own128Multicast, false, None),
-            ("own192m", Fp8Gemm::Own192Multicast, false, None),
+            ("cuBLASLt", Fp8Gemm::Cublas, false, None, None),
+            ("own128", Fp8Gemm::Own128, false, None, None),
+            ("own192", Fp8Gemm::Own192, false, None, None),
+            ("own192+A", Fp8Gemm::Own192, true, None, None),
+            ("own192+A whole", Fp8Gemm::Own192, true, Some(0), None),
+            ("own192+A whole192", Fp8Gemm::Own192, true, Some(0), Some(192)),
+            ("own128m", Fp8Gemm::Own128Multicast, false, None, None),
+            ("own192m", Fp8Gemm::Own192Multicast, false, None, None),
         ]
         .into_iter()
-        .map(|(l, f, a, split_rows)| {
+        .map(|(l, f, a, split_rows, whole_rows)| {
             let o = CudaOptions {
                 fp8_gemm: f,
                 lora_a_own: a,
                 lora_a_split_rows: split_rows,
+                lora_a_whole_rows: whole_rows,
                 ..g.options().clone()
             };
             CudaBackend::new(0, o).map(|b| (l, b))

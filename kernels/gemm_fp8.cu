@@ -59,12 +59,15 @@
 template <int NC>
 struct GemmFp8Tiles {
   static constexpr int BM = 64 * NC, BN = 128, BK = 128;
-  static constexpr int ST = NC == 2 ? 5 : 4;               // ring stages (layout::gemm_fp8_stages)
+  // Ring stages (layout::gemm_fp8_stages): what fits beside the output tile's staging. One
+  // consumer (gemm_bf16_64) has small stages and keeps 8 in flight: its launches stream a large X
+  // through few bytes of work a stage.
+  static constexpr int ST = NC == 1 ? 8 : NC == 2 ? 5 : 4;
   static constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK;  // one stage's X and W tiles
   static constexpr int STAGE = A_BYTES + B_BYTES;
   static constexpr int OUT_HALF = BM * 128;  // the output tile's staging: two halves of 64 columns
   // Registers per thread after setmaxnreg (128·P + 128·NC·C <= 65,536: one block an SM).
-  static constexpr int PRODUCER_REGS = NC == 2 ? 40 : 32, CONSUMER_REGS = NC == 2 ? 232 : 160;
+  static constexpr int PRODUCER_REGS = NC == 3 ? 32 : 40, CONSUMER_REGS = NC == 3 ? 160 : 232;
   static_assert(128 * PRODUCER_REGS + 128 * NC * CONSUMER_REGS <= 65536, "one block's registers");
 };
 
@@ -576,7 +579,11 @@ GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, false, )
 GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, false, __cluster_dims__(2, 1, 1))
 GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, false, __cluster_dims__(2, 1, 1))
 // gemm_bf16_<rows>: the PLAIN form (the LoRA A side), same parameters: only lt (X), lb (A), y, M, N
-// (the rank), K (BF16 columns), kslice and part are read (no bias, scale 1).
+// (the rank), K (BF16 columns), kslice and part are read (no bias, scale 1). gemm_bf16_64 (one
+// consumer warpgroup, 64-row tiles) is the whole form for large M: a LoRA A side is one column
+// tile, so at 7,816 rows 192-row tiles are 41 units on 132 SMs and 64-row tiles 123; a row's sums
+// are the same bits on every tile height.
+GEMM_FP8_ENTRY(gemm_bf16_64, 1, 1, true, false, )
 GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, false, )
 GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, false, )
 

@@ -717,15 +717,17 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
     );
     // Split (a unit per tile and 256-column K slice, then gemm_bf16_slices_sum) and whole (a unit
     // per tile, the slices' sums added in its accumulators) are the same arithmetic: the same bits,
-    // so the form may follow M.
-    let forced = |split_rows: usize| {
+    // so the form may follow M; and whole on 64-row tiles (gemm_bf16_64, one consumer, the default
+    // past the split rows) or on the FP8 GEMM's 192-row tiles likewise.
+    let forced = |split_rows: usize, whole_rows: Option<usize>| {
         variant(g, |o| {
             o.fp8_gemm = Fp8Gemm::Own192;
             o.lora_a_own = true;
             o.lora_a_split_rows = Some(split_rows);
+            o.lora_a_whole_rows = whole_rows;
         })
     };
-    let (split, whole) = (forced(usize::MAX)?, forced(0)?);
+    let (split, whole, whole192) = (forced(usize::MAX, None)?, forced(0, None)?, forced(0, Some(192))?);
     let projected = |b: &CudaBackend| -> Result<Vec<f32>> {
         let y = b.download(&b.matmul(&b.upload(&x2, &[m2, k2])?, &b.linear(&parts)?)?)?;
         let mlp = b.download(&b.swiglu_mlp(
@@ -735,11 +737,19 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         )?)?;
         Ok([y, mlp].concat())
     };
-    let (ys, yw) = (projected(&split)?, projected(&whole)?);
+    let (ys, yw, yw192) = (projected(&split)?, projected(&whole)?, projected(&whole192)?);
+    let differing =
+        |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
     rep.check(
         p,
-        format!("own LoRA A split vs whole: in_proj-like r16/r32 M={m2} and swiglu_mlp (K 9216) M=130 (bitwise count)"),
-        ys.iter().zip(&yw).filter(|(a, b)| a.to_bits() != b.to_bits()).count() as f64,
+        format!("own LoRA A split vs whole (64-row tiles): in_proj-like r16/r32 M={m2} and swiglu_mlp (K 9216) M=130 (bitwise count)"),
+        differing(&ys, &yw) as f64,
+        0.0,
+    );
+    rep.check(
+        p,
+        "own LoRA A whole on 64- vs 192-row tiles: the same (bitwise count)",
+        differing(&yw, &yw192) as f64,
         0.0,
     );
     let n2: usize = outs.iter().sum();

@@ -82,13 +82,6 @@ impl Fp8Gemm {
             _ => 1,
         }
     }
-    /// The BF16 form's kernel (the LoRA A side), for the same tile height.
-    fn bf16_kernel(self) -> &'static str {
-        match self.consumers() {
-            Some(3) => "gemm_bf16_192",
-            _ => "gemm_bf16_128",
-        }
-    }
     /// The GLU form's kernel (the MLP's gate/up projection with the SwiGLU in its epilogue), for
     /// the same tile height; it runs without clusters.
     fn glu_kernel(self) -> &'static str {
@@ -238,13 +231,24 @@ impl CudaBackend {
     /// ([`super::CudaOptions::lora_a_own`], or no own FP8 GEMM on this GPU) or cannot take `g`.
     /// Up to [`super::CudaOptions::lora_a_split_rows`] rows it runs split: a unit per tile and K
     /// slice writing f32 sums, then `gemm_bf16_slices_sum` adds the slices in order (the whole
-    /// form's arithmetic: the same bits).
+    /// form's arithmetic: the same bits). Past that it runs whole, a unit per row tile, on 64-row
+    /// tiles ([`layout::LORA_A_WHOLE_TILE_ROWS`], `gemm_bf16_64`): a LoRA A side is one column
+    /// tile, so taller tiles would leave most SMs idle below ~25,000 rows.
     pub(super) fn gemm_bf16_own(&self, g: &Gemm) -> Result<bool> {
         let runs = self.fp8_gemm_runs();
         let Some(nc) = runs.consumers().filter(|_| self.own_lora_a() && bf16_eligible(g)) else {
             return Ok(false);
         };
+        let slices = layout::lora_a_slices(g.k);
+        let split_rows = self.state.options.lora_a_split_rows.unwrap_or(layout::LORA_A_SPLIT_ROWS);
+        let split = slices > 1 && g.m > 0 && g.m <= split_rows;
+        // Split: the FP8 GEMM's tile height; whole: the whole form's own (64 rows by default).
+        let nc = match split {
+            true => nc,
+            false => whole_consumers(self.state.options.lora_a_whole_rows)?,
+        };
         let rows = layout::gemm_fp8_tile_rows(nc);
+        let part = if split { Some(self.alloc_f32(slices * g.m * g.n)?) } else { None };
         // The form reads only its LoRA operands and Y: X goes in T's place, W in B's.
         let tiles = [
             None,
@@ -255,12 +259,8 @@ impl CudaBackend {
             Some(Tile2d::swizzled("BF16 GEMM Y", Elem::Bf16, g.y, g.n, g.m, 64, 64)),
             None,
         ];
-        let slices = layout::lora_a_slices(g.k);
-        let split_rows = self.state.options.lora_a_split_rows.unwrap_or(layout::LORA_A_SPLIT_ROWS);
-        let split = slices > 1 && g.m > 0 && g.m <= split_rows;
-        let part = if split { Some(self.alloc_f32(slices * g.m * g.n)?) } else { None };
         let launch = KernelLaunch {
-            name: runs.bf16_kernel(),
+            name: bf16_kernel(nc),
             consumers: nc,
             cluster: 1,
             tiles_per_unit: 1,
@@ -334,6 +334,24 @@ impl CudaBackend {
         let grid =
             layout::gemm_fp8_grid(g.m, g.n / l.tiles_per_unit, l.consumers, l.cluster, l.slices, slots);
         self.launch(l.name, launch_config((grid, 1, 1), threads, smem), &args)
+    }
+}
+
+/// The BF16 form's kernel (`gemm_bf16_<rows>`) with `consumers` consumer warpgroups.
+fn bf16_kernel(consumers: usize) -> &'static str {
+    match consumers {
+        1 => "gemm_bf16_64",
+        3 => "gemm_bf16_192",
+        _ => "gemm_bf16_128",
+    }
+}
+
+/// Consumer warpgroups of the BF16 form's whole launches for a tile height of `rows`
+/// ([`super::CudaOptions::lora_a_whole_rows`]; None: [`layout::LORA_A_WHOLE_TILE_ROWS`]).
+fn whole_consumers(rows: Option<usize>) -> Result<usize> {
+    match rows.unwrap_or(layout::LORA_A_WHOLE_TILE_ROWS) {
+        r @ (64 | 128 | 192) => Ok(r / 64),
+        r => anyhow::bail!("LoRA A whole-form tiles of {r} rows: the kernel has 64, 128 and 192"),
     }
 }
 
@@ -466,8 +484,12 @@ mod tests {
             "K not whole 64-column stages"
         );
         assert!(!bf16_eligible(&Gemm { beta: 1.0, ..a }), "an accumulating GEMM (LoRA B)");
-        assert_eq!(Fp8Gemm::Own192.bf16_kernel(), "gemm_bf16_192");
-        assert_eq!(Fp8Gemm::Own128Multicast.bf16_kernel(), "gemm_bf16_128");
+        assert_eq!(bf16_kernel(Fp8Gemm::Own192.consumers().unwrap()), "gemm_bf16_192");
+        assert_eq!(bf16_kernel(Fp8Gemm::Own128Multicast.consumers().unwrap()), "gemm_bf16_128");
+        // The whole form: 64-row tiles unless told otherwise, and only heights the kernel has.
+        assert_eq!(bf16_kernel(whole_consumers(None).unwrap()), "gemm_bf16_64");
+        assert_eq!(bf16_kernel(whole_consumers(Some(192)).unwrap()), "gemm_bf16_192");
+        assert!(whole_consumers(Some(96)).is_err());
     }
 
     #[test]

@@ -383,10 +383,10 @@ pub const fn gemm_fp8_tile_rows(consumers: usize) -> usize {
 /// Ring stages of `gemm_fp8_<rows>` (the kernel's `GemmFp8Tiles::ST`): what fits beside the
 /// output tile's staging.
 pub const fn gemm_fp8_stages(consumers: usize) -> usize {
-    if consumers == 2 {
-        5
-    } else {
-        4
+    match consumers {
+        1 => 8,
+        2 => 5,
+        _ => 4,
     }
 }
 
@@ -432,6 +432,13 @@ pub fn lora_a_slices(k: usize) -> usize {
 /// 0.095 vs 0.112 ms at 977), and matches cuBLASLt's A side at 977 rows
 /// ([`super::CudaOptions::lora_a_split_rows`] moves it).
 pub const LORA_A_SPLIT_ROWS: usize = 2048;
+
+/// Tile height of the own LoRA A side's whole form (`gemm_bf16_64`, one consumer warpgroup), past
+/// [`LORA_A_SPLIT_ROWS`]: a LoRA A side is a single column tile, so the units are the row tiles
+/// alone, and 64-row tiles fill the GPU from ~8,400 rows where 192-row tiles need ~25,000 (at
+/// 7,816 rows: 123 units on 132 SMs against 41). The same bits on every height
+/// ([`super::CudaOptions::lora_a_whole_rows`] moves it).
+pub const LORA_A_WHOLE_TILE_ROWS: usize = 64;
 
 /// Dynamic shared memory of `gemm_fp8_<rows>`: 1024 bytes of slack to align the swizzled tiles,
 /// the output tile's BF16 staging (rows x 256 bytes), and per stage an X tile (rows x 128 bytes),
@@ -542,7 +549,7 @@ mod tests {
 
     #[test]
     fn gemm_fp8_fits_one_block_per_sm() {
-        for nc in [2, 3] {
+        for nc in [1, 2, 3] {
             assert!(gemm_fp8_smem_bytes(nc) <= 227 * 1024, "{nc} consumers");
             // Two blocks would need twice as much: the persistent grid assumes one an SM.
             assert!(2 * gemm_fp8_smem_bytes(nc) > 228 * 1024, "{nc} consumers");
@@ -562,6 +569,12 @@ mod tests {
         assert_eq!((lora_a_slices(2560), lora_a_slices(9216), lora_a_slices(64)), (10, 36, 1));
         assert_eq!(gemm_fp8_grid(977, 128, 3, 1, lora_a_slices(2560), 132), 60);
         assert_eq!(gemm_fp8_grid(977, 192, 3, 1, lora_a_slices(9216), 132), 132);
+        // The whole BF16 form on 64-row tiles (one consumer, eight stages): a packed round's
+        // 7,816 rows are 123 units, 41 on 192-row tiles.
+        assert_eq!(gemm_fp8_smem_bytes(1), 1024 + 64 * 256 + 8 * (192 * 128 + 256 + 8 + 16));
+        assert_eq!(gemm_fp8_threads(1), 256);
+        assert_eq!(gemm_fp8_grid(7816, 64, 1, 1, 1, 132), 123);
+        assert_eq!(gemm_fp8_grid(7816, 64, 3, 1, 1, 132), 41);
     }
 
     #[test]

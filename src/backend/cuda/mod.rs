@@ -150,9 +150,10 @@ pub struct CudaOptions {
     /// own128m|own192m` in the environment sets it when left at the default.
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// Whether LoRA A sides (`T = x·Aᵀ`, BF16, N = the rank) run on the FP8 kernel's BF16 form
-    /// (`gemm_bf16_<rows>`, the tile height of `fp8_gemm`) rather than cuBLASLt, on Hopper with an
-    /// own FP8 GEMM, summed by 256-column K slices; up to [`CudaOptions::lora_a_split_rows`] rows
-    /// split into a unit per tile and slice (the same bits). Opt-in: on an H100 as fast as
+    /// (`gemm_bf16_<rows>`) rather than cuBLASLt, on Hopper with an own FP8 GEMM, summed by
+    /// 256-column K slices; up to [`CudaOptions::lora_a_split_rows`] rows split into a unit per
+    /// tile (the height of `fp8_gemm`'s) and slice, past them whole on 64-row tiles (the same
+    /// bits). Opt-in: on an H100 as fast as
     /// cuBLASLt's A side at 977 rows, whole requests 0.98-1.03x (bench/NOTES.md, twenty-first
     /// session). `IMAJEV_LORA_A=own|cublas`.
     pub lora_a_own: bool,
@@ -170,6 +171,10 @@ pub struct CudaOptions {
     /// (`gemm_bf16_slices_sum`) rather than whole (the same bits either way: a speed choice);
     /// `None`: [`layout::LORA_A_SPLIT_ROWS`]. For measurements and the tests.
     pub lora_a_split_rows: Option<usize>,
+    /// Tile height of the own LoRA A side's whole form, past `lora_a_split_rows` (64, 128 or 192
+    /// rows; the same bits on each); `None`: [`layout::LORA_A_WHOLE_TILE_ROWS`]. For measurements
+    /// and the tests.
+    pub lora_a_whole_rows: Option<usize>,
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
@@ -198,6 +203,7 @@ impl Default for CudaOptions {
             lora_a_own: false,
             swiglu_epilogue: false,
             lora_a_split_rows: None,
+            lora_a_whole_rows: None,
             narrow_whole_rows: None,
             kernel_cache_dir: None,
         }
