@@ -84,8 +84,9 @@ pub struct ModelArgs {
     /// A request over the packing budget runs alone; with at most this many tokens in its whole
     /// tree (prefix, shared question tokens and passes; its passes within --batch-tokens) it still
     /// runs as ONE forward, its passes alongside its prefix, instead of the prefix first and the
-    /// passes in a second forward over its state. 0 (the default until measured on the device):
-    /// never. Deadlines and disconnects are still checked before every layer.
+    /// passes in a second forward over its state. 0 (the default: on the H100 it made the 16K
+    /// request only 0.998x as long, bench/results/h100-ab-alone-forward-d9add75.txt): never.
+    /// Deadlines and disconnects are still checked before every layer.
     #[arg(long, default_value_t = BatchLimits::default().alone_forward_tokens, env = "IMAJEV_ALONE_FORWARD_TOKENS")]
     pub alone_forward_tokens: usize,
     /// Queue the next packed round while the GPU still runs the current one, instead of reading
