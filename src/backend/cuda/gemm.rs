@@ -60,12 +60,24 @@ const PLAN_ANSWERS: usize = 8;
 pub const CANDIDATE_ANSWERS: usize = 32;
 /// The environment variable of the pins (module doc).
 pub const PINS_ENV: &str = "IMAJEV_GEMM_PINS";
-/// Compiled-in pins, each an `IMAJEV_GEMM_PINS` entry (`fp8:N:K=<config>`). Filled from a
-/// measured sweep (`bench_gpu_ops --only gemm-algos` on the serving GPU prints the entries of the
-/// shapes where a candidate beat the heuristic's first at every M with rows bitwise equal across
-/// M); empty until one has been measured. On another GPU or cuBLASLt a pin that matches no
-/// candidate only costs a warning.
-pub const DEFAULT_PINS: &[&str] = &[];
+/// Compiled-in pins, each an `IMAJEV_GEMM_PINS` entry (`bf16:N:K=<config>`), from a measured
+/// sweep (`bench_gpu_ops --only lora-a-algos`, H100, cuBLASLt 13.1, 2026-12-07,
+/// `bench/results/h100-ops-lora-a-4737616.log`): the two LoRA A shapes whose heuristic first
+/// answer at M = 256 was slow at large M, each replaced by the candidate that was fastest at both
+/// 992 and 7,824 rows, with rows bitwise equal across M:
+/// - `bf16:128:2560` (DeltaNet qkv+z and MLP gate+up A sides): 0.017 → 0.011 ms at 992 rows,
+///   0.067 → 0.029 ms at 7,824;
+/// - `bf16:192:2560` (attention q+k+v A side): 0.014 → 0.010 ms, 0.043 → 0.034 ms.
+///
+/// The split-K shapes (`bf16:64:4096`, `bf16:64:9216`) had no candidate more than 1.5% faster
+/// and keep the heuristic's. On another GPU or cuBLASLt a pin that matches no candidate only costs
+/// a warning; `IMAJEV_GEMM_PINS=none` drops these (for an A/B against the heuristic's picks).
+pub const DEFAULT_PINS: &[&str] = &[
+    "bf16:128:2560=algo=66,tile=314,stages=35,splitk=1,red=0,swizzle=0,custom=3,cluster=9,inner=0",
+    "bf16:192:2560=algo=66,tile=314,stages=35,splitk=1,red=0,swizzle=0,custom=3,cluster=8,inner=0",
+];
+/// The `IMAJEV_GEMM_PINS` value that drops the compiled-in pins (any entries after it still pin).
+pub const NO_DEFAULT_PINS: &str = "none";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GemmKind {
@@ -289,9 +301,14 @@ fn parse_pin(entry: &str) -> Result<Pin> {
 }
 
 /// The pin table: `defaults` (each a `parse_pins` text, source `DEFAULT_PINS`), then `env`
-/// (source [`PINS_ENV`]) replacing a default of the same shape.
+/// (source [`PINS_ENV`]) replacing a default of the same shape. An `env` whose first entry is
+/// [`NO_DEFAULT_PINS`] drops the defaults; its other entries still pin.
 fn pin_table(defaults: &[&str], env: Option<&str>) -> Result<HashMap<PinKey, (AlgoConfig, &'static str)>> {
     let mut table = HashMap::new();
+    let (defaults, env) = match env.map(|e| e.trim_start().split_once(';').unwrap_or((e.trim(), ""))) {
+        Some((first, rest)) if first.trim() == NO_DEFAULT_PINS => (&[][..], Some(rest)),
+        _ => (defaults, env),
+    };
     let sources = defaults.iter().map(|t| (*t, "DEFAULT_PINS")).chain(env.map(|t| (t, PINS_ENV)));
     for (text, source) in sources {
         for p in parse_pins(text, source)? {
@@ -947,6 +964,24 @@ mod tests {
 
     #[test]
     fn default_pins_parse() {
-        pin_table(DEFAULT_PINS, None).unwrap();
+        let table = pin_table(DEFAULT_PINS, None).unwrap();
+        assert_eq!(table.len(), DEFAULT_PINS.len());
+        assert!(table.values().all(|(_, source)| *source == "DEFAULT_PINS"));
+    }
+
+    #[test]
+    fn none_drops_the_compiled_in_pins_only() {
+        let (a, b) = (config(), AlgoConfig { tile: 9, ..config() });
+        let default = format!("fp8:2560:9216={a};fp8:2560:4096={a}");
+        let defaults = [default.as_str()];
+        assert!(pin_table(&defaults, Some("none")).unwrap().is_empty());
+        assert!(pin_table(&defaults, Some(" none ; ")).unwrap().is_empty());
+        let table = pin_table(&defaults, Some(&format!("none;fp8:2560:4096={b}"))).unwrap();
+        assert_eq!(table.len(), 1);
+        assert_eq!(table[&(GemmKind::Fp8Block, 2560, 4096)], (b, PINS_ENV));
+        // `none` anywhere but first is an entry like any other, and not one that parses.
+        let e = pin_table(&defaults, Some(&format!("fp8:2560:4096={b};none"))).unwrap_err().to_string();
+        assert!(e.starts_with("IMAJEV_GEMM_PINS: entry \"none\": no '='"), "{e}");
+        assert_eq!(pin_table(&defaults, Some("")).unwrap().len(), 2);
     }
 }
