@@ -9,15 +9,16 @@
 //!
 //! * FP8 and BF16 GEMMs of the three large projection shapes at M = 2048;
 //! * only when named in `--only` (`gemm-algos`): every cuBLASLt algorithm a fixed plan could use
-//!   for the five FP8 projection shapes and the four BF16 LoRA A shapes of a forward
+//!   for the five FP8 projection shapes and the five narrow BF16 shapes of a forward (the four
+//!   LoRA A sides and DeltaNet's b/a projection)
 //!   (`Blas::candidates`: the heuristic's answers at the reference M under the plan's split-K
 //!   preference), each timed at 977, 7,816 and 16,384 rows or at `--lengths` (FP8-padded), cold
 //!   L2, median device time of 20 runs; per
 //!   shape the candidate of least total time among those every M accepts, its ratio to today's
 //!   pick (the heuristic's first), and whether each such candidate's rows are bitwise equal
 //!   across the row counts (a pin must keep batch invariance); last, the `IMAJEV_GEMM_PINS` value
-//!   that would pin the winners (see src/backend/cuda/gemm.rs); `lora-a-algos`: the LoRA A shapes
-//!   alone;
+//!   that would pin the winners (see src/backend/cuda/gemm.rs); `lora-a-algos`: the narrow BF16
+//!   shapes alone;
 //! * only when named in `--only` (`mlp`): Qwen3.5-4B's MLP with rank-64 LoRA at 977, 7,816 and
 //!   16,384 rows (or at `--lengths`): on Hopper the gate/up output stored then the SwiGLU kernel
 //!   against the GLU form (`swiglu_epilogue`), elsewhere the gate/up LoRA B side as its own GEMM
@@ -117,13 +118,16 @@ const FP8_SHAPES: [(&str, usize, usize, usize); 5] = [
     ("mlp down", 2560, 9216, 2560),
     ("out_proj / o_proj", 2560, 4096, 2560),
 ];
-/// The LoRA A sides of a forward of Qwen3.5-4B with the rank-64 adapter, pairs that read the same
-/// input fused into one GEMM: (what, N = the pairs' ranks, K).
-const LORA_A_SHAPES: [(&str, usize, usize); 4] = [
-    ("LoRA A in_proj qkv+z, mlp gate+up", 128, 2560),
-    ("LoRA A attention q+k+v", 192, 2560),
-    ("LoRA A out_proj / o_proj", 64, 4096),
-    ("LoRA A mlp down", 64, 9216),
+/// The narrow BF16 GEMMs of a forward of Qwen3.5-4B with the rank-64 adapter, all on cuBLASLt:
+/// the LoRA A sides (pairs that read the same input fused into one GEMM, N = the pairs' ranks) and
+/// DeltaNet's b/a projection (the BF16 part of in_proj, written beside its FP8 columns):
+/// (what, N, K, the output's row stride).
+const NARROW_BF16_SHAPES: [(&str, usize, usize, usize); 5] = [
+    ("LoRA A in_proj qkv+z, mlp gate+up", 128, 2560, 128),
+    ("LoRA A attention q+k+v", 192, 2560, 192),
+    ("LoRA A out_proj / o_proj", 64, 4096, 64),
+    ("LoRA A mlp down", 64, 9216, 64),
+    ("DeltaNet in_proj b/a", 64, 2560, 12352),
 ];
 /// Bytes written before each timed GEMM of `gemm-algos` (twice the H200's 50 MB L2): in a forward
 /// a projection's weights come after other layers' weights, never warm from its own last call.
@@ -372,7 +376,7 @@ impl Bench<'_> {
 
     /// `--only gemm-algos` (module doc). Runs on its own stream and `Blas` in the backend's
     /// (primary) context, so it times cuBLASLt's candidates as such, whatever pins are set.
-    /// `fp8` false: the LoRA A shapes only (`--only lora-a-algos`).
+    /// `fp8` false: the narrow BF16 shapes only (`--only lora-a-algos`).
     fn gemm_algos(&mut self, rows: &[usize], fp8: bool) -> Result<()> {
         let ctx = CudaContext::new(self.g.info().ordinal)?;
         let stream = ctx.new_stream()?;
@@ -423,18 +427,19 @@ impl Bench<'_> {
             winners
                 .extend(self.sweep_candidates(&blas, &stream, &mut flush, &ms, &name, &mut y, ldy, &gemm)?);
         }
-        // The LoRA A sides (BF16, N the pairs' ranks): planned at a small M with split K allowed
-        // (`Blas::plan`'s narrow rule), then run at every M, a packed round's ~7,800 rows too.
+        // The narrow BF16 shapes (the LoRA A sides, DeltaNet's b/a): planned at a small M with
+        // split K allowed (`Blas::plan`'s narrow rule), then run at every M, a packed round's
+        // ~7,800 rows too.
         let to_bits =
             |v: Vec<f32>| v.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
-        for (what, n, k) in LORA_A_SHAPES {
+        for (what, n, k, ldy) in NARROW_BF16_SHAPES {
             let a = stream.clone_htod(&to_bits(self.rng.bf16_normals(n * k, 0.02)))?;
             // 1024 random rows, repeated (as fp8_activations: each row index has one input).
             let base = to_bits(self.rng.bf16_normals(1024 * k, 1.0));
             let x: Vec<u16> =
                 (0..mmax).flat_map(|r| &base[(r % 1024) * k..(r % 1024 + 1) * k]).copied().collect();
             let x = stream.clone_htod(&x)?;
-            let mut y = stream.alloc_zeros::<u16>(mmax * n)?;
+            let mut y = stream.alloc_zeros::<u16>(mmax * ldy)?;
             let (w, xp, yp) = (dptr(&a, &stream), dptr(&x, &stream), dptr(&y, &stream));
             let gemm = |i: usize| Gemm {
                 kind: GemmKind::Bf16,
@@ -446,14 +451,15 @@ impl Bench<'_> {
                 x: xp,
                 ldx: k,
                 y: yp,
-                ldy: n,
+                ldy,
                 alpha: 1.0,
                 beta: 0.0,
                 w_scale: 0,
                 x_scale: 0,
             };
             let name = format!("bf16 GEMM {what} N={n} K={k}");
-            winners.extend(self.sweep_candidates(&blas, &stream, &mut flush, &ms, &name, &mut y, n, &gemm)?);
+            winners
+                .extend(self.sweep_candidates(&blas, &stream, &mut flush, &ms, &name, &mut y, ldy, &gemm)?);
         }
         match winners.is_empty() {
             true => println!("\nno shape has a faster fixed candidate than today's pick"),
