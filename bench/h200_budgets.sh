@@ -6,7 +6,8 @@
 # requests per forward (fewer, longer engine rounds): more requests/s, longer waits. An entry
 # S:T:TREE also passes `--question-tree TREE` (one-level, two-level), so both trees can be
 # compared in one call; S:T:TREE:ENV also sets the environment variables ENV (VAR=VALUE, several
-# joined by `,`) for that server, e.g. 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1.
+# joined by `,`; a comma splits only before an upper-case VAR=, so a value may hold commas and
+# colons, e.g. an IMAJEV_GEMM_PINS entry) for that server, e.g. 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1.
 #   BUDGETS="64:8192 96:8192 128:12288" CLIENTS=16,64 DURATION=8 bash bench/h200_budgets.sh
 #   BUDGETS="96:8192 96:8192:two-level 120:8192:two-level" CLIENTS=16,64 DURATION=6 bash bench/h200_budgets.sh
 #   BUDGETS="96:8192 96:8192:one-level:IMAJEV_MLP_LORA_FUSED=1" CLIENTS=16 bash bench/h200_budgets.sh
@@ -26,8 +27,9 @@ for b in ${BUDGETS:-64:8192 96:8192 128:12288}; do
   name="$s-$t${tree:+-$tree}${envs:+-$(echo "$envs" | tr -c 'A-Za-z0-9_=\n' '_' | tr '=' '-')}" t0=$SECONDS
   # The same entry twice (an A/B repeated in one call) keeps both reports.
   [[ -e "$OUT/budget-$name.json" ]] && name="$name-$port"
-  # shellcheck disable=SC2086  # SERVE_ARGS is a list of words; ENV entries VAR=VALUE for env
-  PYTHONUNBUFFERED=1 timeout 300 env ${envs//,/ } python3 bench/http_load.py --bin .gpu/imajev-serve --work "$W" --port $port \
+  env_words=$(sed -E 's/,([A-Z_][A-Z0-9_]*=)/ \1/g' <<<"$envs")
+  # shellcheck disable=SC2086  # SERVE_ARGS and env_words are lists of words (VAR=VALUE for env)
+  PYTHONUNBUFFERED=1 timeout 300 env $env_words python3 bench/http_load.py --bin .gpu/imajev-serve --work "$W" --port $port \
     --duration "${DURATION:-8}" --clients "${CLIENTS:-16,64}" --start-timeout 240 --server-log "$W/server-$name.log" \
     --out "$OUT/budget-$name.json" -- --device cuda --quantize fp8 --rotations 4 --contract imajev \
     --batch-sequences "$s" --batch-tokens "$t" ${tree:+--question-tree "$tree"} ${SERVE_ARGS:-} >>"$OUT/load.log" 2>&1
