@@ -347,8 +347,9 @@ fn bf16_kernel(consumers: usize) -> &'static str {
 }
 
 /// Consumer warpgroups of the BF16 form's whole launches for a tile height of `rows`
-/// ([`super::CudaOptions::lora_a_whole_rows`]; None: [`layout::LORA_A_WHOLE_TILE_ROWS`]).
-fn whole_consumers(rows: Option<usize>) -> Result<usize> {
+/// ([`super::CudaOptions::lora_a_whole_rows`]; None: [`layout::LORA_A_WHOLE_TILE_ROWS`]). Also
+/// checked by `CudaBackend::new`, so that a bad value fails at startup, not in a forward.
+pub(super) fn whole_consumers(rows: Option<usize>) -> Result<usize> {
     match rows.unwrap_or(layout::LORA_A_WHOLE_TILE_ROWS) {
         r @ (64 | 128 | 192) => Ok(r / 64),
         r => anyhow::bail!("LoRA A whole-form tiles of {r} rows: the kernel has 64, 128 and 192"),

@@ -65,7 +65,7 @@ use super::{
     RgbImage,
 };
 use crate::weights::TensorRef;
-use anyhow::{anyhow, bail, ensure, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use gemm::Blas;
 use std::collections::HashMap;
@@ -372,6 +372,7 @@ impl CudaBackend {
                 bail!("IMAJEV_MLP_LORA_FUSED={other}: expected 1 (fused) or 0 (a separate LoRA B GEMM)")
             }
         }
+        gemm_fp8::whole_consumers(options.lora_a_whole_rows).context("CudaOptions::lora_a_whole_rows")?;
         // cudarc panics on first use of a library it cannot dlopen; look before touching it.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             bail!("no NVIDIA driver found (libcuda.so could not be loaded): install the NVIDIA driver, or use the CPU backend");
