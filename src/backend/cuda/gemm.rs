@@ -23,8 +23,9 @@
 //! describes an algorithm by ([`AlgoConfig`]: `algo=..,tile=..,stages=..,splitk=..,red=..,
 //! swizzle=..,custom=..,cluster=..,inner=..`). Pins come from [`DEFAULT_PINS`] (compiled in,
 //! filled from a measured sweep) and from `IMAJEV_GEMM_PINS` (`fp8:N:K=<config>;bf16:N:K=<config>`,
-//! read once when a [`Blas`] is created; it wins over a compiled-in pin of the same shape; bad
-//! syntax is an error naming the variable and the entry). A pin is keyed by (kind, N, K) only:
+//! read once when a [`Blas`] is created; it wins over a compiled-in pin of the same shape; a first
+//! entry `none` drops the compiled-in pins; bad syntax is an error naming the variable and the
+//! entry). A pin is keyed by (kind, N, K) only:
 //! plans of that shape that differ in leading dimensions, pointer alignment or accumulation share
 //! it. Planning a pinned shape asks the heuristic for its candidates at the reference M (the same
 //! descriptor and preference, so the same split-K rule) and takes the one whose config equals the
