@@ -3,7 +3,7 @@
 //! GEMM of its own dequantised operands, bitwise batch invariance, SwiGLU fused with the FP8
 //! quantisation, and the f32 readout.
 
-use super::harness::{rel, rms_rel, variant, Report};
+use super::harness::{bit_diff, rel, rms_rel, variant, Report};
 use anyhow::{ensure, Result};
 use imajev_serve::backend::cpu::linear::matmul_xwt;
 use imajev_serve::backend::cpu::CpuBackend;
@@ -738,18 +738,16 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         Ok([y, mlp].concat())
     };
     let (ys, yw, yw192) = (projected(&split)?, projected(&whole)?, projected(&whole192)?);
-    let differing =
-        |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
     rep.check(
         p,
         format!("own LoRA A split vs whole (64-row tiles): in_proj-like r16/r32 M={m2} and swiglu_mlp (K 9216) M=130 (bitwise count)"),
-        differing(&ys, &yw) as f64,
+        bit_diff(&ys, &yw) as f64,
         0.0,
     );
     rep.check(
         p,
         "own LoRA A whole on 64- vs 192-row tiles: the same (bitwise count)",
-        differing(&yw, &yw192) as f64,
+        bit_diff(&yw, &yw192) as f64,
         0.0,
     );
     let n2: usize = outs.iter().sum();

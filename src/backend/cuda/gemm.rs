@@ -306,10 +306,9 @@ fn parse_pin(entry: &str) -> Result<Pin> {
 /// [`NO_DEFAULT_PINS`] drops the defaults; its other entries still pin.
 fn pin_table(defaults: &[&str], env: Option<&str>) -> Result<HashMap<PinKey, (AlgoConfig, &'static str)>> {
     let mut table = HashMap::new();
-    let (defaults, env) = match env.map(|e| e.trim_start().split_once(';').unwrap_or((e.trim(), ""))) {
-        Some((first, rest)) if first.trim() == NO_DEFAULT_PINS => (&[][..], Some(rest)),
-        _ => (defaults, env),
-    };
+    let (first, rest) = env.map_or(("", ""), |e| e.split_once(';').unwrap_or((e, "")));
+    let (defaults, env) =
+        if first.trim() == NO_DEFAULT_PINS { (&[][..], Some(rest)) } else { (defaults, env) };
     let sources = defaults.iter().map(|t| (*t, "DEFAULT_PINS")).chain(env.map(|t| (t, PINS_ENV)));
     for (text, source) in sources {
         for p in parse_pins(text, source)? {
