@@ -63,12 +63,16 @@ pub const CANDIDATE_ANSWERS: usize = 32;
 pub const PINS_ENV: &str = "IMAJEV_GEMM_PINS";
 /// Compiled-in pins, each an `IMAJEV_GEMM_PINS` entry (`bf16:N:K=<config>`), from a measured
 /// sweep (`bench_gpu_ops --only lora-a-algos`, H100, cuBLASLt 13.1, 2026-12-07,
-/// `bench/results/h100-ops-lora-a-4737616.log`): the two LoRA A shapes whose heuristic first
-/// answer at M = 256 was slow at large M, each replaced by the candidate that was fastest at both
-/// 992 and 7,824 rows, with rows bitwise equal across M:
+/// `bench/results/h100-ops-lora-a-4737616.log`): the narrow BF16 shapes (two LoRA A sides, the b/a
+/// projection) whose heuristic first answer at M = 256 was slow at large M, each replaced by the
+/// candidate that was fastest at both 992 and 7,824 rows, with rows bitwise equal across M:
 /// - `bf16:128:2560` (DeltaNet qkv+z and MLP gate+up A sides): 0.017 → 0.011 ms at 992 rows,
 ///   0.067 → 0.029 ms at 7,824;
-/// - `bf16:192:2560` (attention q+k+v A side): 0.014 → 0.010 ms, 0.043 → 0.034 ms.
+/// - `bf16:192:2560` (attention q+k+v A side): 0.014 → 0.010 ms, 0.043 → 0.034 ms;
+/// - `bf16:64:2560` (DeltaNet's b/a projection, BF16, output at row stride 12,352; sweep of
+///   2026-12-07, `bench/results/h100-ops-lora-a-ba-fb1988f.log`): 0.014 → 0.011 ms at 992 rows,
+///   0.040 → 0.025 ms at 7,824 (−0.36 ms a 7,816-row round; whole requests within noise,
+///   `h100-ab-ba-pin-fb1988f.txt`).
 ///
 /// The split-K shapes (`bf16:64:4096`, `bf16:64:9216`) had no candidate more than 1.5% faster
 /// and keep the heuristic's. On another GPU or cuBLASLt a pin that matches no candidate only costs
@@ -76,6 +80,7 @@ pub const PINS_ENV: &str = "IMAJEV_GEMM_PINS";
 pub const DEFAULT_PINS: &[&str] = &[
     "bf16:128:2560=algo=66,tile=314,stages=35,splitk=1,red=0,swizzle=0,custom=3,cluster=9,inner=0",
     "bf16:192:2560=algo=66,tile=314,stages=35,splitk=1,red=0,swizzle=0,custom=3,cluster=8,inner=0",
+    "bf16:64:2560=algo=66,tile=314,stages=35,splitk=1,red=0,swizzle=0,custom=3,cluster=8,inner=0",
 ];
 /// The `IMAJEV_GEMM_PINS` value that drops the compiled-in pins (any entries after it still pin).
 pub const NO_DEFAULT_PINS: &str = "none";
