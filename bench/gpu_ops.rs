@@ -960,9 +960,13 @@ fn main() -> Result<()> {
         0,
         CudaOptions { attention: AttentionKernel::WarpSpecialized3, ..g.options().clone() },
     )?;
-    // The two-consumer warp-specialised kernel (measured slower than wgmma, NOTES) is left out of
-    // the side by side; `IMAJEV_ATTENTION=ws` still selects it for a profile. Its three-consumer
-    // form (192 query rows, vision only) is in.
+    // The two-consumer warp-specialised kernel: its key/value tiles come by TMA since the
+    // thirtieth session (with cp.async copies it was slower than wgmma, NOTES); at head dim 256
+    // beside wgmma. Its three-consumer form (192 query rows, vision only) is in the vision rows.
+    let ws = CudaBackend::new(
+        0,
+        CudaOptions { attention: AttentionKernel::WarpSpecialized, ..g.options().clone() },
+    )?;
     for &m in lengths.iter().filter(|_| run("attention")) {
         b.attention(&q128, "128-row tiles", attn, m)?;
         b.attention(&q64, "64-row tiles", attn, m)?;
@@ -970,6 +974,7 @@ fn main() -> Result<()> {
             b.attention(&wg, "wgmma", attn, m)?;
             b.attention(&grouped, "wgmma, grouped order", attn, m)?;
             b.attention(&ov, "wgmma, softmax overlapped", attn, m)?;
+            b.attention(&ws, "warp-specialised, TMA", attn, m)?;
         }
     }
     for &m in lengths.iter().filter(|_| run("vision")) {

@@ -1110,10 +1110,18 @@ __device__ void attn_fwd_wgmma(const bf16* q, const i64* segs, int heads, int kv
 // turns. A block is 1 + NC warpgroups over 64·NC query rows of one head (NC = 2; attn_fwd_ws3_64:
 // 3, FA3's 192 x 128 tiles at head dim 64):
 // - warpgroup 0 (the producer, 56 registers per thread after setmaxnreg; 32 at NC = 3) copies Q
-//   and the K and V tiles into ST-stage rings with cp.async; a stage is handed over through
-//   mbarriers: "full" when its bytes have landed (the copies themselves arrive), "empty" when
-//   every consumer's MMAs have read it. K and V have separate rings, so K of tile j+1 can load
-//   while V of tile j is still in use.
+//   and the K and V tiles into ST-stage rings; a stage is handed over through mbarriers: "full"
+//   when its bytes have landed, "empty" when every consumer's MMAs have read it. K and V have
+//   separate rings, so K of tile j+1 can load while V of tile j is still in use. With `kv_maps`
+//   (TMA maps of each sequence's four key/value row ranges, built by the host) a K or V tile that
+//   lies in one range is HDP/64 TMA boxes issued by one thread (the map's edge reads as zeros past
+//   the range's rows, as the copies zero-fill); otherwise (no maps, or the tile straddling the
+//   shared prefix and the own rows) the 128 threads copy it with cp.async. Either way every
+//   producer thread arrives on the full barrier through cp.async.mbarrier.arrive (after its copies
+//   of Q, at tile 0), and a TMA tile's bytes are added to the phase by mbar_expect_tx first. Why
+//   TMA: the cp.async copies of a 64 x 256 tile are 16 per thread per K or V tile, and the
+//   producer shares the SM's issue slots with the consumers (the copies were the top cost of the
+//   head-dim-256 kernels, bench/NOTES.md).
 // - warpgroups 1 .. NC (the consumers, 224 registers; 160 at NC = 3) own 64 query rows each. Per
 //   key tile j they issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then run the softmax of
 //   S_j while P_{j-1} V_{j-1} is still on the tensor cores (FA3's intra-warpgroup pipelining), and
@@ -1199,9 +1207,12 @@ __device__ __forceinline__ void issue_whole_tile_by128(unsigned char* dst, const
   for (int u = 0; u < ROWS / RS; u++, src += (i64)RS * stride * 2, d += RS * 128) cp_async16(d, src, true);
 }
 
+// kv_maps (nullptr: cp.async only): [sequence][4] maps K shared, V shared, K own, V own, each over
+// the range's rows x kvh·hd columns, boxes of 64 columns x BK rows, 128-byte swizzle; used only
+// when hd == HDP (the host passes none otherwise).
 template <int HDP, int NC = 2, bool GROUPED = false>
 __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,
-                            const bf16* gate, i64 gate_row, int gate_head, bf16* out) {
+                            const bf16* gate, i64 gate_row, int gate_head, bf16* out, const TmaMap* kv_maps) {
   using T = WsTiles<HDP, NC>;
   constexpr int BQ = T::BQ, BK = T::BK, ST = T::ST, NS = T::NS, NO = T::NO;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -1262,7 +1273,21 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
     // after issuing V_j, which sat behind the release of V_{j-ST}: measured slower than attn_fwd_wgmma.)
     // Rows j0 .. j0 + BK of K or V (the shared prefix's rows `sh`, then the own rows `own`) into
     // tile buffer dst; with the lean producer, whole tiles take issue_whole_tile_by128.
-    auto issue_kv = [&](unsigned char* dst, const bf16* sh, const bf16* own, int j0) {
+    // which: 0 for K, 1 for V (the map of the tile's range in kv_maps); bar: the stage's full barrier.
+    const TmaMap* maps = kv_maps == nullptr ? nullptr : kv_maps + 4 * (i64)blockIdx.z;
+    auto issue_kv = [&](unsigned char* dst, const bf16* sh, const bf16* own, int j0, int which,
+                        unsigned long long* bar) {
+      if (maps != nullptr && (j0 + BK <= shared_len || j0 >= shared_len)) {
+        if (t == 0) {
+          const bool in_own = j0 >= shared_len;
+          const TmaMap* m = maps + 2 * in_own + which;
+          mbar_expect_tx(bar, T::TILE);
+#pragma unroll
+          for (int cb = 0; cb < HDP / 64; cb++)
+            tma_load_2d(dst + cb * BK * 128, m, g * hd + cb * 64, in_own ? j0 - shared_len : j0, bar);
+        }
+        return;
+      }
       if constexpr (T::LEAN_PRODUCER) {
         if (hd == HDP && kvlen - j0 >= BK && (j0 + BK <= shared_len || j0 >= shared_len)) {
           const bf16* rows = j0 >= shared_len ? own + (i64)(j0 - shared_len) * kstride : sh + (i64)j0 * kstride;
@@ -1278,10 +1303,10 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
       if (j == 0)
         issue_tile_sw_by<HDP, T::LEAN_PRODUCER>(Qs, q + ((q_start + qbase) * heads + h) * (i64)hd, BQ, q,
                                                 (i64)heads * hd, 0, nq - qbase, hd, BQ, t, 128);
-      issue_kv(Ks + s * T::TILE, ks_, ko_, j0);
+      issue_kv(Ks + s * T::TILE, ks_, ko_, j0, 0, full_k + s);
       mbar_arrive_on_copies(full_k + s);
       if (j >= ST) mbar_wait(empty_v + s, (use - 1) & 1);
-      issue_kv(Vs + s * T::TILE, vs_, vo_, j0);
+      issue_kv(Vs + s * T::TILE, vs_, vo_, j0, 1, full_v + s);
       mbar_arrive_on_copies(full_v + s);
     }
     // A thread may not exit with copies in flight into shared memory that others read (wait_all
@@ -1431,14 +1456,14 @@ ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true, false, 2)
 
 #ifdef IMAJEV_WGMMA
 #define ATTN_WS_BODY(HDP, NC, GROUPED) \
-  attn_fwd_ws<HDP, NC, GROUPED>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);
+  attn_fwd_ws<HDP, NC, GROUPED>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out, kv_maps);
 #else
 #define ATTN_WS_BODY(HDP, NC, GROUPED)
 #endif
 #define ATTN_WS_ENTRY(NAME, HDP, NC, GROUPED)                                                              \
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(                                    \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
-      const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+      const bf16* gate, i64 gate_row, int gate_head, bf16* out, const TmaMap* kv_maps) {                   \
     ATTN_WS_BODY(HDP, NC, GROUPED)                                                                         \
   }
 ATTN_WS_ENTRY(attn_fwd_ws_64, 64, 2, false)

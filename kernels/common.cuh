@@ -280,6 +280,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* b, uns
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes)
                : "memory");
 }
+// Raises the bytes the barrier's current phase waits for by `bytes`, without arriving: for a phase
+// whose arrivals come from elsewhere (attn_fwd_ws's producer threads, all of which arrive on the
+// stage through cp.async whether or not this thread's tile came by TMA).
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* b, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
 // The box of map m at element coordinates (c0 innermost, c1) into shared memory at dst, counted
 // on barrier b. Coordinates outside the tensor (negative or past its end) read as zeros, and the
 // whole box's bytes are still counted.

@@ -6,6 +6,7 @@
 use super::launch::{launch_config, Arg};
 use super::layout;
 use super::tensor::CudaTensor;
+use super::tma::{Elem, TensorMap, Tile2d};
 use super::CudaBackend;
 use crate::backend::{check_parents, check_tiling, AttentionDims, AttentionInputs, Tree};
 use anyhow::{anyhow, ensure, Result};
@@ -263,17 +264,39 @@ impl CudaBackend {
                 &idx.iter().flat_map(|&si| meta_host[8 * si..8 * si + 8].iter().copied()).collect::<Vec<_>>(),
             )
         };
+        // attn_fwd_ws_<hdp> (two consumers, TMA key/value tiles) over the sequences `idx` of the
+        // table at `tp`.
+        let launch_ws = |idx: &[usize], tp: u64| -> Result<()> {
+            let grid = (heads as u32, longest(idx).div_ceil(128) as u32, idx.len() as u32);
+            let cfg =
+                launch_config(grid, layout::attention_ws_threads(2), layout::attention_ws_smem_bytes(hdp, 2));
+            let maps = self.ws_kv_maps(meta_host, idx, segments, kvh, hd, hdp, 2)?;
+            let mut a = args(tp);
+            a.push(Arg::Ptr(maps.as_ref().map_or(0, |m| self.p(m))));
+            self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &a)
+        };
+        // Auto at head dim 256: sequences of at least `attention_ws_rows` query rows on
+        // attn_fwd_ws_256, the others on attn_fwd_wgmma_256. The two give the same bits (tests/gpu
+        // compares them bitwise), so the kernel may follow a sequence's own length without its rows
+        // depending on the batch.
+        let ws_rows = self.state.options.attention_ws_rows.unwrap_or(layout::ATTENTION_WS_MIN_ROWS);
+        let (long, whole): (Vec<usize>, Vec<usize>) =
+            if hopper && kernel == AttentionKernel::Auto && hdp == 256 && ws_rows > 0 {
+                whole.into_iter().partition(|&si| segments[si].len() >= ws_rows)
+            } else {
+                (vec![], whole)
+            };
+        if !long.is_empty() {
+            let table =
+                if split.is_empty() && long.len() == segments.len() { None } else { Some(subset(&long)?) };
+            launch_ws(&long, table.as_ref().map_or(self.p(meta), |t| self.p(t)))?;
+        }
         if !whole.is_empty() && longest(&whole) > 0 {
-            let table = if split.is_empty() { None } else { Some(subset(&whole)?) };
+            let table = if split.is_empty() && long.is_empty() { None } else { Some(subset(&whole)?) };
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
             let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
             if hopper && kernel == AttentionKernel::WarpSpecialized {
-                let cfg = launch_config(
-                    grid,
-                    layout::attention_ws_threads(2),
-                    layout::attention_ws_smem_bytes(hdp, 2),
-                );
-                self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &args(tp))?;
+                launch_ws(&whole, tp)?;
             } else if hopper && kernel == AttentionKernel::WarpSpecialized3 && hdp == 64 {
                 // KV-group order, as WgmmaGrouped.
                 let rows = layout::attention_ws_query_rows(3);
@@ -283,7 +306,10 @@ impl CudaBackend {
                     layout::attention_ws_threads(3),
                     layout::attention_ws_smem_bytes(hdp, 3),
                 );
-                self.launch("attn_fwd_ws3_64", cfg, &args(tp))?;
+                let maps = self.ws_kv_maps(meta_host, &whole, segments, kvh, hd, hdp, 3)?;
+                let mut a = args(tp);
+                a.push(Arg::Ptr(maps.as_ref().map_or(0, |m| self.p(m))));
+                self.launch("attn_fwd_ws3_64", cfg, &a)?;
             } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
@@ -383,6 +409,51 @@ impl CudaBackend {
                 Arg::Ptr(self.p(out)),
             ],
         )
+    }
+}
+
+impl CudaBackend {
+    /// The TMA maps `attn_fwd_ws` reads its key/value tiles through (kernels/attention.cu): for
+    /// each sequence `idx[z]` of the launch's segment table, in table order, four maps — K and V
+    /// of its shared prefix, K and V of its own rows — each over that range's rows (own: the
+    /// cached rows and this call's, which `attn_prep` appended) x `kvh·hd` columns, boxes of 64
+    /// columns x the kernel's key tile, 128-byte swizzled as the kernel's tiles are. An empty
+    /// range gets a zero map the kernel never reads (no tile lies in it). None (the kernel copies
+    /// with cp.async) when the head dim is padded (`hd` < `hdp`): the maps' boxes would carry the
+    /// next head's columns where the copies write zeros. Encoded through the cache (the own
+    /// rows' count changes each call, the prefixes' not) and uploaded as one array.
+    #[allow(clippy::too_many_arguments)]
+    fn ws_kv_maps(
+        &self,
+        meta_host: &[i64],
+        idx: &[usize],
+        segments: &[Range<usize>],
+        kvh: usize,
+        hd: usize,
+        hdp: usize,
+        consumers: usize,
+    ) -> Result<Option<CudaSlice<TensorMap>>> {
+        if hd != hdp {
+            return Ok(None);
+        }
+        let (bk, _) = layout::attention_ws_tiles(hdp, consumers);
+        let width = kvh * hd;
+        let map = |what: &'static str, addr: i64, rows: usize| -> Result<TensorMap> {
+            if rows == 0 {
+                return Ok(TensorMap::unused());
+            }
+            self.state.tensor_maps.get(&Tile2d::swizzled(what, Elem::Bf16, addr as u64, width, rows, 64, bk))
+        };
+        let mut maps = Vec::with_capacity(4 * idx.len());
+        for &si in idx {
+            let m = &meta_host[8 * si..8 * si + 8];
+            let (shared, own) = (m[4] as usize, m[7] as usize + segments[si].len());
+            maps.push(map("attention K (shared prefix)", m[2], shared)?);
+            maps.push(map("attention V (shared prefix)", m[3], shared)?);
+            maps.push(map("attention K (own rows)", m[5], own)?);
+            maps.push(map("attention V (own rows)", m[6], own)?);
+        }
+        Ok(Some(self.htod(&maps)?))
     }
 }
 

@@ -143,6 +143,9 @@ pub const fn attention_q128_key_tile(hdp: usize) -> usize {
 /// Keys per range when a short sequence splits its keys (`attn_fwd_q128` in split mode; a multiple
 /// of every key tile).
 pub const ATTENTION_KEY_RANGE: usize = 4096;
+/// Query rows from which `AttentionKernel::Auto` runs a head-dim-256 sequence on `attn_fwd_ws_256`
+/// (TMA key/value tiles) instead of `attn_fwd_wgmma_256` (the same bits; src/backend/cuda/attention.rs).
+pub const ATTENTION_WS_MIN_ROWS: usize = 2048;
 /// Sequences of at most this many query rows (one query tile) may split their keys.
 pub const ATTENTION_SPLIT_MAX_ROWS: usize = 128;
 

@@ -178,6 +178,12 @@ pub struct CudaOptions {
     /// From how many rows a narrow-output GEMM runs whole rather than split (the same bits either
     /// way: a speed choice); `None`: [`narrow::WHOLE_ROWS`]. For measurements.
     pub narrow_whole_rows: Option<usize>,
+    /// From how many query rows `AttentionKernel::Auto` runs a head-dim-256 sequence on
+    /// `attn_fwd_ws_256` (key/value tiles by TMA) rather than `attn_fwd_wgmma_256`; the same bits
+    /// either way (a speed choice that may follow a sequence's own length). `Some(0)`: never.
+    /// `None`: `IMAJEV_ATTENTION_WS_ROWS=<rows>` in the environment (0: never), else
+    /// [`layout::ATTENTION_WS_MIN_ROWS`].
+    pub attention_ws_rows: Option<usize>,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -205,6 +211,7 @@ impl Default for CudaOptions {
             lora_a_split_rows: None,
             lora_a_whole_rows: None,
             narrow_whole_rows: None,
+            attention_ws_rows: None,
             kernel_cache_dir: None,
         }
     }
@@ -282,6 +289,16 @@ impl CudaBackend {
                     options.attention = AttentionKernel::parse(v).ok_or_else(|| {
                         anyhow!("IMAJEV_ATTENTION={v}: expected {}", AttentionKernel::expected())
                     })?
+                }
+            }
+        }
+        if options.attention_ws_rows.is_none() {
+            if let Ok(v) = std::env::var("IMAJEV_ATTENTION_WS_ROWS") {
+                if !v.is_empty() {
+                    let rows = v.parse().map_err(|_| {
+                        anyhow!("IMAJEV_ATTENTION_WS_ROWS={v}: expected a row count (0: never)")
+                    })?;
+                    options.attention_ws_rows = Some(rows);
                 }
             }
         }
