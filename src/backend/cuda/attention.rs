@@ -26,8 +26,10 @@ pub enum AttentionKernel {
     /// On Hopper `attn_fwd_wgmma`: 128-key tiles at head dim 64 with the blocks in KV-group order
     /// and three K/V buffers (as `WgmmaGrouped3`: 0.90-0.95x `WgmmaK128`'s time at the vision
     /// tower's 65,536 patches on an H100), 64-key tiles at 256 (heads fastest: the group order
-    /// measured no faster there), split passes with the sequences fastest (as `WgmmaGrouped`);
-    /// else `attn_fwd_q128`.
+    /// measured no faster there) except for sequences of at least
+    /// [`super::CudaOptions::attention_ws_rows`] query rows, which run on `attn_fwd_ws_256`
+    /// (`WarpSpecialized`, TMA-fed: the same bits; 16K causal 0.767x wgmma's time on an H100),
+    /// split passes with the sequences fastest (as `WgmmaGrouped`); else `attn_fwd_q128`.
     #[default]
     Auto,
     /// `attn_fwd_wgmma` with 64-key tiles where the GPU and head dim allow it (the default at head
@@ -60,8 +62,10 @@ pub enum AttentionKernel {
     /// tile's P·V MMAs in the warpgroup (the same bits; as fast as `Wgmma` within the noise of two
     /// runs: bench/NOTES.md), where the GPU and head dim allow it.
     Overlap,
-    /// `attn_fwd_ws`: warpgroup MMAs, warp-specialised (a producer warpgroup, two consumers that
-    /// overlap the softmax with the MMAs) where the GPU and head dim allow it.
+    /// `attn_fwd_ws`: warpgroup MMAs, warp-specialised (a producer warpgroup feeding the key/value
+    /// tiles by TMA, two consumers that take MMA turns and overlap the softmax with the MMAs)
+    /// where the GPU and head dim allow it, for every sequence (`Auto` uses it at head dim 256 for
+    /// long sequences only). The same bits as `Wgmma` / `WgmmaK128` (128-key tiles at head dim 64).
     WarpSpecialized,
     /// `attn_fwd_ws3_64` at head dim 64 (the vision tower): `WarpSpecialized` with three consumers
     /// over 192 query rows, FlashAttention-3's tiles there (`WgmmaK128`'s bits); other head dims
