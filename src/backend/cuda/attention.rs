@@ -441,24 +441,42 @@ impl CudaBackend {
             return Ok(None);
         }
         let (bk, _) = layout::attention_ws_tiles(hdp, consumers);
-        let width = kvh * hd;
-        let map = |what: &'static str, addr: i64, rows: usize| -> Result<TensorMap> {
-            if rows == 0 {
-                return Ok(TensorMap::unused());
-            }
-            self.state.tensor_maps.get(&Tile2d::swizzled(what, Elem::Bf16, addr as u64, width, rows, 64, bk))
-        };
-        let mut maps = Vec::with_capacity(4 * idx.len());
-        for &si in idx {
-            let m = &meta_host[8 * si..8 * si + 8];
-            let (shared, own) = (m[4] as usize, m[7] as usize + segments[si].len());
-            maps.push(map("attention K (shared prefix)", m[2], shared)?);
-            maps.push(map("attention V (shared prefix)", m[3], shared)?);
-            maps.push(map("attention K (own rows)", m[5], own)?);
-            maps.push(map("attention V (own rows)", m[6], own)?);
-        }
+        let maps = ws_kv_tiles(meta_host, idx, segments, kvh * hd, bk)
+            .iter()
+            .map(|t| t.as_ref().map_or(Ok(TensorMap::unused()), |t| self.state.tensor_maps.get(t)))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Some(self.htod(&maps)?))
     }
+}
+
+/// What [`CudaBackend::ws_kv_maps`] encodes, for the sequences `idx` of the segment table
+/// `meta_host` in that order: K shared, V shared, K own, V own, each over its range's rows x
+/// `width` (= kv heads x head dim) BF16 columns, boxes of 64 columns x `bk` rows, 128-byte
+/// swizzled; None for an empty range (a zero map the kernel never reads).
+fn ws_kv_tiles(
+    meta_host: &[i64],
+    idx: &[usize],
+    segments: &[Range<usize>],
+    width: usize,
+    bk: usize,
+) -> Vec<Option<Tile2d>> {
+    let tile = |what: &'static str, addr: i64, rows: usize| {
+        (rows > 0).then(|| Tile2d::swizzled(what, Elem::Bf16, addr as u64, width, rows, 64, bk))
+    };
+    idx.iter()
+        .flat_map(|&si| {
+            let m = &meta_host[8 * si..8 * si + 8];
+            // The own rows: those cached before this call and this call's, which attn_prep
+            // appended before the attention launch.
+            let (shared, own) = (m[4] as usize, m[7] as usize + segments[si].len());
+            [
+                tile("attention K (shared prefix)", m[2], shared),
+                tile("attention V (shared prefix)", m[3], shared),
+                tile("attention K (own rows)", m[5], own),
+                tile("attention V (own rows)", m[6], own),
+            ]
+        })
+        .collect()
 }
 
 /// `Backend::new_kv_cache` (the trait documents the contract).
@@ -737,7 +755,45 @@ pub(super) fn vision_attention(
 
 #[cfg(test)]
 mod tests {
-    use super::AttentionKernel;
+    use super::{ws_kv_tiles, AttentionKernel};
+    use crate::backend::cuda::layout;
+
+    /// The maps of attn_fwd_ws cover exactly the rows its tiles may read by TMA: a sequence's
+    /// shared prefix (shared_len rows) and its own rows (cached + this call's), in the launch's
+    /// table order, with the kernel's box; an empty range gets no map.
+    #[test]
+    fn ws_maps_cover_each_sequences_ranges_in_table_order() {
+        let (kvh, hd) = (4, 256);
+        let width = kvh * hd;
+        let (bk, _) = layout::attention_ws_tiles(256, 2);
+        // [q_start, nq, k_shared, v_shared, shared_len, k_own, v_own, own_len] per sequence:
+        // 0 a prefix forward (no shared rows, nothing cached), 1 a fork of a 100-row prefix with
+        // 7 cached own rows, 2 a short pass (not in the launch's subset).
+        let meta: Vec<i64> = vec![
+            0, 4097, 0, 0, 0, 0x10000, 0x90000, 0, //
+            4097, 2500, 0x200000, 0x300000, 100, 0x400000, 0x500000, 7, //
+            6597, 73, 0, 0, 0, 0x600000, 0x700000, 0,
+        ];
+        let segments = [0..4097, 4097..6597, 6597..6670];
+        let tiles = ws_kv_tiles(&meta, &[1, 0], &segments, width, bk);
+        assert_eq!(tiles.len(), 8, "four maps a sequence of the subset");
+        let rows_addr = |i: usize| tiles[i].map(|t| (t.rows, t.addr));
+        // Sequence 1 first (the subset's order): its prefix's 100 rows, then 7 + 2,500 own rows.
+        assert_eq!(rows_addr(0), Some((100, 0x200000)));
+        assert_eq!(rows_addr(1), Some((100, 0x300000)));
+        assert_eq!(rows_addr(2), Some((2507, 0x400000)));
+        assert_eq!(rows_addr(3), Some((2507, 0x500000)));
+        // Sequence 0: no shared prefix, so no map for it; its 4,097 own rows.
+        assert_eq!(rows_addr(4), None);
+        assert_eq!(rows_addr(5), None);
+        assert_eq!(rows_addr(6), Some((4097, 0x10000)));
+        assert_eq!(rows_addr(7), Some((4097, 0x90000)));
+        for t in tiles.iter().flatten() {
+            assert_eq!((t.cols, t.row_stride, t.box_cols, t.box_rows), (width, width, 64, bk));
+            assert!(t.swizzle_128b);
+            t.check().unwrap();
+        }
+    }
 
     #[test]
     fn every_attention_kernel_has_one_name_and_the_error_lists_them_all() {
