@@ -414,9 +414,7 @@ impl CudaBackend {
             ],
         )
     }
-}
 
-impl CudaBackend {
     /// The TMA maps `attn_fwd_ws` reads its key/value tiles through (kernels/attention.cu): for
     /// each sequence `idx[z]` of the launch's segment table, in table order, four maps — K and V
     /// of its shared prefix, K and V of its own rows — each over that range's rows (own: the

@@ -145,6 +145,9 @@ pub const fn attention_q128_key_tile(hdp: usize) -> usize {
 pub const ATTENTION_KEY_RANGE: usize = 4096;
 /// Query rows from which `AttentionKernel::Auto` runs a head-dim-256 sequence on `attn_fwd_ws_256`
 /// (TMA key/value tiles) instead of `attn_fwd_wgmma_256` (the same bits; src/backend/cuda/attention.rs).
+/// On an H100 ws took 0.77x wgmma's time at 16K causal and 0.83x at 4K, but 0.97x at 1K (3 µs a
+/// layer), where the host's map encoding for each of a round's many short sequences would cost
+/// more than it saves (bench/NOTES.md, thirtieth session).
 pub const ATTENTION_WS_MIN_ROWS: usize = 2048;
 /// Sequences of at most this many query rows (one query tile) may split their keys.
 pub const ATTENTION_SPLIT_MAX_ROWS: usize = 128;
