@@ -169,6 +169,13 @@ fn wgmma_k128_attention_matches_cpu_and_ws_bitwise() {
             AttentionKernel::WgmmaGrouped3,
         )
     });
+    // Auto (the default): at head dim 256 it sends sequences of 2,048+ query rows to ws and the
+    // rest to wgmma in two launches over subsets of the segment table (same_bits' 4,097-row
+    // sequence beside five short ones, and a 16,384-row one alone); at head dim 64 its kernel is
+    // the three-buffer one in KV-group order. Bitwise against the one-kernel side.
+    rep.guard("attn", "attention (auto vs wgmma-k128)", |rep| {
+        attention::same_bits(&d.g, rep, &mut rng, AttentionKernel::WgmmaK128, AttentionKernel::Auto)
+    });
     rep.finish("attention (wgmma-k128)");
 }
 
