@@ -279,17 +279,21 @@ impl CudaBackend {
             a.push(Arg::Ptr(maps.as_ref().map_or(0, |m| self.p(m))));
             self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &a)
         };
-        // Auto at head dim 256: sequences of at least `attention_ws_rows` query rows on
-        // attn_fwd_ws_256, the others on attn_fwd_wgmma_256. The two give the same bits (tests/gpu
-        // compares them bitwise), so the kernel may follow a sequence's own length without its rows
-        // depending on the batch.
+        // Auto at head dim 256 (and WarpSpecialized3, which is Auto off head dim 64, so that an A/B
+        // of the vision kernel changes nothing else): sequences of at least `attention_ws_rows`
+        // query rows on attn_fwd_ws_256, the others on attn_fwd_wgmma_256. The two give the same
+        // bits (tests/gpu compares them bitwise), so the kernel may follow a sequence's own length
+        // without its rows depending on the batch.
         let ws_rows = self.state.options.attention_ws_rows.unwrap_or(layout::ATTENTION_WS_MIN_ROWS);
-        let (long, whole): (Vec<usize>, Vec<usize>) =
-            if hopper && kernel == AttentionKernel::Auto && hdp == 256 && ws_rows > 0 {
-                whole.into_iter().partition(|&si| segments[si].len() >= ws_rows)
-            } else {
-                (vec![], whole)
-            };
+        let (long, whole): (Vec<usize>, Vec<usize>) = if hopper
+            && matches!(kernel, AttentionKernel::Auto | AttentionKernel::WarpSpecialized3)
+            && hdp == 256
+            && ws_rows > 0
+        {
+            whole.into_iter().partition(|&si| segments[si].len() >= ws_rows)
+        } else {
+            (vec![], whole)
+        };
         if !long.is_empty() {
             let table =
                 if split.is_empty() && long.len() == segments.len() { None } else { Some(subset(&long)?) };
