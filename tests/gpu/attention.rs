@@ -2,7 +2,7 @@
 //! across calls and fork through shared prefixes (also inside one call: a parent and its
 //! children), every GQA head of a group, and the vision tower's bidirectional attention.
 
-use super::harness::{cat_cols, rel, tiling, tree_note, variant, Report};
+use super::harness::{bit_diff, cat_cols, rel, tiling, tree_note, variant, Report};
 use anyhow::Result;
 use imajev_serve::backend::cpu::CpuBackend;
 use imajev_serve::backend::cuda::{AttentionKernel, CudaBackend};
@@ -289,8 +289,6 @@ pub fn same_bits(
         return Ok(());
     }
     let (ga, gb) = (variant(g, |o| o.attention = a)?, variant(g, |o| o.attention = b)?);
-    let differing =
-        |x: &[f32], y: &[f32]| x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
     for lens in [&[1usize, 63, 64, 65, 127, 4097][..], &[16_384][..]] {
         let d4b = AttentionDims { heads: 16, kv_heads: 4, head_dim: 256, rotary_dim: 64, norm_eps: 1e-6 };
         let n: usize = lens.iter().sum();
@@ -317,7 +315,7 @@ pub fn same_bits(
         rep.check(
             "attn",
             format!("gated_attention 4B {a:?} vs {b:?} lens {lens:?}: differing values (bitwise count)"),
-            differing(&outs[0], &outs[1]) as f64,
+            bit_diff(&outs[0], &outs[1]) as f64,
             0.0,
         );
     }
@@ -342,7 +340,7 @@ pub fn same_bits(
         rep.check(
             "attn",
             format!("vision_attention {a:?} vs {b:?} segments {lens:?}: differing values (bitwise count)"),
-            differing(&outs[0], &outs[1]) as f64,
+            bit_diff(&outs[0], &outs[1]) as f64,
             0.0,
         );
     }

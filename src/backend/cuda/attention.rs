@@ -268,17 +268,30 @@ impl CudaBackend {
                 &idx.iter().flat_map(|&si| meta_host[8 * si..8 * si + 8].iter().copied()).collect::<Vec<_>>(),
             )
         };
-        // attn_fwd_ws_<hdp> (two consumers, TMA key/value tiles) over the sequences `idx` of the
-        // table at `tp`.
-        let launch_ws = |idx: &[usize], tp: u64| -> Result<()> {
-            let grid = (heads as u32, longest(idx).div_ceil(128) as u32, idx.len() as u32);
-            let cfg =
-                launch_config(grid, layout::attention_ws_threads(2), layout::attention_ws_smem_bytes(hdp, 2));
-            let maps = self.ws_kv_maps(meta_host, idx, segments, kvh, hd, hdp, 2)?;
+        // The segment table of the sequences `idx` (in order): the whole table when they are all
+        // of them (split, long and whole partition it), else a subset uploaded for the launch.
+        let table_of = |idx: &[usize]| -> Result<Option<CudaSlice<i64>>> {
+            if idx.len() == segments.len() {
+                Ok(None)
+            } else {
+                subset(idx).map(Some)
+            }
+        };
+        // An attn_fwd_ws entry (`consumers` of them, TMA key/value tiles) over the sequences `idx`
+        // of the table at `tp`: its maps are the launch's last argument.
+        let launch_ws = |name: &str, consumers: usize, grid: (u32, u32, u32), idx: &[usize], tp: u64| {
+            let cfg = launch_config(
+                grid,
+                layout::attention_ws_threads(consumers),
+                layout::attention_ws_smem_bytes(hdp, consumers),
+            );
+            let maps = self.ws_kv_maps(meta_host, idx, segments, kvh, hd, hdp, consumers)?;
             let mut a = args(tp);
             a.push(Arg::Ptr(maps.as_ref().map_or(0, |m| self.p(m))));
-            self.launch(&format!("attn_fwd_ws_{hdp}"), cfg, &a)
+            self.launch(name, cfg, &a)
         };
+        let heads_first_grid =
+            |idx: &[usize]| (heads as u32, longest(idx).div_ceil(128) as u32, idx.len() as u32);
         // Auto at head dim 256 (and WarpSpecialized3, which is Auto off head dim 64, so that an A/B
         // of the vision kernel changes nothing else): sequences of at least `attention_ws_rows`
         // query rows on attn_fwd_ws_256, the others on attn_fwd_wgmma_256. The two give the same
@@ -295,29 +308,26 @@ impl CudaBackend {
             (vec![], whole)
         };
         if !long.is_empty() {
-            let table =
-                if split.is_empty() && long.len() == segments.len() { None } else { Some(subset(&long)?) };
-            launch_ws(&long, table.as_ref().map_or(self.p(meta), |t| self.p(t)))?;
+            let table = table_of(&long)?;
+            launch_ws(
+                &format!("attn_fwd_ws_{hdp}"),
+                2,
+                heads_first_grid(&long),
+                &long,
+                table.as_ref().map_or(self.p(meta), |t| self.p(t)),
+            )?;
         }
         if !whole.is_empty() && longest(&whole) > 0 {
-            let table = if split.is_empty() && long.is_empty() { None } else { Some(subset(&whole)?) };
+            let table = table_of(&whole)?;
             let tp = table.as_ref().map_or(self.p(meta), |t| self.p(t));
-            let grid = (heads as u32, longest(&whole).div_ceil(128) as u32, whole.len() as u32);
+            let grid = heads_first_grid(&whole);
             if hopper && kernel == AttentionKernel::WarpSpecialized {
-                launch_ws(&whole, tp)?;
+                launch_ws(&format!("attn_fwd_ws_{hdp}"), 2, grid, &whole, tp)?;
             } else if hopper && kernel == AttentionKernel::WarpSpecialized3 && hdp == 64 {
                 // KV-group order, as WgmmaGrouped.
                 let rows = layout::attention_ws_query_rows(3);
                 let grid = group_order_grid(longest(&whole).div_ceil(rows), heads, kvh, grid.2);
-                let cfg = launch_config(
-                    grid,
-                    layout::attention_ws_threads(3),
-                    layout::attention_ws_smem_bytes(hdp, 3),
-                );
-                let maps = self.ws_kv_maps(meta_host, &whole, segments, kvh, hd, hdp, 3)?;
-                let mut a = args(tp);
-                a.push(Arg::Ptr(maps.as_ref().map_or(0, |m| self.p(m))));
-                self.launch("attn_fwd_ws3_64", cfg, &a)?;
+                launch_ws("attn_fwd_ws3_64", 3, grid, &whole, tp)?;
             } else if hopper && kernel == AttentionKernel::Overlap {
                 let cfg = launch_config(grid, 256, layout::attention_wgmma_smem_bytes(hdp));
                 self.launch(&format!("attn_fwd_wgmma_ov_{hdp}"), cfg, &args(tp))?;
