@@ -36,7 +36,12 @@
 //   f32 once every 128 K (DeepSeek's recipe, which the checkpoint's scales are made for); per LoRA
 //   stage four wgmma m64n128k16 (BF16) into acc, then out += lscale · acc, out having been rounded
 //   to BF16 before the first. Then out is rounded to BF16 into a staging tile in shared memory
-//   and stored by TMA.
+//   and stored by TMA — in the FP8 form only once the next tile's first k-block MMAs are issued:
+//   the tile ends with its values packed into 32 BF16-pair registers (acc and out are then free),
+//   and gemm_fp8_store_tile runs between the next tile's first commit and the wait for it, so the
+//   epilogue's shared-memory stores and barriers run while the tensor cores work instead of
+//   leaving them idle while all NC warpgroups store at once. The same arithmetic in the same
+//   order: the same bits.
 // GLU form (gemm_fp8_glu_<rows>, the MLP's gate/up projection, W's rows [gate; up] of N/2 each):
 // column tile t holds gate's W rows 64t .. 64t + 64 and up's N/2 + 64t .. (two 64-row TMA boxes
 // into the halves of the W tile, each with its own W scale; LoRA B's rows likewise), so a thread
@@ -269,6 +274,59 @@ __device__ __forceinline__ void gemm_fp8_glu_epilogue(const GemmFp8Args& p, cons
   }
 }
 
+// A finished tile's epilogue on this consumer warpgroup's 64 rows, in two halves so that only
+// half as many registers wait for the store as `out` holds (DEFER, kernel doc).
+// First: the bias if any (bf16(bf16(out) + bias[c]), add_bias8's arithmetic on the output it would
+// have read), then this thread's values rounded to BF16 pairs: packed[2j] its first row's columns
+// 8j + 2tg and the next, packed[2j + 1] the same columns of its second row.
+__device__ __forceinline__ void gemm_fp8_pack_tile(float (&out)[64], const float* bias, int n0, int tg,
+                                                   unsigned (&packed)[32]) {
+  if (bias != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+      const float2 b = *(const float2*)(bias + n0 + 8 * j + 2 * tg);
+      out[4 * j + 0] = bf(to_bf(out[4 * j + 0])) + b.x;
+      out[4 * j + 1] = bf(to_bf(out[4 * j + 1])) + b.y;
+      out[4 * j + 2] = bf(to_bf(out[4 * j + 2])) + b.x;
+      out[4 * j + 3] = bf(to_bf(out[4 * j + 3])) + b.y;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    packed[2 * j] = pack_f32(out[4 * j + 0], out[4 * j + 1]);
+    packed[2 * j + 1] = pack_f32(out[4 * j + 2], out[4 * j + 3]);
+  }
+}
+
+// Second: the packed values into the warpgroup's rows of the staging tile (the 128-byte swizzle
+// keeps a warp's 8 rows on distinct banks), stored by one thread's TMA while the warpgroup goes on
+// (the direct 4-byte stores were ~18% of the stall samples: the LSU queue full under the copies'
+// traffic, ncu).
+template <int NC>
+__device__ __forceinline__ void gemm_fp8_store_tile(const GemmFp8Args& p, const unsigned (&packed)[32],
+                                                    unsigned char* staged, int cw, int warp, int lane, int m0,
+                                                    int n0) {
+  using T = GemmFp8Tiles<NC>;
+  const bool leader = (threadIdx.x & 127) == 0;
+  if (leader) bulk_wait_read0();  // the previous tile's store has read the staging rows
+  named_bar_sync(1 + cw, 128);
+  const int rw = warp * 16 + (lane >> 2);  // this thread's rows within the warpgroup's 64
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    unsigned char* half = staged + (j >> 3) * T::OUT_HALF + cw * 64 * 128 + 4 * (lane & 3);
+    const int c = j & 7;
+    *(unsigned*)(half + rw * 128 + ((c ^ (rw & 7)) << 4)) = packed[2 * j];
+    *(unsigned*)(half + (rw + 8) * 128 + ((c ^ (rw & 7)) << 4)) = packed[2 * j + 1];
+  }
+  fence_proxy_async();
+  named_bar_sync(1 + cw, 128);
+  if (leader) {
+    tma_store_2d(p.y, staged + cw * 64 * 128, n0, m0 + cw * 64);
+    tma_store_2d(p.y, staged + T::OUT_HALF + cw * 64 * 128, n0 + 64, m0 + cw * 64);
+    bulk_commit();
+  }
+}
+
 // The PLAIN form's K columns [slice·kslice, end) of a unit: all of K when the launch is whole
 // (slices 1), else the unit's slice. The producer and the consumers walk the same stages.
 __device__ __forceinline__ int gemm_plain_end(const GemmFp8Args& p, int slice, int slices) {
@@ -301,6 +359,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
   using T = GemmFp8Tiles<NC>;
   constexpr int BM = T::BM, ST = T::ST;
   constexpr int TPU = GLU ? 2 : 1;  // column tiles a unit: a GLU unit is the pair of one 128-block of h
+  // The FP8 form's epilogue waits in `out` until the next tile's first MMAs are issued (kernel doc).
+  // Not the GLU form (its epilogue's registers beside acc and out would not fit) nor PLAIN.
+  constexpr bool DEFER = !PLAIN && !GLU;
   // The bytes a stage's full barrier waits for: the X tile, the W tile (all of it, from whichever
   // block of the cluster) and the X scales; a LoRA stage's T and B tiles are as many bytes as X
   // and W.
@@ -443,6 +504,10 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       }
     };
     float glu_amax[2];  // GLU: the partial amax of this thread's rows over the pair's first tile
+    // A finished tile's output as BF16 pairs (gemm_fp8_pack_tile); with DEFER, the tile they belong
+    // to (row 0 and column 0; none while pend_m0 < 0) until they are stored.
+    unsigned packed[32];
+    int pend_m0 = -1, pend_n0 = 0;
     for (int u = unit0; u < units; u += unit_step) {
       int mt, nu;
       gemm_fp8_unit<CL>(u / slices, mtiles, ntiles / TPU, rank, mt, nu);
@@ -451,13 +516,9 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       for (int ti = 0; ti < TPU; ti++) {  // the unit's column tiles (GLU: the pair's)
         const int nt = nu * TPU + ti;
         const int m0 = mt * BM, n0 = nt * 128;
-#pragma unroll
-        for (int i = 0; i < 64; i++) out[i] = 0.f;
-        for (int kb = 0; kb < kblocks; kb++, it++) {
-          const int s = it % ST;
-          gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
-          // This thread's two rows' promotion factors: their X scales times the W scale (GLU: the
-          // gate half's and the up half's).
+        // A k-block's promotion: this thread's two rows' factors are their X scales times the W
+        // scale (GLU: the gate half's and the up half's); the stage is released before the FMAs.
+        auto promote = [&](int s) {
           const float w = sw[2 * s], f0 = sa[s * BM + rl] * w, f1 = sa[s * BM + rl + 8] * w;
           if constexpr (GLU) {
             const float wu = sw[2 * s + 1], g0 = sa[s * BM + rl] * wu, g1 = sa[s * BM + rl + 8] * wu;
@@ -467,6 +528,32 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
             release(s);
             gemm_fp8_promote(out, acc, f0, f1);
           }
+        };
+        int kb = 0;
+        if (DEFER && kblocks > 0) {
+          // The first k-block as gemm_fp8_stage, with the previous tile's store between its MMAs'
+          // commit and the wait for them (the MMAs write acc only; `packed` is free once stored).
+          // Peeled off the loop so that `packed` is not live across the other k-blocks.
+          const int s = it % ST;
+          mbar_wait(full + s, (it / ST) & 1);
+          wgmma_fence();
+          gemm_fp8_mmas<NC, false>(acc, a_lo, b_lo, s, true);
+          wgmma_commit();
+          if (pend_m0 >= 0) gemm_fp8_store_tile<NC>(p, packed, staged, cw, warp, lane, pend_m0, pend_n0);
+#pragma unroll
+          for (int i = 0; i < 64; i++) out[i] = 0.f;
+          wgmma_wait0();
+          fence_regs(acc);
+          promote(s);
+          kb++, it++;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 64; i++) out[i] = 0.f;
+        }
+        for (; kb < kblocks; kb++, it++) {
+          const int s = it % ST;
+          gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s);
+          promote(s);
         }
         if constexpr (PLAIN) {
           // Slice by slice: a slice's stages summed by the tensor cores in acc, then out += acc in
@@ -510,42 +597,16 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           gemm_fp8_glu_epilogue<NC>(p, out, glu_amax, staged, ti, cw, warp * 16 + (lane >> 2), rl, tg, m0, nt);
           continue;
         }
-        if (!PLAIN && p.bias != nullptr) {
-          // bf16(bf16(out) + bias[c]), add_bias8's arithmetic on the output it would have read.
-          // This thread's columns: 8j + 2tg and the next, for both of its rows.
-#pragma unroll
-          for (int j = 0; j < 16; j++) {
-            const float2 b = *(const float2*)(p.bias + n0 + 8 * j + 2 * tg);
-            out[4 * j + 0] = bf(to_bf(out[4 * j + 0])) + b.x;
-            out[4 * j + 1] = bf(to_bf(out[4 * j + 1])) + b.y;
-            out[4 * j + 2] = bf(to_bf(out[4 * j + 2])) + b.x;
-            out[4 * j + 3] = bf(to_bf(out[4 * j + 3])) + b.y;
-          }
-        }
-        // The output: rounded to BF16 into this warpgroup's rows of the staging tile (the 128-byte
-        // swizzle keeps a warp's 8 rows on distinct banks), then one thread stores them by TMA while
-        // the warpgroup goes on to the next tile (the direct 4-byte stores were ~18% of the stall
-        // samples: the LSU queue full under the copies' traffic, ncu).
-        const bool leader = (threadIdx.x & 127) == 0;
-        if (leader) bulk_wait_read0();  // the previous tile's store has read the staging rows
-        named_bar_sync(1 + cw, 128);
-        const int rw = warp * 16 + (lane >> 2);  // this thread's rows within the warpgroup's 64
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-          unsigned char* half = staged + (j >> 3) * T::OUT_HALF + cw * 64 * 128 + 4 * tg;
-          const int c = j & 7;
-          *(unsigned*)(half + rw * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 0], out[4 * j + 1]);
-          *(unsigned*)(half + (rw + 8) * 128 + ((c ^ (rw & 7)) << 4)) = pack_f32(out[4 * j + 2], out[4 * j + 3]);
-        }
-        fence_proxy_async();
-        named_bar_sync(1 + cw, 128);
-        if (leader) {
-          tma_store_2d(p.y, staged + cw * 64 * 128, n0, m0 + cw * 64);
-          tma_store_2d(p.y, staged + T::OUT_HALF + cw * 64 * 128, n0 + 64, m0 + cw * 64);
-          bulk_commit();
+        gemm_fp8_pack_tile(out, PLAIN ? nullptr : p.bias, n0, tg, packed);
+        if constexpr (DEFER) {
+          pend_m0 = m0;  // stored under the next tile's first MMAs, or after the last tile
+          pend_n0 = n0;
+        } else {
+          gemm_fp8_store_tile<NC>(p, packed, staged, cw, warp, lane, m0, n0);
         }
       }
     }
+    if (DEFER && pend_m0 >= 0) gemm_fp8_store_tile<NC>(p, packed, staged, cw, warp, lane, pend_m0, pend_n0);
     if ((threadIdx.x & 127) == 0) bulk_wait0();  // the shared memory stays until the stores read it
   }
   // A block of a cluster may not exit while its peer can still write into its shared memory or
