@@ -280,7 +280,8 @@ impl Bench<'_> {
     /// `--only fp8-own` (module doc): each FP8 projection shape with a rank-64 LoRA on all its
     /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
     /// the SwiGLU) beside `gemm_fp8_128`, `gemm_fp8_192` (alone and with the LoRA A side on
-    /// `gemm_bf16_192`) and their cluster forms (LoRA B in their epilogue), at `rows` rows; the
+    /// `gemm_bf16_192`), their deferred-store forms and `gemm_fp8_192m` (LoRA B in their
+    /// epilogue), at `rows` rows; the
     /// plain projection (no LoRA) too. Times include the LoRA A GEMM and the activation
     /// quantisation, as a forward runs them.
     fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
@@ -290,16 +291,15 @@ impl Bench<'_> {
             return Ok(());
         }
         // own192+A: the LoRA A side split over K slices up to layout::LORA_A_SPLIT_ROWS rows, whole
-        // on 64-row tiles past them (the same bits); own192+A whole: never split (64-row tiles);
-        // whole192: never split, on the FP8 GEMM's 192-row tiles.
+        // on 64-row tiles past them (the same bits); own128d / own192d: a tile stored under the
+        // next tile's first MMAs.
         let sides: Vec<(&str, CudaBackend)> = [
             ("cuBLASLt", Fp8Gemm::Cublas, false, None, None),
             ("own128", Fp8Gemm::Own128, false, None, None),
             ("own192", Fp8Gemm::Own192, false, None, None),
             ("own192+A", Fp8Gemm::Own192, true, None, None),
-            ("own192+A whole", Fp8Gemm::Own192, true, Some(0), None),
-            ("own192+A whole192", Fp8Gemm::Own192, true, Some(0), Some(192)),
-            ("own128m", Fp8Gemm::Own128Multicast, false, None, None),
+            ("own128d", Fp8Gemm::Own128Deferred, false, None, None),
+            ("own192d", Fp8Gemm::Own192Deferred, false, None, None),
             ("own192m", Fp8Gemm::Own192Multicast, false, None, None),
         ]
         .into_iter()

@@ -36,8 +36,8 @@
 //   f32 once every 128 K (DeepSeek's recipe, which the checkpoint's scales are made for); per LoRA
 //   stage four wgmma m64n128k16 (BF16) into acc, then out += lscale · acc, out having been rounded
 //   to BF16 before the first. Then out is rounded to BF16 into a staging tile in shared memory
-//   and stored by TMA — in the FP8 form only once the next tile's first k-block MMAs are issued:
-//   the tile ends with its values packed into 32 BF16-pair registers (acc and out are then free),
+//   and stored by TMA — in the _d kernels' FP8 form only once the next tile's first k-block MMAs
+//   are issued: the tile ends with its values packed into 32 BF16-pair registers (acc and out free),
 //   and gemm_fp8_store_tile runs between the next tile's first commit and the wait for it, so the
 //   epilogue's shared-memory stores and barriers run while the tensor cores work instead of
 //   leaving them idle while all NC warpgroups store at once. The same arithmetic in the same
@@ -353,15 +353,16 @@ __device__ __forceinline__ void gemm_fp8_unit(int u, int mtiles, int ntiles, uns
 // gemm_bf16_slices_sum. Whole or split, a row's sums are the same bits whatever M is.
 // GLU: the MLP's gate/up projection (W's rows [gate; up], N/2 each) with the SwiGLU and the down
 // projection's FP8 input in the epilogue (kernel doc); CL = 1 only.
-template <int NC, int CL, bool PLAIN, bool GLU = false>
+template <int NC, int CL, bool PLAIN, bool GLU = false, bool DEFER_EPILOGUE = false>
 __device__ void gemm_fp8(const GemmFp8Args& p) {
   static_assert(!GLU || (CL == 1 && !PLAIN), "the GLU form is one block, FP8");
   using T = GemmFp8Tiles<NC>;
   constexpr int BM = T::BM, ST = T::ST;
   constexpr int TPU = GLU ? 2 : 1;  // column tiles a unit: a GLU unit is the pair of one 128-block of h
-  // The FP8 form's epilogue waits in `out` until the next tile's first MMAs are issued (kernel doc).
-  // Not the GLU form (its epilogue's registers beside acc and out would not fit) nor PLAIN.
-  constexpr bool DEFER = !PLAIN && !GLU;
+  // The FP8 form's epilogue waits in `packed` until the next tile's first MMAs are issued (the _d
+  // kernels, kernel doc). Not the GLU form (its epilogue's registers beside acc and out would not
+  // fit) nor PLAIN.
+  constexpr bool DEFER = DEFER_EPILOGUE && !PLAIN && !GLU;
   // The bytes a stage's full barrier waits for: the X tile, the W tile (all of it, from whichever
   // block of the cluster) and the X scales; a LoRA stage's T and B tiles are as many bytes as X
   // and W.
@@ -621,32 +622,36 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
 // from L2 and more rows of padding at small M; the _m forms run in clusters of two blocks that
 // share each W tile (the grid a multiple of two). All give the same bits.
 #ifdef IMAJEV_WGMMA
-#define GEMM_FP8_BODY(NC, CL, PLAIN, GLU) \
-  gemm_fp8<NC, CL, PLAIN, GLU>(                \
+#define GEMM_FP8_BODY(NC, CL, PLAIN, GLU, DEFER) \
+  gemm_fp8<NC, CL, PLAIN, GLU, DEFER>(            \
       GemmFp8Args{&x, &xs, &w, &lt, &lb, &y, &q, ws, M, N, K, lwin, lcol0, lscale, bias, qs, kslice, part});
 #else
-#define GEMM_FP8_BODY(NC, CL, PLAIN, GLU)
+#define GEMM_FP8_BODY(NC, CL, PLAIN, GLU, DEFER)
 #endif
-#define GEMM_FP8_ENTRY(NAME, NC, CL, PLAIN, GLU, ATTRS)                                                          \
+#define GEMM_FP8_ENTRY(NAME, NC, CL, PLAIN, GLU, DEFER, ATTRS)                                                 \
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) ATTRS NAME(                                  \
       const __grid_constant__ TmaMap x, const __grid_constant__ TmaMap xs, const __grid_constant__ TmaMap w,   \
-      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,   \
+      const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,  \
       const __grid_constant__ TmaMap q, const float* ws, int M, int N, int K, const int* lwin, int lcol0,      \
       float lscale, const float* bias, float* qs, int kslice, float* part) {                                   \
-    GEMM_FP8_BODY(NC, CL, PLAIN, GLU)                                                                           \
+    GEMM_FP8_BODY(NC, CL, PLAIN, GLU, DEFER)                                                                   \
   }
-GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, )
-GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, false, )
-GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, false, __cluster_dims__(2, 1, 1))
-GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, false, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, false, )
+GEMM_FP8_ENTRY(gemm_fp8_192, 3, 1, false, false, false, )
+GEMM_FP8_ENTRY(gemm_fp8_128m, 2, 2, false, false, false, __cluster_dims__(2, 1, 1))
+GEMM_FP8_ENTRY(gemm_fp8_192m, 3, 2, false, false, false, __cluster_dims__(2, 1, 1))
+// gemm_fp8_<rows>d: the FP8 form with a tile's store deferred under the next tile's first MMAs
+// (kernel doc); the same bits as gemm_fp8_<rows>.
+GEMM_FP8_ENTRY(gemm_fp8_128d, 2, 1, false, false, true, )
+GEMM_FP8_ENTRY(gemm_fp8_192d, 3, 1, false, false, true, )
 // gemm_bf16_<rows>: the PLAIN form (the LoRA A side), same parameters: only lt (X), lb (A), y, M, N
 // (the rank), K (BF16 columns), kslice and part are read (no bias, scale 1). gemm_bf16_64 (one
 // consumer warpgroup, 64-row tiles) is the whole form for large M: a LoRA A side is one column
 // tile, so at 7,816 rows 192-row tiles are 41 units on 132 SMs and 64-row tiles 123; a row's sums
 // are the same bits on every tile height.
-GEMM_FP8_ENTRY(gemm_bf16_64, 1, 1, true, false, )
-GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, false, )
-GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, false, )
+GEMM_FP8_ENTRY(gemm_bf16_64, 1, 1, true, false, false, )
+GEMM_FP8_ENTRY(gemm_bf16_128, 2, 1, true, false, false, )
+GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, false, false, )
 
 // The split PLAIN form's second step: y[m][n] = bf16(((0 + part[0][m][n]) + part[1][m][n]) + ...),
 // the slices in order, as the whole form adds them in its accumulators (the same bits); one thread
@@ -669,5 +674,5 @@ extern "C" __global__ void gemm_bf16_slices_sum(const float* part, int slices, i
 }
 // gemm_fp8_glu_<rows>: the GLU form (the MLP's gate/up projection with the SwiGLU and its FP8
 // quantisation in the epilogue): y is h [M][N/2] bf16, q and qs its codes and scales (no bias).
-GEMM_FP8_ENTRY(gemm_fp8_glu_128, 2, 1, false, true, )
-GEMM_FP8_ENTRY(gemm_fp8_glu_192, 3, 1, false, true, )
+GEMM_FP8_ENTRY(gemm_fp8_glu_128, 2, 1, false, true, false, )
+GEMM_FP8_ENTRY(gemm_fp8_glu_192, 3, 1, false, true, false, )

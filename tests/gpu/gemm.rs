@@ -587,12 +587,25 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
     let biased_lora = [LinearPart { bias: Some(b4.r()), ..w4.lora_part(&a4, &bb4, 2.0) }];
     let y4b = cublas.download(&cublas.matmul(&cublas.upload(&x4, &[m4, k4])?, &cublas.linear(&biased)?)?)?;
     let y4c = c.matmul(&c.upload(&x4, &[m4, k4])?, &c.linear(&biased_lora)?)?.data;
+    // Several tiles a block (352 tiles of 192 rows, 512 of 128, on one block an SM): every tile
+    // but a block's first is stored under the next tile's MMAs by the _d kernels; plain and with a
+    // bias, bitwise against cuBLASLt (+ add_bias8).
+    let (n5, k5, m5) = (4096, 2560, 2000);
+    let (w5, x5) = varied_fp8_case(rng, n5, k5, m5);
+    let b5 = MemoryTensor::f32("many.bias", &[n5], &rng.bf16_normals(n5, 0.5));
+    let many = [[w5.part()], [LinearPart { bias: Some(b5.r()), ..w5.part() }]];
+    let mut y5b = Vec::new();
+    for parts in &many {
+        y5b.push(cublas.download(&cublas.matmul(&cublas.upload(&x5, &[m5, k5])?, &cublas.linear(parts)?)?)?);
+    }
     let mut outputs: Vec<Vec<f32>> = Vec::new();
     for (kind, label) in [
         (Fp8Gemm::Own128, "own128"),
         (Fp8Gemm::Own192, "own192"),
         (Fp8Gemm::Own128Multicast, "own128m"),
         (Fp8Gemm::Own192Multicast, "own192m"),
+        (Fp8Gemm::Own128Deferred, "own128d"),
+        (Fp8Gemm::Own192Deferred, "own192d"),
     ] {
         let o = variant(g, |o| o.fp8_gemm = kind)?;
         let lo = o.linear(&[w8.part()])?;
@@ -647,6 +660,15 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
         );
         let y4l = o.download(&o.matmul(&o.upload(&x4, &[m4, k4])?, &o.linear(&biased_lora)?)?)?;
         rep.check(p, format!("{label} fp8 + LoRA r16 + bias M={m4} vs CPU f32"), rel(&y4l, &y4c), 8e-2);
+        for (parts, (yb5, what)) in many.iter().zip(y5b.iter().zip(["", " + bias"])) {
+            let y5 = o.download(&o.matmul(&o.upload(&x5, &[m5, k5])?, &o.linear(parts)?)?)?;
+            rep.check(
+                p,
+                format!("{label} fp8{what} N={n5} K={k5} M={m5}, several tiles a block, vs cuBLASLt (bitwise count)"),
+                bit_diff(&y5, yb5) as f64,
+                0.0,
+            );
+        }
         outputs.push([y, y2, yw, y4, y4l].concat());
     }
     // A row's arithmetic should not depend on the tile height (each warpgroup's 64 rows run the
@@ -656,8 +678,14 @@ pub fn own_fp8(g: &CudaBackend, c: &CpuBackend, rep: &mut Report, rng: &mut Spli
     };
     let differ = bits_differ(0, 1);
     rep.info(p, "own128 vs own192 outputs: elements not bitwise equal", differ as f64, "0: tile height free");
-    // Clusters sharing W tiles change where the bytes come from, not the sums.
-    for (c, plain, label) in [(2, 0, "own128m vs own128"), (3, 1, "own192m vs own192")] {
+    // Clusters sharing W tiles change where the bytes come from, not the sums; a deferred store
+    // changes when a tile's output leaves, not its values.
+    for (c, plain, label) in [
+        (2, 0, "own128m vs own128"),
+        (3, 1, "own192m vs own192"),
+        (4, 0, "own128d vs own128"),
+        (5, 1, "own192d vs own192"),
+    ] {
         rep.check(
             p,
             format!("{label} outputs: elements not bitwise equal"),

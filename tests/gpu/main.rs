@@ -64,7 +64,7 @@ fn projections_match_cpu_and_are_batch_invariant() {
 }
 
 /// The block-scaled FP8 GEMM on our own Hopper kernel with LoRA pairs in its epilogue
-/// (the Hopper default, `IMAJEV_FP8_GEMM=own|own192|own128m|own192m`; gemm.rs `own_fp8`): against its dequantised operands, the CPU
+/// (the Hopper default, `IMAJEV_FP8_GEMM=own|own192|own128m|own192m|own128d|own192d`; gemm.rs `own_fp8`): against its dequantised operands, the CPU
 /// and cuBLASLt, and bitwise across M.
 #[test]
 fn own_fp8_gemm_matches_cpu_and_cublas() {

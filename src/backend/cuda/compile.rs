@@ -329,7 +329,9 @@ mod tests {
     }
 
     /// With NVRTC and the headers present, precompile writes one valid entry per kernel file, at
-    /// the path and under the key load_kernels looks up for that device tag.
+    /// the path and under the key load_kernels looks up for that device tag, and each entry holds
+    /// every function the kernel table names for its file (a name the table lists but no
+    /// `extern "C"` entry defines would only fail on a GPU, when the module loads).
     #[test]
     fn precompile_fills_the_cache_load_kernels_reads() {
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } || cuda_include_dir().is_err() {
@@ -345,6 +347,16 @@ mod tests {
             let p = cache_path(dir.path(), f.name, &cache_key(&full_source(f), &opts, &tag));
             let bin = read_cache(&p).unwrap_or_else(|| panic!("no valid entry for kernels/{}.cu", f.name));
             assert!(bin.starts_with(b"\x7fELF"));
+            for func in f.functions {
+                // The ELF string table holds each defined symbol's name, NUL-terminated.
+                let symbol = [func.name.as_bytes(), b"\0"].concat();
+                assert!(
+                    bin.windows(symbol.len()).any(|w| w == symbol.as_slice()),
+                    "kernels/{}.cu defines no function {}",
+                    f.name,
+                    func.name
+                );
+            }
         }
     }
 

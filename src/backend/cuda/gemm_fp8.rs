@@ -22,7 +22,7 @@
 //! `CudaBackend::gemm_fp8_glu`) the MLP's gate/up projection with the SwiGLU and the down
 //! projection's FP8 input in the epilogue (`IMAJEV_SWIGLU_EPILOGUE=1`, opt-in: slower at short M).
 //!
-//! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m`,
+//! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m|own128d|own192d`,
 //! [`super::CudaOptions::fp8_gemm`]). On an H100 (bench/NOTES.md, seventeenth session) it gives
 //! cuBLASLt's bits on every projection without LoRA, runs them at 0.95-1.02x cuBLASLt's time and
 //! the adapted ones at 0.70-0.95x of cuBLASLt + its LoRA B GEMM; whole requests took 0.90-0.98x.
@@ -56,6 +56,12 @@ pub enum Fp8Gemm {
     Own128Multicast,
     /// `gemm_fp8_192m`: `Own192` in clusters of two, as `Own128Multicast`.
     Own192Multicast,
+    /// `gemm_fp8_128d`: `Own128` with each tile's store (the BF16 staging writes, barriers and
+    /// TMA store) issued under the next tile's first k-block MMAs instead of between the tiles,
+    /// while the tensor cores would idle; the same bits.
+    Own128Deferred,
+    /// `gemm_fp8_192d`: `Own192` with the deferred store, as `Own128Deferred`.
+    Own192Deferred,
 }
 
 impl Fp8Gemm {
@@ -71,8 +77,8 @@ impl Fp8Gemm {
     fn consumers(self) -> Option<usize> {
         match self {
             Self::Cublas => None,
-            Self::Own128 | Self::Own128Multicast => Some(2),
-            Self::Own192 | Self::Own192Multicast => Some(3),
+            Self::Own128 | Self::Own128Multicast | Self::Own128Deferred => Some(2),
+            Self::Own192 | Self::Own192Multicast | Self::Own192Deferred => Some(3),
         }
     }
     /// Blocks of a cluster: 2 where they share W tiles.
@@ -97,6 +103,8 @@ impl Fp8Gemm {
             Self::Own192 => "gemm_fp8_192",
             Self::Own128Multicast => "gemm_fp8_128m",
             Self::Own192Multicast => "gemm_fp8_192m",
+            Self::Own128Deferred => "gemm_fp8_128d",
+            Self::Own192Deferred => "gemm_fp8_192d",
         }
     }
     /// For the start-up log.
@@ -111,6 +119,12 @@ impl Fp8Gemm {
             Self::Own192Multicast => {
                 "own kernel, 192-row tiles in clusters of two sharing W, LoRA B in the epilogue"
             }
+            Self::Own128Deferred => {
+                "own kernel, 128-row tiles, LoRA B in the epilogue, stores under the next tile's MMAs"
+            }
+            Self::Own192Deferred => {
+                "own kernel, 192-row tiles, LoRA B in the epilogue, stores under the next tile's MMAs"
+            }
         }
     }
 }
@@ -124,7 +138,11 @@ impl FromStr for Fp8Gemm {
             "own192" => Self::Own192,
             "own128m" => Self::Own128Multicast,
             "own192m" => Self::Own192Multicast,
-            other => bail!("{other}: expected cublas, own (= own128), own192, own128m or own192m"),
+            "own128d" => Self::Own128Deferred,
+            "own192d" => Self::Own192Deferred,
+            other => bail!(
+                "{other}: expected cublas, own (= own128), own192, own128m, own192m, own128d or own192d"
+            ),
         })
     }
 }
@@ -452,6 +470,11 @@ mod tests {
         assert_eq!(Fp8Gemm::Cublas.consumers(), None);
         assert_eq!(Fp8Gemm::Own192.consumers(), Some(3));
         assert_eq!(Fp8Gemm::Own192.on(false), Fp8Gemm::Cublas, "cuBLASLt off Hopper");
+        assert_eq!("own192d".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own192Deferred);
+        assert_eq!(Fp8Gemm::Own192Deferred.kernel(), "gemm_fp8_192d");
+        assert_eq!(Fp8Gemm::Own192Deferred.consumers(), Some(3));
+        assert_eq!(Fp8Gemm::Own192Deferred.glu_kernel(), "gemm_fp8_glu_192");
+        assert_eq!("own128d".parse::<Fp8Gemm>().unwrap().kernel(), "gemm_fp8_128d");
         assert_eq!(Fp8Gemm::Own192.on(true), Fp8Gemm::Own192);
         assert_eq!("own192m".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own192Multicast);
         assert_eq!(Fp8Gemm::Own192Multicast.kernel(), "gemm_fp8_192m");

@@ -78,6 +78,8 @@ pub const KERNELS: &[KernelFile] = &[
             k_smem("gemm_fp8_192", layout::gemm_fp8_smem_bytes(3)),
             k_smem("gemm_fp8_128m", layout::gemm_fp8_smem_bytes(2)),
             k_smem("gemm_fp8_192m", layout::gemm_fp8_smem_bytes(3)),
+            k_smem("gemm_fp8_128d", layout::gemm_fp8_smem_bytes(2)),
+            k_smem("gemm_fp8_192d", layout::gemm_fp8_smem_bytes(3)),
             k_smem("gemm_bf16_64", layout::gemm_fp8_smem_bytes(1)),
             k_smem("gemm_bf16_128", layout::gemm_fp8_smem_bytes(2)),
             k_smem("gemm_bf16_192", layout::gemm_fp8_smem_bytes(3)),
