@@ -20,6 +20,7 @@ extern "C" __global__ void attn_prep(
     const bf16* qsrc, i64 q_row, int q_head, const bf16* ksrc, i64 k_row, const bf16* vsrc, i64 v_row,
     const float* qw, const float* kw, int norm, float eps, const float* cos, const float* sin, int rot,
     const i64* segs, int nseg, bf16* qout, int heads, int kvh, int hd) {
+  pdl_begin();
   __shared__ float sb[4][256];
   const i64 t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -230,6 +231,7 @@ __device__ void attn_fwd(const bf16* q, const i64* segs, int heads, int kvh, int
   extern "C" __global__ void __launch_bounds__(128) attn_fwd_##HDP(                                         \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    pdl_begin();                                                                                           \
     attn_fwd<HDP>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out);            \
   }
 ATTN_ENTRY(16)
@@ -542,6 +544,7 @@ __device__ void attn_fwd_q128(const bf16* q, const i64* segs, int heads, int kvh
   extern "C" __global__ void __launch_bounds__(128 / MT * 2, MINB) attn_fwd_q128_##HDP(                     \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out, int kv_split, int nsplit, float* part) {  \
+    pdl_begin();                                                                                          \
     attn_fwd_q128<HDP, BK, MT>(q, segs, heads, kvh, hd, causal, scale_log2, gate, gate_row, gate_head, out, \
                                kv_split, nsplit, part);                                                     \
   }
@@ -586,6 +589,7 @@ __device__ void attn_split_combine(const float* part, const i64* segs, int heads
   extern "C" __global__ void __launch_bounds__(64) attn_split_combine_##HDP(                               \
       const float* part, const i64* segs, int heads, int hd, int nsplit, const bf16* gate, i64 gate_row,   \
       int gate_head, bf16* out) {                                                                          \
+    pdl_begin();                                                                                           \
     attn_split_combine<HDP>(part, segs, heads, hd, nsplit, gate, gate_row, gate_head, out);                \
   }
 ATTN_COMBINE_ENTRY(64)
@@ -1433,6 +1437,7 @@ __device__ void attn_fwd_ws(const bf16* q, const i64* segs, int heads, int kvh, 
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                  \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,        \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                      \
+    pdl_begin();                                                                                       \
     ATTN_WGMMA_BODY(HDP, BK, TSUM, GROUPED, ST)                                                        \
   }
 ATTN_WGMMA_ENTRY(attn_fwd_wgmma_64, 64, 64, 1, false, false, 2)
@@ -1464,6 +1469,7 @@ ATTN_WGMMA_ENTRY(attn_fwd_wgmma_tsum_64, 64, 128, 2, true, false, 2)
   extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(                                    \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out, const TmaMap* kv_maps) {                   \
+    pdl_begin();                                                                                           \
     ATTN_WS_BODY(HDP, NC, GROUPED)                                                                         \
   }
 ATTN_WS_ENTRY(attn_fwd_ws_64, 64, 2, false)

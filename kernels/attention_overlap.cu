@@ -117,6 +117,7 @@ __device__ void attn_fwd_wgmma_ov(const bf16* q, const i64* segs, int heads, int
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) attn_fwd_wgmma_ov_##HDP(                   \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       const bf16* gate, i64 gate_row, int gate_head, bf16* out) {                                          \
+    pdl_begin();                                                                                           \
     ATTN_WGMMA_OV_BODY(HDP)                                                                                \
   }
 // Two blocks per SM at head dim 64 (at most 128 registers), as attn_fwd_wgmma gets with 106.

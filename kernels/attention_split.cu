@@ -132,6 +132,7 @@ __device__ void attn_fwd_wgmma_split(const bf16* q, const i64* segs, int heads, 
   extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                               \
       const bf16* q, const i64* segs, int heads, int kvh, int hd, int causal, float scale_log2,            \
       int kv_split, int nsplit, float* part) {                                                             \
+    pdl_begin();                                                                                           \
     ATTN_WGMMA_SPLIT_BODY(HDP, SEQ_FAST)                                                                   \
   }
 ATTN_WGMMA_SPLIT_ENTRY(attn_fwd_wgmma_split_64, 64, false)

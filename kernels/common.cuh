@@ -12,6 +12,20 @@ typedef long long i64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// Every kernel's first statement (a unit test in compile.rs holds every entry to it). With
+// programmatic dependent launch (`IMAJEV_PDL=1`, sm_90) the host lets each kernel launch before the
+// previous one in the stream has finished, so its launch and block scheduling overlap that
+// kernel's last wave: `griddepcontrol.wait` then blocks until the previous grid has completed and
+// its writes are visible — nothing is read or written before — and `launch_dependents` lets the
+// next kernel launch as soon as this grid's blocks are all running. Launched without the
+// attribute, both are no-ops; off sm_90 they are not compiled.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Grid-stride loop over [0, n).
 #define FOR_EACH(i, n) \
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)

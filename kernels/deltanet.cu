@@ -247,6 +247,7 @@ __device__ __forceinline__ void gdn_conv(const bf16* x, i64 ld, int vec, const b
       const bf16* x, i64 ld, int vec, const bf16* convw, int kw, const i64* segs, int nseg, i64 n, int groups, \
       const bf16* b, const bf16* a, const float* alog, const float* dtb, float* qo, float* ko, float* vo,      \
       float* beta, float* gout, int kh, int vh, int dk, int dv) {                                            \
+    pdl_begin();                                                                                             \
     gdn_conv<GROUP>(x, ld, vec, convw, kw, segs, nseg, n, groups, b, a, alog, dtb, qo, ko, vo, beta, gout, kh, vh, \
                     dk, dv);                                                                                 \
   }
@@ -257,6 +258,7 @@ GDN_CONV_ENTRY(4, 3)
 // gdn_conv: channel c of row t at x[t*ld + c]). One thread per (channel, sequence); rows are
 // shifted in ascending order, which is safe in place (in == out).
 extern "C" __global__ void gdn_conv_hist(const bf16* x, i64 ld, const i64* segs, int C, int kw) {
+  pdl_begin();
   const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
   if (c >= C) return;
   const i64 row0 = segs[4 * s];
@@ -558,6 +560,7 @@ __device__ void chunk_prep(const float* qn, const float* kn, const float* beta, 
   extern "C" __global__ void __launch_bounds__(256) NAME(const float* qn, const float* kn, const float* beta,     \
                                                          const float* g, const int* chunks, int kh, int vh,      \
                                                          float* tp, float* kt) {                                 \
+    pdl_begin();                                                                                                 \
     chunk_prep<DK, RM>(qn, kn, beta, g, chunks, kh, vh, tp, kt);                                                  \
   }
 PREP_ENTRY(gdn_chunk_prep_16, 16, false)
@@ -722,6 +725,7 @@ __device__ void chunk_scan(const float* qn, const float* kn, const float* v, con
   extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan_##DK(                                   \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    pdl_begin();                                                                                           \
     chunk_scan<DK>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                                 \
   }
 SCAN_ENTRY(16)
@@ -957,11 +961,13 @@ __device__ void chunk_scan_tc(const float* qn, const float* kn, const float* v, 
   extern "C" __global__ void __launch_bounds__ BOUNDS TC##_##DK(                                           \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    pdl_begin();                                                                                           \
     FN<DK, 3>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                                      \
   }                                                                                                        \
   extern "C" __global__ void __launch_bounds__ BOUNDS TF32##_##DK(                                         \
       const float* qn, const float* kn, const float* v, const float* beta, const float* g, const float* tp, \
       const int* chunks, const i64* segs, int kh, int vh, int dv, float* out) {                            \
+    pdl_begin();                                                                                           \
     FN<DK, 1>(qn, kn, v, beta, g, tp, chunks, segs, kh, vh, dv, out);                                      \
   }
 SCAN_TC_ENTRIES(gdn_chunk_scan_tc, gdn_chunk_scan_tf32, chunk_scan_tc, (256), 16)

@@ -303,18 +303,21 @@ __device__ void split_out(const float* qn, const float* beta, const float* g, co
   extern "C" __global__ void __launch_bounds__(256) NAME##DK(                                                 \
       const float* kn, const float* v, const float* beta, const float* g, const float* tp, const int* chunks, \
       int kh, int vh, int dv, float* w, float* u) {                                                           \
+    pdl_begin();                                                                                              \
     split_wu<DK, P>(kn, v, beta, g, tp, chunks, kh, vh, dv, w, u);                                            \
   }
 #define SPLIT_STATE_ENTRY(NAME, DK, P)                                                                        \
   extern "C" __global__ void __launch_bounds__(128) NAME##DK(                                                 \
       const float* kn, const float* g, const float* w, const float* u, const int* chunks, const i64* segs,    \
       int kh, int vh, int dv, float* h, float* vn) {                                                          \
+    pdl_begin();                                                                                              \
     split_state<DK, P>(kn, g, w, u, chunks, segs, kh, vh, dv, h, vn);                                         \
   }
 #define SPLIT_OUT_ENTRY(NAME, DK, P)                                                                          \
   extern "C" __global__ void __launch_bounds__(128) NAME##DK(                                                 \
       const float* qn, const float* beta, const float* g, const float* tp, const float* h, const float* vn,   \
       const int* chunks, int kh, int vh, int dv, float* out) {                                                \
+    pdl_begin();                                                                                              \
     split_out<DK, P>(qn, beta, g, tp, h, vn, chunks, kh, vh, dv, out);                                        \
   }
 SPLIT_WU_ENTRY(gdn_split_wu_, 16, 3)

@@ -509,6 +509,7 @@ __device__ void chunk_scan_wg(const float* qn, const float* kn, const float* v, 
       NAME(const float* qn, const float* kn, const float* v, const float* beta, const float* g,              \
            const float* tp, const float* kt, const int* chunks, const i64* segs, int kh, int vh, int dv,     \
            float* out) {                                                                                     \
+    pdl_begin();                                                                                             \
     SCAN_WG_BODY(DK, WS, PAIR, LEAN)                                                                         \
   }
 SCAN_WG_ENTRY(gdn_chunk_scan_wg_32, 32, true, false, false, 256, 1)

@@ -4,15 +4,18 @@
 // split_cols, add_assign, swiglu, silu, gelu} and cpu::linear::readout (src/backend/cpu/).
 
 extern "C" __global__ void cast_f32_bf16(const float* x, bf16* y, i64 n) {
+  pdl_begin();
   FOR_EACH(i, n) y[i] = to_bf(x[i]);
 }
 
 extern "C" __global__ void cast_bf16_f32(const bf16* x, float* y, i64 n) {
+  pdl_begin();
   FOR_EACH(i, n) y[i] = bf(x[i]);
 }
 
 // y[r] = x[rows[r]] for rows of width d (also the embedding lookup: rows = token ids).
 extern "C" __global__ void gather_rows(const bf16* x, const unsigned* rows, bf16* y, i64 n, int d) {
+  pdl_begin();
   FOR_EACH(i, n * d) {
     i64 r = i / d, c = i % d;
     y[i] = x[(i64)rows[r] * d + c];
@@ -21,6 +24,7 @@ extern "C" __global__ void gather_rows(const bf16* x, const unsigned* rows, bf16
 
 // dst[rows[r]] = src[r].
 extern "C" __global__ void scatter_rows(bf16* dst, const unsigned* rows, const bf16* src, i64 n, int d) {
+  pdl_begin();
   FOR_EACH(i, n * d) {
     i64 r = i / d, c = i % d;
     dst[(i64)rows[r] * d + c] = src[i];
@@ -29,6 +33,7 @@ extern "C" __global__ void scatter_rows(bf16* dst, const unsigned* rows, const b
 
 // y[r, c] = x[r, off + c] for c < w (one column block of a row-major [n, ldx] matrix).
 extern "C" __global__ void copy_cols(const bf16* x, int ldx, int off, bf16* y, int w, i64 n) {
+  pdl_begin();
   FOR_EACH(i, n * w) {
     i64 r = i / w, c = i % w;
     y[i] = x[r * ldx + off + c];
@@ -38,6 +43,7 @@ extern "C" __global__ void copy_cols(const bf16* x, int ldx, int off, bf16* y, i
 // out[r] = sum_j w[r*taps+j] * table[idx[r*taps+j]], accumulated in f32 in tap order.
 extern "C" __global__ void embed_bag(const bf16* table, const unsigned* idx, const float* w, bf16* y,
                                      i64 n, int d, int taps) {
+  pdl_begin();
   FOR_EACH(i, n * d) {
     i64 r = i / d, c = i % d;
     float acc = 0.f;
@@ -48,11 +54,13 @@ extern "C" __global__ void embed_bag(const bf16* table, const unsigned* idx, con
 
 // x += y (residual add).
 extern "C" __global__ void add_bf16(bf16* x, const bf16* y, i64 n) {
+  pdl_begin();
   FOR_EACH(i, n) x[i] = to_bf(bf(x[i]) + bf(y[i]));
 }
 
 // y[r, c] += b[c] for a row-major [m, n] output.
 extern "C" __global__ void add_bias(bf16* y, const float* b, i64 m, int n) {
+  pdl_begin();
   FOR_EACH(i, m * n) y[i] = to_bf(bf(y[i]) + b[i % n]);
 }
 
@@ -61,6 +69,7 @@ extern "C" __global__ void add_bias(bf16* y, const float* b, i64 m, int n) {
 // add_bias did a 64-bit modulo and a 2-byte access per element (~2.7× below bandwidth on the
 // vision tower's outputs: 90 ms of the 47.7K request). The same arithmetic per element.
 extern "C" __global__ void add_bias8(bf16* y, const float* b, i64 m, int n) {
+  pdl_begin();
   const int nv = n / 8, cv = blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= nv) return;
   float bb[8];
@@ -78,6 +87,7 @@ extern "C" __global__ void add_bias8(bf16* y, const float* b, i64 m, int n) {
 
 // [n, 2d] -> silu(gate) * up.
 extern "C" __global__ void swiglu(const bf16* gu, bf16* y, i64 n, int d) {
+  pdl_begin();
   FOR_EACH(i, n * d) {
     i64 r = i / d, c = i % d;
     float g = bf(gu[r * 2 * d + c]), u = bf(gu[r * 2 * d + d + c]);
@@ -87,12 +97,14 @@ extern "C" __global__ void swiglu(const bf16* gu, bf16* y, i64 n, int d) {
 
 // In place; tanh_mode 1 = gelu_pytorch_tanh, 0 = exact erf GELU.
 extern "C" __global__ void gelu(bf16* x, i64 n, int tanh_mode) {
+  pdl_begin();
   FOR_EACH(i, n) x[i] = to_bf(gelu_f(bf(x[i]), tanh_mode));
 }
 
 // Readout head in f32: y[i, r] = h[i] . w[r] (h bf16 widened to f32, w f32). One warp per output;
 // the reduction order depends only on d, so a row's logits never depend on the batch.
 extern "C" __global__ void readout_f32(const bf16* h, const float* w, float* y, int n, int rows, int d) {
+  pdl_begin();
   i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
   if (warp >= (i64)n * rows) return;
@@ -109,6 +121,7 @@ extern "C" __global__ void readout_f32(const bf16* h, const float* w, float* y, 
 // in-block column. CPU twin: crate::image::patchify (through Backend::image_patches' default).
 extern "C" __global__ void image_patches(const unsigned char* rgb, const float* lut, bf16* y, int gh, int gw,
                                          int ps, int tp, int m) {
+  pdl_begin();
   const int plane = ps * ps, d = 3 * tp * plane;
   const i64 n = (i64)gh * gw * d;
   const int width = gw * ps, blocks_w = gw / m;

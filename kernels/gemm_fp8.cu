@@ -634,6 +634,7 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
       const __grid_constant__ TmaMap lt, const __grid_constant__ TmaMap lb, const __grid_constant__ TmaMap y,  \
       const __grid_constant__ TmaMap q, const float* ws, int M, int N, int K, const int* lwin, int lcol0,      \
       float lscale, const float* bias, float* qs, int kslice, float* part) {                                   \
+    pdl_begin();                                                                                               \
     GEMM_FP8_BODY(NC, CL, PLAIN, GLU, DEFER)                                                                   \
   }
 GEMM_FP8_ENTRY(gemm_fp8_128, 2, 1, false, false, false, )
@@ -659,6 +660,7 @@ GEMM_FP8_ENTRY(gemm_bf16_192, 3, 1, true, false, false, )
 // per row tile, six for 977 rows, each walking all of K alone (the LoRA A sides' ~15 µs a launch
 // on cuBLASLt, bench/NOTES.md); split, the units are tiles times slices.
 extern "C" __global__ void gemm_bf16_slices_sum(const float* part, int slices, int M, int N, bf16* y) {
+  pdl_begin();
   const i64 quads = (i64)M * N / 4, i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= quads) return;
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);

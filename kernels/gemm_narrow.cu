@@ -126,6 +126,7 @@ __device__ __forceinline__ void narrow_columns(float (*acc)[4], bf16 (*xs)[NARRO
 // the same bits).
 extern "C" __global__ void __launch_bounds__(256) gemm_narrow_sum(const float* part, int splits, i64 m, int n,
                                                                   float alpha, bf16* y, i64 ldy) {
+  pdl_begin();
   const int quads = n / 4;
   const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= m * quads) return;
@@ -218,10 +219,12 @@ __device__ void gemm_narrow_whole(const bf16* x, i64 ldx, const bf16* w, i64 ldw
 #define NARROW_ENTRY(NP)                                                                                      \
   extern "C" __global__ void __launch_bounds__(128)                                                           \
       gemm_narrow_##NP(const bf16* x, i64 ldx, const bf16* w, i64 ldw, i64 m, int n, int k, float* part) {    \
+    pdl_begin();                                                                                              \
     gemm_narrow<NP>(x, ldx, w, ldw, m, n, k, part);                                                           \
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(128) gemm_narrow_whole_##NP(                                   \
       const bf16* x, i64 ldx, const bf16* w, i64 ldw, i64 m, int n, int k, float alpha, bf16* y, i64 ldy) {   \
+    pdl_begin();                                                                                              \
     gemm_narrow_whole<NP>(x, ldx, w, ldw, m, n, k, alpha, y, ldy);                                            \
   }
 NARROW_ENTRY(32)
@@ -256,6 +259,7 @@ __device__ __forceinline__ void narrow_k_rows(bf16* dst, const bf16* src, i64 ld
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_narrow_k_acc(const bf16* x, i64 ldx, const bf16* w, i64 ldw,
                                                                        i64 m, int n, int k, float alpha, bf16* y,
                                                                        i64 ldy) {
+  pdl_begin();
   extern __shared__ __align__(16) unsigned char smem_nk[];
   bf16(*xs)[NK_BM * NARROW_LD] = reinterpret_cast<bf16(*)[NK_BM * NARROW_LD]>(smem_nk);
   bf16(*ws)[NK_BN * NARROW_LD] = reinterpret_cast<bf16(*)[NK_BN * NARROW_LD]>(xs + 2);

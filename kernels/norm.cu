@@ -111,6 +111,7 @@ __device__ __forceinline__ void quant_pad_row(unsigned char* qr, float* s, int m
 
 // One block per row of length d: y = x * rsqrt(mean(x^2) + eps) * (offset + w).
 extern "C" __global__ void rms_norm(const bf16* x, const float* w, bf16* y, int d, float eps, float offset) {
+  pdl_begin();
   __shared__ float sh[32];
   const bf16* xr = x + (i64)blockIdx.x * d;
   bf16* yr = y + (i64)blockIdx.x * d;
@@ -123,6 +124,7 @@ extern "C" __global__ void rms_norm(const bf16* x, const float* w, bf16* y, int 
 // CPU twin: cpu::norm::rms_norm then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y, unsigned char* q, float* s, int M,
                                           int Mpad, int d, float eps, float offset) {
+  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {  // whole block: no barrier below is reached by part of it
@@ -141,6 +143,7 @@ extern "C" __global__ void rms_norm_quant(const bf16* x, const float* w, bf16* y
 // stored: block_sum's __syncthreads orders those writes first.
 extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, bf16* out, int d, float eps,
                                         float offset) {
+  pdl_begin();
   __shared__ float sh[32];
   bf16* xr = x + (i64)blockIdx.x * d;
   bf16* orow = out + (i64)blockIdx.x * d;
@@ -154,6 +157,7 @@ extern "C" __global__ void add_rms_norm(bf16* x, const bf16* y, const float* w, 
 // cpu::norm::rms_norm, then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void add_rms_norm_quant(bf16* x, const bf16* y, const float* w, bf16* out, unsigned char* q,
                                               float* s, int M, int Mpad, int d, float eps, float offset) {
+  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {
@@ -228,6 +232,7 @@ __device__ __forceinline__ void ln_out_quant(const bf16* xr, const float* w, con
 
 // One block per row: y = LayerNorm(x) · w + b.
 extern "C" __global__ void layer_norm(const bf16* x, const float* w, const float* b, bf16* y, int d, float eps) {
+  pdl_begin();
   __shared__ float sh[32];
   const bf16* xr = x + (i64)blockIdx.x * d;
   bf16* yr = y + (i64)blockIdx.x * d;
@@ -240,6 +245,7 @@ extern "C" __global__ void layer_norm(const bf16* x, const float* w, const float
 // rms_norm_quant). CPU twin: cpu::norm::layer_norm then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void layer_norm_quant(const bf16* x, const float* w, const float* b, bf16* y, unsigned char* q,
                                             float* s, int M, int Mpad, int d, float eps) {
+  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {
@@ -257,6 +263,7 @@ extern "C" __global__ void layer_norm_quant(const bf16* x, const float* w, const
 // CPU twin: add_assign then cpu::norm::layer_norm.
 extern "C" __global__ void add_layer_norm(bf16* x, const bf16* y, const float* w, const float* b, bf16* out, int d,
                                           float eps) {
+  pdl_begin();
   __shared__ float sh[32];
   bf16* xr = x + (i64)blockIdx.x * d;
   bf16* orow = out + (i64)blockIdx.x * d;
@@ -270,6 +277,7 @@ extern "C" __global__ void add_layer_norm(bf16* x, const bf16* y, const float* w
 // CPU twin: add_assign, cpu::norm::layer_norm, then weights::fp8::quantize_act_1x128.
 extern "C" __global__ void add_layer_norm_quant(bf16* x, const bf16* y, const float* w, const float* b, bf16* out,
                                                 unsigned char* q, float* s, int M, int Mpad, int d, float eps) {
+  pdl_begin();
   __shared__ float sh[32];
   int m = blockIdx.x;
   if (m >= M) {
@@ -295,6 +303,7 @@ __device__ __forceinline__ float gated_out(float x, float z, float w, float r) {
 // fused input projection, row stride z_ld elements).
 extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
                                           bf16* y, i64 rows, int d, float eps) {
+  pdl_begin();
   i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -315,6 +324,7 @@ extern "C" __global__ void rms_norm_gated(const float* x, const bf16* z, i64 z_l
 extern "C" __global__ void rms_norm_gated_quant(const float* x, const bf16* z, i64 z_ld, int heads, const float* w,
                                                 bf16* y, unsigned char* q, float* s, int M, int Mpad, int d,
                                                 float eps) {
+  pdl_begin();
   i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
   if (row >= (i64)Mpad * heads) return;

@@ -7,6 +7,7 @@
 // correctly on sm_90 (measured, shared/spec/gpu-stack.md); the natural [M][K/128] gives garbage.
 // One warp per (row, 128-block), 4 values per lane.
 extern "C" __global__ void quant_act_1x128(const bf16* x, unsigned char* q, float* s, int M, int Mpad, int K) {
+  pdl_begin();
   i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31, KB = K / 128;
   if (warp >= (i64)Mpad * KB) return;
@@ -66,6 +67,7 @@ struct SwigluRaw {
 };
 extern "C" __global__ void __launch_bounds__(256, 5)
     swiglu_quant_1x128(const bf16* gu, bf16* y, unsigned char* q, float* s, int M, int Mpad, int K) {
+  pdl_begin();
   quant_rows_1x128<SwigluRaw>(
       q, s, M, Mpad, K,
       [=](int m, int c0, SwigluRaw& r) {
@@ -92,6 +94,7 @@ struct GeluRaw {
 };
 extern "C" __global__ void __launch_bounds__(256, 6)
     gelu_quant_1x128(bf16* x, unsigned char* q, float* s, int M, int Mpad, int K, int tanh_mode) {
+  pdl_begin();
   quant_rows_1x128<GeluRaw>(
       q, s, M, Mpad, K, [=](int m, int c0, GeluRaw& r) { load_bf16x4(x + (i64)m * K + c0, r.h); },
       [=](int m, int c0, const GeluRaw& r, float v[4]) {
@@ -211,6 +214,7 @@ __device__ void swiglu_lora_quant(const bf16* gu, const bf16* t, const bf16* b, 
   extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_quant_1x128_##R(                       \
       const bf16* gu, const bf16* t, const bf16* b, float scale, bf16* y, unsigned char* q, float* s, int M, \
       int Mpad, int K) {                                                                                   \
+    pdl_begin();                                                                                           \
     swiglu_lora_quant<R>(gu, t, b, scale, y, q, s, M, Mpad, K);                                            \
   }
 SWIGLU_LORA_ENTRY(16)

@@ -24,6 +24,9 @@ nvlib=$(mktemp -d)
 trap 'rm -rf "$nvlib"' EXIT
 ln -sf "$CU/lib/libnvrtc.so.13" "$nvlib/libnvrtc.so"
 
+# Without nasm, mozjpeg-sys leaves libjpeg-turbo's SIMD decoders out (only a build warning says so):
+# the binaries would decode JPEGs slower than the Docker image's and skew the photo requests' timings.
+command -v nasm >/dev/null || { echo "nasm not found: install it (apt-get install nasm), then cargo clean -p mozjpeg-sys" >&2; exit 1; }
 echo "== build (release, every target)"
 cargo build --release --locked --all-targets
 # The newest test binary of each name (cargo keeps older ones beside it).

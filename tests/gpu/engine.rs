@@ -129,6 +129,30 @@ pub fn fused_engine(g: &CudaBackend, rep: &mut Report) -> Result<()> {
     let eg = gm.backend.download(&gm.extend(&mut fg, &[&s1, &s2])?)?;
     let eu = um.backend.download(&um.extend(&mut fu, &[&s1, &s2])?)?;
     rep.check(p, "… extend of 2 forks: hidden ≠ unfused (bitwise)", bit_diff(&eg, &eu) as f64, 0.0);
+
+    // Programmatic dependent launch (CudaOptions::pdl) toggled from what `g` runs: every kernel
+    // may launch before the previous one finishes and waits for it in pdl_begin, so the same
+    // work in the same order gives the same bits — and a kernel reading before its wait would
+    // show here as a difference.
+    let pdl_on = !g.options().pdl.unwrap_or(false);
+    let t = variant(g, |o| o.pdl = Some(pdl_on))?;
+    let tm = Qwen35::load(t, &model, Some(&adapter))?;
+    let (mut st, ht, _) = tm.prefill(&ids, &[])?;
+    let (htv, lt) = (tm.backend.download(&ht)?, tm.readout(&ht)?.remove(0));
+    st.share(&tm.backend)?;
+    let mut ft = vec![st.fork(), st.fork()];
+    let et = tm.backend.download(&tm.extend(&mut ft, &[&s1, &s2])?)?;
+    rep.check(
+        p,
+        format!(
+            "programmatic dependent launch {} (Hopper: {}): prefill hidden + readout + extend of 2 forks ≠ {} (bitwise)",
+            if pdl_on { "on" } else { "off" },
+            g.info().hopper(),
+            if pdl_on { "off" } else { "on" }
+        ),
+        (bit_diff(&hgv, &htv) + bit_diff(&lg, &lt) + bit_diff(&eg, &et)) as f64,
+        0.0,
+    );
     Ok(())
 }
 

@@ -307,6 +307,35 @@ mod tests {
         }
     }
 
+    /// Programmatic dependent launch (`CudaOptions::pdl`) is safe only if no kernel touches memory
+    /// before `griddepcontrol.wait`: every entry's first statement must be `pdl_begin()`, macro
+    /// entries included (their lines end in backslashes).
+    #[test]
+    fn every_kernel_entry_begins_with_pdl_begin() {
+        let mut entries = 0;
+        for f in KERNELS {
+            let src = f.source;
+            for (at, _) in src.match_indices("extern \"C\" __global__") {
+                let rest = &src[at..];
+                // The parameter list's end: the first `)` followed (blanks and backslashes aside) by `{`.
+                let body = rest
+                    .match_indices(')')
+                    .map(|(i, _)| rest[i + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\'))
+                    .find(|after| after.starts_with('{'))
+                    .unwrap_or_else(|| panic!("kernels/{}.cu: an entry without a body", f.name));
+                let first = body[1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                let name: String = rest.lines().next().unwrap_or("").chars().take(120).collect();
+                assert!(
+                    first.starts_with("pdl_begin();"),
+                    "kernels/{}.cu: `{name}` does not begin with pdl_begin()",
+                    f.name
+                );
+                entries += 1;
+            }
+        }
+        assert!(entries >= 50, "only {entries} kernel entries found");
+    }
+
     #[test]
     fn key_depends_on_every_input() {
         let o = compile_options("sm_90a", Path::new("/usr/local/cuda/include"));

@@ -303,9 +303,22 @@ impl CudaBackend {
         Ok(n)
     }
 
+    /// Whether launches use programmatic dependent launch ([`super::CudaOptions::pdl`]): only
+    /// on sm_90, where `griddepcontrol` exists.
+    fn pdl(&self) -> bool {
+        self.state.options.pdl == Some(true) && self.state.info.hopper()
+    }
+
     /// Queues kernel `name` on the backend's stream.
     pub(super) fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let f = self.func(name)?;
+        if self.pdl() {
+            let go = || self.launch_pdl(name, f, cfg, args);
+            return match &self.state.profiler {
+                Some(p) => p.time(name, go),
+                None => go(),
+            };
+        }
         let mut b = self.state.stream.launch_builder(f);
         for a in args {
             match a {
@@ -325,6 +338,47 @@ impl CudaBackend {
             Some(p) => p.time(name, go),
             None => go(),
         }
+    }
+
+    /// [`Self::launch`] through `cuLaunchKernelEx` with the programmatic-stream-serialization
+    /// attribute (cudarc's launch builder has no launch attributes): the kernel may start before
+    /// the previous one of the stream completes, and waits for it in `pdl_begin`.
+    fn launch_pdl(&self, name: &str, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
+        // The driver copies each parameter from the address given, during the call.
+        let mut params: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(v) => v as *const u64 as *mut c_void,
+                Arg::I64(v) => v as *const i64 as *mut c_void,
+                Arg::I32(v) => v as *const i32 as *mut c_void,
+                Arg::F32(v) => v as *const f32 as *mut c_void,
+                Arg::Map(v) => v as *const TensorMap as *mut c_void,
+            })
+            .collect();
+        // SAFETY: a plain C struct and union of the driver's headers; zero is a valid value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.state.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.state.ctx.bind_to_thread().map_err(|e| anyhow!("launching {name}: {e:?}"))?;
+        // SAFETY: as in `launch` (the parameter list matches the kernel's; the buffers outlive the
+        // launch in stream order); `params`, `attr` and `config` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| anyhow!("launching {name}: {e:?}"))
     }
 
     /// One GEMM, timed under its kind and shape when kernel profiling is on: narrow BF16 shapes

@@ -185,6 +185,13 @@ pub struct CudaOptions {
     /// `None`: `IMAJEV_ATTENTION_WS_ROWS=<rows>` in the environment (0: never), else
     /// [`layout::ATTENTION_WS_MIN_ROWS`].
     pub attention_ws_rows: Option<usize>,
+    /// Whether our kernels are launched with programmatic dependent launch (sm_90 only): each may
+    /// launch while the previous kernel of the stream finishes, and waits in its first statement
+    /// (`pdl_begin`, kernels/common.cuh) until that kernel's writes are visible, so launches and
+    /// block scheduling overlap the previous kernel's last wave instead of following it. The same
+    /// work in the same order: the same bits. `None`: `IMAJEV_PDL=1` (or `0`) in the
+    /// environment, else off (not yet measured).
+    pub pdl: Option<bool>,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
     pub kernel_cache_dir: Option<PathBuf>,
@@ -213,6 +220,7 @@ impl Default for CudaOptions {
             lora_a_whole_rows: None,
             narrow_whole_rows: None,
             attention_ws_rows: None,
+            pdl: None,
             kernel_cache_dir: None,
         }
     }
@@ -302,6 +310,14 @@ impl CudaBackend {
                     options.attention_ws_rows = Some(rows);
                 }
             }
+        }
+        if options.pdl.is_none() {
+            options.pdl = match std::env::var("IMAJEV_PDL").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                Ok("") | Err(_) => None,
+                Ok(other) => bail!("IMAJEV_PDL={other}: expected 1 (programmatic dependent launch) or 0"),
+            };
         }
         if options.gdn_scan == GdnScan::Auto {
             match std::env::var("IMAJEV_GDN_SCAN").as_deref() {
