@@ -97,6 +97,32 @@ pub struct DecodedImage {
     pub orientation: u32,
 }
 
+/// What is known of an image besides its pixels (what a response reports of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageInfo {
+    pub width: u32,
+    pub height: u32,
+    /// SHA-256 of the encoded input bytes.
+    pub sha256: [u8; 32],
+    pub format: ImageFormat,
+    /// EXIF orientation that was applied (1 = none).
+    pub orientation: u32,
+}
+
+impl DecodedImage {
+    /// The image's description and its pixels, apart (the pixels move, no copy).
+    pub fn into_parts(self) -> (ImageInfo, Vec<u8>) {
+        let info = ImageInfo {
+            width: self.width,
+            height: self.height,
+            sha256: self.sha256,
+            format: self.format,
+            orientation: self.orientation,
+        };
+        (info, self.rgb)
+    }
+}
+
 impl std::fmt::Debug for DecodedImage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DecodedImage")

@@ -49,8 +49,10 @@ pub mod patches;
 pub mod resize;
 
 pub use config::ImageProcessorConfig;
-pub use decode::{decode_image, sniff_format, DecodedImage, ImageFormat, ImageLimits};
-pub use patches::{patchify, preprocess, preprocess_rgb, resized_rgb, PatchGeometry, PatchedImage};
+pub use decode::{decode_image, sniff_format, DecodedImage, ImageFormat, ImageInfo, ImageLimits};
+pub use patches::{
+    patchify, preprocess, preprocess_owned, preprocess_rgb, resized_rgb, PatchGeometry, PatchedImage,
+};
 pub use resize::{resize_bicubic_aa_u8, smart_resize};
 
 /// Why an image was refused. Every message says what the caller can do about it.
@@ -124,13 +126,14 @@ impl ImageError {
     }
 }
 
-/// Decode + preprocess in one go (what the server does per image).
+/// Decode + preprocess in one go (what the server does per image): the image's description and
+/// the processor's output, the decoded pixels moved into it when no resize is needed.
 pub fn load_and_preprocess(
     bytes: &[u8],
     limits: &ImageLimits,
     cfg: &ImageProcessorConfig,
-) -> Result<(DecodedImage, PatchedImage), ImageError> {
-    let img = decode_image(bytes, limits)?;
-    let patched = preprocess(&img, cfg)?;
-    Ok((img, patched))
+) -> Result<(ImageInfo, PatchedImage), ImageError> {
+    let (info, rgb) = decode_image(bytes, limits)?.into_parts();
+    let patched = preprocess_owned(rgb, info.width as usize, info.height as usize, cfg)?;
+    Ok((info, patched))
 }
