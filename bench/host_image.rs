@@ -106,12 +106,20 @@ fn main() -> anyhow::Result<()> {
         std::hint::black_box((i, w, c, s));
         Ok(())
     })?;
+    // Of which the rotary tables (what the tower keeps on the device for the next photo of the
+    // same size).
+    let rope_ms = time(&mut || {
+        let coords = positions::patch_coords(grid, patched.merge_size);
+        std::hint::black_box(positions::vision_rope_tables(&coords, 64, 10000.0));
+        Ok(())
+    })?;
     let f32_mb = pixel_values.len() as f64 * 4.0 / 1e6;
     let u8_mb = (patched.resized_hw.0 * patched.resized_hw.1 * 3) as f64 / 1e6;
     println!(
         "{side}² JPEG ({:.1} MB): decode {decode_ms:.1} ms, resize to u8 {resized_ms:.1} ms ({u8_mb:.0} MB), \
          decode + processor as the server runs them {load_ms:.1} ms, \
-         f32 rows from it {rows_ms:.1} ms ({f32_mb:.0} MB), two images' rows into one buffer {concat_ms:.1} ms, position and rotary tables {tables_ms:.1} ms",
+         f32 rows from it {rows_ms:.1} ms ({f32_mb:.0} MB), two images' rows into one buffer {concat_ms:.1} ms, position and rotary tables {tables_ms:.1} ms \
+         (rotary {rope_ms:.1} ms)",
         jpeg.len() as f64 / 1e6
     );
     let doc = json!({
@@ -129,6 +137,7 @@ fn main() -> anyhow::Result<()> {
         "resized_u8_mb": u8_mb,
         "two_image_concat_median_ms": concat_ms,
         "position_rotary_tables_median_ms": tables_ms,
+        "rotary_tables_median_ms": rope_ms,
     });
     if let Some(out) = out {
         std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;

@@ -293,3 +293,34 @@ fn readout_forwards_skip_only_the_states_nothing_continues() {
     assert!(same(&a, &b), "extend_readout rows differ from extend's");
     assert!(read.iter().all(|s| s.is_spent()) && full.iter().all(|s| !s.is_spent()) && !p.is_spent());
 }
+
+/// The vision tower keeps the rotary tables of the last image set on the device (they depend only
+/// on the patch grids): features of an image are the same bits whether its tables were just made,
+/// kept from the request before, or made again after images of other sizes replaced them.
+#[test]
+fn vision_features_do_not_depend_on_kept_rotary_tables() {
+    let m = tiny(SynthDtype::F32, 25);
+    let model = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let (wide, tall) = (load_image("wide.png"), load_image("tall.png"));
+    assert_ne!(wide.grid_thw, tall.grid_thw, "two sizes, so the tables are replaced");
+    let features = |imgs: &[&PatchedImage]| -> Vec<Vec<f32>> {
+        let feats = model.encode_images(imgs).unwrap();
+        feats.iter().map(|f| model.backend.download(f).unwrap()).collect()
+    };
+    let first = features(&[&wide]);
+    let kept = features(&[&wide]);
+    let other = features(&[&tall]);
+    let again = features(&[&wide]);
+    let same = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()))
+    };
+    assert!(!first[0].is_empty() && !other[0].is_empty());
+    assert!(same(&first, &kept), "tables kept from the request before: other bits");
+    assert!(same(&first, &again), "tables made again after another size: other bits");
+    // And the tall image's own tables are its own: alone after the wide one as in a fresh model.
+    let fresh = Qwen35::load(CpuBackend::default(), &m.model, Some(&m.adapter)).unwrap();
+    let feats = fresh.encode_images(&[&tall]).unwrap();
+    let alone: Vec<Vec<f32>> = feats.iter().map(|f| fresh.backend.download(f).unwrap()).collect();
+    assert!(same(&other, &alone), "tables replaced after another size: other bits than a fresh model's");
+}

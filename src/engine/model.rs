@@ -150,6 +150,18 @@ struct VisionTower<B: Backend> {
     merger_fc1: B::Linear,
     merger_fc2: B::Linear,
     act: Gelu,
+    /// The rotary tables of the last image set, on the device.
+    tables: std::sync::Mutex<Option<VisionTables<B>>>,
+}
+
+/// The vision tower's rotary tables for one list of patch grids: they depend on nothing else,
+/// and a photo's are large (a 4096² photo's 65,536 patches × 64 × cos and sin in f32 are 33.5 MB,
+/// ~11 ms of host work and then an upload before its first block can run), while photos of one
+/// size come again. Kept until images of other sizes come.
+struct VisionTables<B: Backend> {
+    grids: Vec<[usize; 3]>,
+    cos: B::Tensor,
+    sin: B::Tensor,
 }
 
 /// Every row's hidden state at each layer boundary of one forward, row-major `[rows, hidden]`
@@ -484,7 +496,16 @@ impl<B: Backend> Qwen35<B> {
             "gelu_pytorch_tanh" | "gelu_new" => Gelu::Tanh,
             other => bail!("vision hidden_act {other:?} is not supported"),
         };
-        Ok(VisionTower { patch, pos, blocks, merger_norm, merger_fc1, merger_fc2, act })
+        Ok(VisionTower {
+            patch,
+            pos,
+            blocks,
+            merger_norm,
+            merger_fc1,
+            merger_fc2,
+            act,
+            tables: std::sync::Mutex::new(None),
+        })
     }
 
     pub fn hidden_size(&self) -> usize {
@@ -558,7 +579,6 @@ impl<B: Backend> Qwen35<B> {
         let mut rgb = Vec::new();
         let mut idx = Vec::new();
         let mut wts = Vec::new();
-        let mut coords = Vec::new();
         let mut segments = Vec::new();
         let mut per_image = Vec::new();
         let mut row = 0;
@@ -597,7 +617,6 @@ impl<B: Backend> Qwen35<B> {
             let (i, w) = positions::pos_embed_taps(img.grid_thw, merge, vc.pos_grid_side());
             idx.extend(i);
             wts.extend(w);
-            coords.extend(positions::patch_coords(img.grid_thw, merge));
             for f in 0..gt {
                 segments.push(row + f * gh * gw..row + (f + 1) * gh * gw);
             }
@@ -608,9 +627,17 @@ impl<B: Backend> Qwen35<B> {
         let mut x = b.matmul(&x, &vt.patch)?;
         let pos = b.embed_bag(&vt.pos, &idx, &wts, 4)?;
         b.add_assign(&mut x, &pos)?;
-        let (cos, sin) = positions::vision_rope_tables(&coords, vc.head_dim(), vc.rope_theta());
-        let cos = b.upload(&cos, &[row, vc.head_dim()])?;
-        let sin = b.upload(&sin, &[row, vc.head_dim()])?;
+        let grids: Vec<[usize; 3]> = images.iter().map(|img| img.grid_thw).collect();
+        let mut tables = vt.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if tables.as_ref().is_none_or(|t| t.grids != grids) {
+            *tables = None; // the old tables' memory goes before the new tables take theirs
+            let coords: Vec<(usize, usize)> =
+                grids.iter().flat_map(|&g| positions::patch_coords(g, merge)).collect();
+            let (cos, sin) = positions::vision_rope_tables(&coords, vc.head_dim(), vc.rope_theta());
+            let (cos, sin) = (b.upload(&cos, &[row, vc.head_dim()])?, b.upload(&sin, &[row, vc.head_dim()])?);
+            *tables = Some(VisionTables { grids, cos, sin });
+        }
+        let VisionTables { cos, sin, .. } = tables.as_ref().expect("set above");
         // Each residual add is fused with the LayerNorm that follows it: the block's second norm,
         // and the next block's first (after the last block, the merger's), so `h` enters every
         // block already normalised. The same ops in the same order as add, then norm.
@@ -627,7 +654,7 @@ impl<B: Backend> Qwen35<B> {
                 return Ok(None);
             }
             let qkv = b.matmul(&h, &blk.qkv)?;
-            let a = b.vision_attention(&qkv, &cos, &sin, vc.num_heads, &segments)?;
+            let a = b.vision_attention(&qkv, cos, sin, vc.num_heads, &segments)?;
             let a = b.matmul(&a, &blk.proj)?;
             let h2 = b.add_layer_norm(&mut x, &a, &blk.norm2.0, &blk.norm2.1, 1e-6)?;
             let mut f = b.matmul(&h2, &blk.fc1)?;
