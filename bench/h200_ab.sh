@@ -9,12 +9,15 @@
 #      with BASE_ENV="NAME=value ..." the base side is the new binary run with those variables
 #      (an option that switches the change off, e.g. BASE_ENV=IMAJEV_ATTENTION=wgmma), and
 #      NEW_ENV likewise for the new side (an option that switches something on); FIDELITY=0 skips
-#      gpu_bench's fidelity requests (a second weight load per side, ~20 s);
+#      gpu_bench's fidelity requests (a second weight load per side, ~20 s); VARIANTS="ENV; ENV; ..."
+#      (instead of NEW_ENV) runs the new binary once per entry (sides v1, v2, ...: several options
+#      against one base in one call, each entry's variables separated by spaces);
 #   4. with STAGES=1, IMAJEV_PROFILE=1 stage timings (the device synchronised at every stage) of
 #      the longest request with the new binary (STAGES_PROFILE=kernels: the kernel profile instead);
-# and prints a table of both binaries' p50s with their ratio. Writes at most 8 files under $OUT:
-# gpu-test.log, gpu-service.log, base/results.json, new/results.json, bench.log, stages.log,
-# summary.txt.
+# and prints a table of both binaries' p50s with their ratio (each variant's). Writes at most 8
+# files under $OUT: gpu-test.log, gpu-service.log, base/results.json, new/results.json (or
+# v1/results.json ...: with more than two VARIANTS, leave out GPU_TEST_FILTER, SERVICE and STAGES),
+# bench.log, stages.log, summary.txt.
 set -uo pipefail
 source bench/device_env.sh
 if [ -n "${GPU_TEST_FILTER:-}" ]; then
@@ -27,10 +30,19 @@ if [ "${SERVICE:-1}" = 1 ]; then
   echo "gpu-service exit $?" | tee -a "$OUT/gpu-service.log"; grep -E "worst|test result" "$OUT/gpu-service.log"
 fi
 W=/tmp/bench; mkdir -p $W
-for side in base new; do
+sides=(base new)
+if [ -n "${VARIANTS:-}" ]; then
+  IFS=';' read -ra variants <<<"$VARIANTS"
+  sides=(base)
+  for i in "${!variants[@]}"; do sides+=("v$((i + 1))"); done
+fi
+for side in "${sides[@]}"; do
   bin=.gpu/imajev-serve; env=()
   if [ $side = base ]; then
     if [ -n "${BASE_ENV:-}" ]; then read -ra env <<<"$BASE_ENV"; else bin=.gpu/imajev-serve-base; fi
+  elif [ $side != new ]; then
+    read -ra env <<<"${variants[${side#v} - 1]}"
+    echo "$side: ${variants[${side#v} - 1]}"
   elif [ -n "${NEW_ENV:-}" ]; then
     read -ra env <<<"$NEW_ENV"
   fi
@@ -52,10 +64,14 @@ out = Path(sys.argv[1])
 def rows(side):
     p = out / side / "results.json"
     return json.loads(p.read_text()).get("requests", []) if p.exists() else []
-base, new = rows("base"), rows("new")
-print(f"{'tokens':>7} {'img':>3} {'base p50 ms':>12} {'new p50 ms':>11} {'new/base':>9}   new: vision / prefill / questions ms")
-for b, n in zip(base, new):
-    print(f"{n['tokens']:7d} {n['images']:3d} {b['ours_p50_ms']:12.1f} {n['ours_p50_ms']:11.1f} "
-          f"{n['ours_p50_ms'] / b['ours_p50_ms']:9.3f}   {n['ours_vision_p50_ms']:.1f} / "
-          f"{n['ours_prefill_p50_ms']:.1f} / {n['ours_questions_p50_ms']:.1f}")
+base = rows("base")
+sides = [d.name for d in sorted(out.iterdir()) if d.is_dir() and d.name != "base" and (d / "results.json").exists()]
+sides.sort(key=lambda n: (n != "new", int(n[1:]) if n[1:].isdigit() else 0))
+for side in sides:
+    new = rows(side)
+    print(f"{'tokens':>7} {'img':>3} {'base p50 ms':>12} {side + ' p50 ms':>11} {side + '/base':>9}   {side}: vision / prefill / questions ms")
+    for b, n in zip(base, new):
+        print(f"{n['tokens']:7d} {n['images']:3d} {b['ours_p50_ms']:12.1f} {n['ours_p50_ms']:11.1f} "
+              f"{n['ours_p50_ms'] / b['ours_p50_ms']:9.3f}   {n['ours_vision_p50_ms']:.1f} / "
+              f"{n['ours_prefill_p50_ms']:.1f} / {n['ours_questions_p50_ms']:.1f}")
 PY
