@@ -204,6 +204,17 @@ fn main() -> anyhow::Result<()> {
                 ));
             }
         });
+        // The same tables as the engine makes them now: from the rows kept from earlier forwards
+        // (made once here, before the timing, as the server's first request would).
+        let mut kept = positions::TextRopeCache::new(rope.theta, rope.rotary_dim, rope.mrope_section);
+        let t_rope_kept = time(repeats, || {
+            for f in &forwards {
+                let pos: [Vec<i64>; 3] =
+                    std::array::from_fn(|a| f.iter().flat_map(|l| l.positions[a].iter().copied()).collect());
+                let (c, s) = kept.tables(&pos);
+                std::hint::black_box((c.len(), s.len()));
+            }
+        });
         let t_tree = time(repeats, || {
             let mut ranges = Vec::new();
             let mut at = 0;
@@ -217,7 +228,7 @@ fn main() -> anyhow::Result<()> {
         println!(
             "{} tokens ({} bytes of body, {} passes, {}): host total {host_total:.2} ms = parse {t_parse:.2} + plan \
              {t_plan:.2} (state dumps {t_dumps:.2}; by themselves: prefix {t_prefix:.2}, passes {t_passes:.2}) + answers {t_answers:.2} + runtime {t_runtime:.3}; response \
-             serialisation {t_serialise:.3}; engine host: layouts {t_layouts:.3}, rope tables {t_rope:.2}, tree \
+             serialisation {t_serialise:.3}; engine host: layouts {t_layouts:.3}, rope tables {t_rope:.2} (from kept rows {t_rope_kept:.2}), tree \
              tables {t_tree:.3}",
             plan.max_pass_tokens,
             bytes.len(),

@@ -199,6 +199,8 @@ pub struct Qwen35<B: Backend> {
     pub kinds: Vec<LayerKind>,
     pub report: LoadReport,
     rope: TextRope,
+    /// The text rotary table rows made so far ([`positions::TextRopeCache`]).
+    rope_rows: std::sync::Mutex<positions::TextRopeCache>,
     attn_dims: AttentionDims,
     delta_dims: DeltaNetDims,
     eps: f32,
@@ -437,6 +439,11 @@ impl<B: Backend> Qwen35<B> {
             config,
             kinds,
             report,
+            rope_rows: std::sync::Mutex::new(positions::TextRopeCache::new(
+                rope.theta,
+                rope.rotary_dim,
+                rope.mrope_section,
+            )),
             rope,
             attn_dims,
             delta_dims,
@@ -817,7 +824,9 @@ impl<B: Backend> Qwen35<B> {
             }
         }
         // Rotary tables per mixer call, of that call's rows (built on the host and uploaded: a
-        // gather on the device could round them).
+        // gather on the device could round them); text positions' rows come from the rows kept
+        // from earlier forwards.
+        let mut rope_rows = self.rope_rows.lock().unwrap_or_else(|e| e.into_inner());
         let rope = tree
             .calls
             .iter()
@@ -830,18 +839,14 @@ impl<B: Backend> Qwen35<B> {
                     &pos_call
                 };
                 let rows = pos[0].len();
-                let (cos, sin) = positions::text_rope_tables(
-                    pos,
-                    self.rope.theta,
-                    self.rope.rotary_dim,
-                    self.rope.mrope_section,
-                );
+                let (cos, sin) = rope_rows.tables(pos);
                 Ok((
                     b.upload(&cos, &[rows, self.rope.rotary_dim])?,
                     b.upload(&sin, &[rows, self.rope.rotary_dim])?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
+        drop(rope_rows);
         let last_rows: Vec<usize> = ranges.iter().map(|r| r.end - 1).collect();
         prof.mark(b, "embed");
         // Each later layer's input norm (and the final norm) is fused with the residual add of

@@ -178,6 +178,75 @@ pub fn text_rope_tables(
     (spread(&ucos), spread(&usin))
 }
 
+/// The text rotary table rows of positions `0 .. n`, kept (one per model): a row of a text position
+/// (T = H = W) depends on nothing but the position, and requests keep asking for the same ones —
+/// a 16K prefix's are 16K rows × `rotary_dim` × cos and sin (~7.9 ms of `sin_cos` and fresh pages on
+/// the 2-core development host, `examples/host_time`, before the forward's first layer can run).
+/// [`TextRopeCache::tables`] answers a call whose rows are all text positions from the kept rows
+/// (made on first need, with [`text_rope_tables`]' arithmetic: the same bits), borrowing them
+/// outright when the positions run `lo, lo + 1, ...`; anything else goes to [`text_rope_tables`].
+pub struct TextRopeCache {
+    theta: f64,
+    rotary_dim: usize,
+    section: [usize; 3],
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl TextRopeCache {
+    /// Positions at or past this are never kept (their tables are made per call): 131,072 rows
+    /// are 64 MiB at rotary_dim 64, twice the 64K-token ceiling.
+    pub const MAX_POSITIONS: usize = 1 << 17;
+
+    pub fn new(theta: f64, rotary_dim: usize, section: [usize; 3]) -> Self {
+        Self { theta, rotary_dim, section, cos: Vec::new(), sin: Vec::new() }
+    }
+
+    /// Positions whose rows are kept so far.
+    pub fn kept(&self) -> usize {
+        self.cos.len().checked_div(self.rotary_dim).unwrap_or(0)
+    }
+
+    /// The cos and sin tables of `positions` (as [`text_rope_tables`] makes them).
+    pub fn tables(
+        &mut self,
+        positions: &[Vec<i64>; 3],
+    ) -> (std::borrow::Cow<'_, [f32]>, std::borrow::Cow<'_, [f32]>) {
+        use std::borrow::Cow;
+        let (rd, n) = (self.rotary_dim, positions[0].len());
+        let text = (0..n).all(|t| positions[0][t] == positions[1][t] && positions[1][t] == positions[2][t]);
+        let (lo, hi) = positions[0].iter().fold((i64::MAX, i64::MIN), |(l, h), &p| (l.min(p), h.max(p)));
+        if rd == 0 || n == 0 || !text || lo < 0 || hi as usize >= Self::MAX_POSITIONS {
+            let (c, s) = text_rope_tables(positions, self.theta, rd, self.section);
+            return (Cow::Owned(c), Cow::Owned(s));
+        }
+        let need = hi as usize + 1;
+        if self.kept() < need {
+            // Grow to the next power of two (at least 4,096 rows), so a run of longer requests
+            // makes the rows a few times, not once per request.
+            let rows = need.next_power_of_two().clamp(4096, Self::MAX_POSITIONS);
+            let from = self.kept() as i64;
+            let more: [Vec<i64>; 3] = std::array::from_fn(|_| (from..rows as i64).collect());
+            let (c, s) = text_rope_tables(&more, self.theta, rd, self.section);
+            self.cos.extend_from_slice(&c);
+            self.sin.extend_from_slice(&s);
+        }
+        let lo = lo as usize;
+        if positions[0].iter().enumerate().all(|(t, &p)| p as usize == lo + t) {
+            let range = lo * rd..(lo + n) * rd;
+            return (Cow::Borrowed(&self.cos[range.clone()]), Cow::Borrowed(&self.sin[range]));
+        }
+        let gather = |kept: &[f32]| {
+            let mut out = vec![0f32; n * rd];
+            out.par_chunks_mut(rd).zip(positions[0].par_iter()).for_each(|(row, &p)| {
+                row.copy_from_slice(&kept[p as usize * rd..(p as usize + 1) * rd]);
+            });
+            out
+        };
+        (Cow::Owned(gather(&self.cos)), Cow::Owned(gather(&self.sin)))
+    }
+}
+
 /// `(row, col)` of every patch of a `(t, h, w)` grid in merge-block order
 /// (block row, block col, in-block row, in-block col), frames repeated.
 pub fn patch_coords(grid: [usize; 3], merge: usize) -> Vec<(usize, usize)> {
@@ -272,6 +341,32 @@ pub fn pos_embed_taps(grid: [usize; 3], merge: usize, side: usize) -> (Vec<u32>,
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn kept_text_rope_rows_give_the_tables_text_rope_tables_makes() {
+        let (theta, rd, sec) = (10_000_000.0, 64, [11, 11, 10]);
+        let mut cache = TextRopeCache::new(theta, rd, sec);
+        let text = |p: Vec<i64>| -> [Vec<i64>; 3] { [p.clone(), p.clone(), p] };
+        let cases: Vec<[Vec<i64>; 3]> = vec![
+            text((0..300).collect()),                      // a prefix: borrowed rows
+            text((5000..5073).collect()),                  // past the kept rows: they grow
+            text((0..3).flat_map(|_| 300..373).collect()), // passes repeating their positions
+            text(vec![7, 3, 3, 9000, 0]),                  // any text positions: gathered
+            // An image's rows (H, W differ from T): not text, made per call.
+            [vec![10, 11, 11, 12], vec![10, 11, 12, 12], vec![10, 12, 11, 12]],
+            text(vec![]),
+            text(vec![TextRopeCache::MAX_POSITIONS as i64, 1]), // past what is ever kept
+        ];
+        for (i, pos) in cases.iter().enumerate() {
+            let (want_cos, want_sin) = text_rope_tables(pos, theta, rd, sec);
+            let (cos, sin) = cache.tables(pos);
+            let bits = |a: &[f32]| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&cos), bits(&want_cos), "case {i}: cos");
+            assert_eq!(bits(&sin), bits(&want_sin), "case {i}: sin");
+        }
+        assert_eq!(cache.kept(), 16_384, "5,073 positions asked, grown to a power of two past 9,000");
+        assert!(matches!(cache.tables(&text((10..20).collect())).0, std::borrow::Cow::Borrowed(_)));
+    }
+
     use super::*;
 
     #[test]
