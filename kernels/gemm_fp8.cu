@@ -531,6 +531,8 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
           }
         };
         int kb = 0;
+        // (The FP8 form always has a k-block: the host never sends K = 0, gemm_fp8.rs `eligible`;
+        // so with DEFER a pending store always meets the next tile's first k-block.)
         if (DEFER && kblocks > 0) {
           // The first k-block as gemm_fp8_stage, with the previous tile's store between its MMAs'
           // commit and the wait for them (the MMAs write acc only; `packed` is free once stored).

@@ -414,6 +414,7 @@ fn eligible(g: &Gemm) -> bool {
     g.kind == GemmKind::Fp8Block
         && g.n % 128 == 0
         && g.k % 128 == 0
+        && g.k > 0 // (the _d kernels store a tile under the next one's first k-block)
         && g.m % 16 == 0
         && g.ldy % 8 == 0
         && g.x_scale % 16 == 0
@@ -489,6 +490,7 @@ mod tests {
         assert!(!eligible(&Gemm { beta: 1.0, ..fp8(2560, 992, 9216) }));
         assert!(!eligible(&fp8(2600, 992, 9216)), "N not whole 128-blocks");
         assert!(!eligible(&fp8(2560, 990, 9216)), "M not padded to 16");
+        assert!(!eligible(&fp8(2560, 992, 0)), "no k-block");
         assert!(!eligible(&Gemm { y: (3 << 20) + 8, ..fp8(2560, 992, 9216) }), "Y not 16-byte aligned");
         assert!(!eligible(&Gemm { ldy: 2564, ..fp8(2560, 992, 9216) }), "Y rows not whole 16-byte chunks");
         let l = rank64_pair(992);
