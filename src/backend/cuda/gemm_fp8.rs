@@ -22,7 +22,7 @@
 //! `CudaBackend::gemm_fp8_glu`) the MLP's gate/up projection with the SwiGLU and the down
 //! projection's FP8 input in the epilogue (`IMAJEV_SWIGLU_EPILOGUE=1`, opt-in: slower at short M).
 //!
-//! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m|own128d|own192d`,
+//! Status: the default on Hopper (`own192`; `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m|own128d|own192d|by-shape`,
 //! [`super::CudaOptions::fp8_gemm`]). On an H100 (bench/NOTES.md, seventeenth session) it gives
 //! cuBLASLt's bits on every projection without LoRA, runs them at 0.95-1.02x cuBLASLt's time and
 //! the adapted ones at 0.70-0.95x of cuBLASLt + its LoRA B GEMM; whole requests took 0.90-0.98x.
@@ -62,6 +62,12 @@ pub enum Fp8Gemm {
     Own128Deferred,
     /// `gemm_fp8_192d`: `Own192` with the deferred store, as `Own128Deferred`.
     Own192Deferred,
+    /// Per launch: `Own128Deferred` for a wide projection (N ≥ 8,192) of at most
+    /// [`Fp8Gemm::BY_SHAPE_ROWS`] rows, `Own192` otherwise (what measured fastest for each on an
+    /// H100: at 977 rows own128d took gate/up, in_proj and qkv with LoRA 4-7% under own192, which
+    /// kept N = 2,560 and every shape at 7,816 rows). The same bits either way (tests/gpu: own128
+    /// and own192 equal bitwise, own128d and own128 too), so the choice may follow M.
+    ByShape,
 }
 
 impl Fp8Gemm {
@@ -73,12 +79,24 @@ impl Fp8Gemm {
             Self::Cublas
         }
     }
-    /// Consumer warpgroups of the kernel, None for cuBLASLt.
+    /// Up to how many rows `ByShape` runs the wide projections on `Own128Deferred` (the crossover
+    /// lies between the 977 and 7,816 rows measured; not yet narrowed).
+    pub const BY_SHAPE_ROWS: usize = 1024;
+
+    /// The form a launch of `m` rows and `n` columns runs on: `ByShape`'s choice, else itself.
+    fn for_shape(self, m: usize, n: usize) -> Self {
+        match self {
+            Self::ByShape if n >= 8192 && m <= Self::BY_SHAPE_ROWS => Self::Own128Deferred,
+            Self::ByShape => Self::Own192,
+            other => other,
+        }
+    }
+    /// Consumer warpgroups of the kernel, None for cuBLASLt (`ByShape`: its usual form's).
     fn consumers(self) -> Option<usize> {
         match self {
             Self::Cublas => None,
             Self::Own128 | Self::Own128Multicast | Self::Own128Deferred => Some(2),
-            Self::Own192 | Self::Own192Multicast | Self::Own192Deferred => Some(3),
+            Self::Own192 | Self::Own192Multicast | Self::Own192Deferred | Self::ByShape => Some(3),
         }
     }
     /// Blocks of a cluster: 2 where they share W tiles.
@@ -105,6 +123,7 @@ impl Fp8Gemm {
             Self::Own192Multicast => "gemm_fp8_192m",
             Self::Own128Deferred => "gemm_fp8_128d",
             Self::Own192Deferred => "gemm_fp8_192d",
+            Self::ByShape => Self::Own192.kernel(),
         }
     }
     /// For the start-up log.
@@ -125,6 +144,9 @@ impl Fp8Gemm {
             Self::Own192Deferred => {
                 "own kernel, 192-row tiles, LoRA B in the epilogue, stores under the next tile's MMAs"
             }
+            Self::ByShape => {
+                "own kernel, 128-row tiles storing under the next tile's MMAs for wide projections of few rows, else 192-row tiles"
+            }
         }
     }
 }
@@ -140,8 +162,9 @@ impl FromStr for Fp8Gemm {
             "own192m" => Self::Own192Multicast,
             "own128d" => Self::Own128Deferred,
             "own192d" => Self::Own192Deferred,
+            "by-shape" => Self::ByShape,
             other => bail!(
-                "{other}: expected cublas, own (= own128), own192, own128m, own192m, own128d or own192d"
+                "{other}: expected cublas, own (= own128), own192, own128m, own192m, own128d, own192d or by-shape"
             ),
         })
     }
@@ -186,7 +209,7 @@ impl CudaBackend {
     /// again, `add_bias8`'s arithmetic), and returns true, or returns false (nothing launched)
     /// when the kernel cannot take it.
     pub(super) fn gemm_fp8(&self, g: &Gemm, lora: Option<&LoraEpilogue>, bias: u64) -> Result<bool> {
-        let runs = self.fp8_gemm_runs();
+        let runs = self.fp8_gemm_runs().for_shape(g.m, g.n);
         let Some(nc) = runs.consumers().filter(|_| eligible(g) && lora.is_none_or(lora_eligible)) else {
             return Ok(false);
         };
@@ -476,6 +499,12 @@ mod tests {
         assert_eq!(Fp8Gemm::Own192Deferred.consumers(), Some(3));
         assert_eq!(Fp8Gemm::Own192Deferred.glu_kernel(), "gemm_fp8_glu_192");
         assert_eq!("own128d".parse::<Fp8Gemm>().unwrap().kernel(), "gemm_fp8_128d");
+        let by = "by-shape".parse::<Fp8Gemm>().unwrap();
+        assert_eq!(by.for_shape(992, 18432), Fp8Gemm::Own128Deferred, "a wide projection of few rows");
+        assert_eq!(by.for_shape(992, 2560), Fp8Gemm::Own192, "a narrow one");
+        assert_eq!(by.for_shape(7824, 18432), Fp8Gemm::Own192, "many rows");
+        assert_eq!(Fp8Gemm::Own192.for_shape(992, 18432), Fp8Gemm::Own192, "only by-shape chooses");
+        assert_eq!(by.consumers(), Some(3));
         assert_eq!(Fp8Gemm::Own192.on(true), Fp8Gemm::Own192);
         assert_eq!("own192m".parse::<Fp8Gemm>().unwrap(), Fp8Gemm::Own192Multicast);
         assert_eq!(Fp8Gemm::Own192Multicast.kernel(), "gemm_fp8_192m");

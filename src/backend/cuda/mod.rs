@@ -147,8 +147,8 @@ pub struct CudaOptions {
     /// Which kernel runs the block-scaled FP8 GEMMs ([`gemm_fp8::Fp8Gemm`]): on Hopper our own
     /// `gemm_fp8_192` with the LoRA B side in its epilogue (the default), `gemm_fp8_128`, their
     /// cluster forms, their forms that store a tile under the next tile's first MMAs, or cuBLASLt
-    /// (what runs off Hopper). `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|own192m|own128d|own192d`
-    /// in the environment sets it when left at the default.
+    /// (what runs off Hopper), or `by-shape` (per launch). `IMAJEV_FP8_GEMM=cublas|own|own192|own128m|
+    /// own192m|own128d|own192d|by-shape` in the environment sets it when left at the default.
     pub fp8_gemm: gemm_fp8::Fp8Gemm,
     /// Whether LoRA A sides (`T = x·Aᵀ`, BF16, N = the rank) run on the FP8 kernel's BF16 form
     /// (`gemm_bf16_<rows>`) rather than cuBLASLt, on Hopper with an own FP8 GEMM, summed by
