@@ -281,9 +281,8 @@ impl Bench<'_> {
     /// columns, and the 4B MLP, on cuBLASLt (LoRA B its own GEMM; the MLP's gate/up B fused into
     /// the SwiGLU) beside `gemm_fp8_128`, `gemm_fp8_192` (alone and with the LoRA A side on
     /// `gemm_bf16_192`), their deferred-store forms and `gemm_fp8_192m` (LoRA B in their
-    /// epilogue), at `rows` rows; the
-    /// plain projection (no LoRA) too. Times include the LoRA A GEMM and the activation
-    /// quantisation, as a forward runs them.
+    /// epilogue), at `rows` rows; the plain projection (no LoRA) too. Times include the LoRA A
+    /// GEMM and the activation quantisation, as a forward runs them.
     fn fp8_own(&mut self, rows: &[usize]) -> Result<()> {
         let g = self.g;
         if !g.info().hopper() {

@@ -134,23 +134,23 @@ pub fn text_rope_tables(
     let key = |t: usize| [positions[0][t], positions[1][t], positions[2][t]];
     // The distinct triples and each row's: text (T = H = W on every row, the common case) over
     // the range of its positions when that is not much wider than the rows; else hashed.
-    let text = (0..n).all(|t| positions[0][t] == positions[1][t] && positions[1][t] == positions[2][t]);
-    let (lo, hi) = positions[0].iter().fold((i64::MAX, i64::MIN), |(l, h), &p| (l.min(p), h.max(p)));
-    let (distinct, slots): (Vec<[i64; 3]>, Vec<usize>) = if text && n > 0 && ((hi - lo) as u64) < 2 * n as u64
-    {
-        ((lo..=hi).map(|p| [p; 3]).collect(), positions[0].iter().map(|&p| (p - lo) as usize).collect())
-    } else {
-        let mut distinct = Vec::new();
-        let mut slot_of: HashMap<[i64; 3], usize> = HashMap::new();
-        let slots = (0..n)
-            .map(|t| {
-                *slot_of.entry(key(t)).or_insert_with(|| {
-                    distinct.push(key(t));
-                    distinct.len() - 1
+    let (distinct, slots): (Vec<[i64; 3]>, Vec<usize>) = match text_span(positions) {
+        Some((lo, hi)) if ((hi - lo) as u64) < 2 * n as u64 => {
+            ((lo..=hi).map(|p| [p; 3]).collect(), positions[0].iter().map(|&p| (p - lo) as usize).collect())
+        }
+        _ => {
+            let mut distinct = Vec::new();
+            let mut slot_of: HashMap<[i64; 3], usize> = HashMap::new();
+            let slots = (0..n)
+                .map(|t| {
+                    *slot_of.entry(key(t)).or_insert_with(|| {
+                        distinct.push(key(t));
+                        distinct.len() - 1
+                    })
                 })
-            })
-            .collect();
-        (distinct, slots)
+                .collect();
+            (distinct, slots)
+        }
     };
     let table = |keys: &[[i64; 3]]| {
         let mut cos = vec![0f32; keys.len() * rotary_dim];
@@ -168,14 +168,31 @@ pub fn text_rope_tables(
         // Every row its own position, in order (a prefix).
         return (ucos, usin);
     }
-    let spread = |u: &[f32]| {
-        let mut out = vec![0f32; n * rotary_dim];
-        out.par_chunks_mut(rotary_dim)
-            .zip(slots.par_iter())
-            .for_each(|(row, &i)| row.copy_from_slice(&u[i * rotary_dim..(i + 1) * rotary_dim]));
-        out
-    };
+    let spread = |u: &[f32]| spread_rows(u, rotary_dim, &slots, |&i| i);
     (spread(&ucos), spread(&usin))
+}
+
+/// `(lo, hi)` of the positions when every row is a text position (T = H = W) and there is one;
+/// else None.
+fn text_span(positions: &[Vec<i64>; 3]) -> Option<(i64, i64)> {
+    let n = positions[0].len();
+    let text = (0..n).all(|t| positions[0][t] == positions[1][t] && positions[1][t] == positions[2][t]);
+    (text && n > 0).then(|| positions[0].iter().fold((i64::MAX, i64::MIN), |(l, h), &p| (l.min(p), h.max(p))))
+}
+
+/// Rows of `width` values: row t is `table`'s row `row_of(&rows[t])`, copied in parallel.
+fn spread_rows<T: Sync>(
+    table: &[f32],
+    width: usize,
+    rows: &[T],
+    row_of: impl Fn(&T) -> usize + Sync,
+) -> Vec<f32> {
+    let mut out = vec![0f32; rows.len() * width];
+    out.par_chunks_mut(width).zip(rows.par_iter()).for_each(|(row, r)| {
+        let i = row_of(r);
+        row.copy_from_slice(&table[i * width..(i + 1) * width]);
+    });
+    out
 }
 
 /// The text rotary table rows of positions `0 .. n`, kept (one per model): a row of a text position
@@ -214,12 +231,12 @@ impl TextRopeCache {
     ) -> (std::borrow::Cow<'_, [f32]>, std::borrow::Cow<'_, [f32]>) {
         use std::borrow::Cow;
         let (rd, n) = (self.rotary_dim, positions[0].len());
-        let text = (0..n).all(|t| positions[0][t] == positions[1][t] && positions[1][t] == positions[2][t]);
-        let (lo, hi) = positions[0].iter().fold((i64::MAX, i64::MIN), |(l, h), &p| (l.min(p), h.max(p)));
-        if rd == 0 || n == 0 || !text || lo < 0 || hi as usize >= Self::MAX_POSITIONS {
+        let span =
+            text_span(positions).filter(|&(lo, hi)| rd > 0 && lo >= 0 && (hi as usize) < Self::MAX_POSITIONS);
+        let Some((lo, hi)) = span else {
             let (c, s) = text_rope_tables(positions, self.theta, rd, self.section);
             return (Cow::Owned(c), Cow::Owned(s));
-        }
+        };
         let need = hi as usize + 1;
         if self.kept() < need {
             // Grow to the next power of two (at least 4,096 rows), so a run of longer requests
@@ -236,14 +253,8 @@ impl TextRopeCache {
             let range = lo * rd..(lo + n) * rd;
             return (Cow::Borrowed(&self.cos[range.clone()]), Cow::Borrowed(&self.sin[range]));
         }
-        let gather = |kept: &[f32]| {
-            let mut out = vec![0f32; n * rd];
-            out.par_chunks_mut(rd).zip(positions[0].par_iter()).for_each(|(row, &p)| {
-                row.copy_from_slice(&kept[p as usize * rd..(p as usize + 1) * rd]);
-            });
-            out
-        };
-        (Cow::Owned(gather(&self.cos)), Cow::Owned(gather(&self.sin)))
+        let gather = |kept: &[f32]| Cow::Owned(spread_rows(kept, rd, &positions[0], |&p| p as usize));
+        (gather(&self.cos), gather(&self.sin))
     }
 }
 

@@ -58,9 +58,10 @@ pub enum Fp8Gemm {
     Own192Multicast,
     /// `gemm_fp8_128d`: `Own128` with each tile's store (the BF16 staging writes, barriers and
     /// TMA store) issued under the next tile's first k-block MMAs instead of between the tiles,
-    /// while the tensor cores would idle; the same bits.
+    /// while the tensor cores would idle; the same bits. On an H100 4-6% under `Own128`.
     Own128Deferred,
-    /// `gemm_fp8_192d`: `Own192` with the deferred store, as `Own128Deferred`.
+    /// `gemm_fp8_192d`: `Own192` with the deferred store, as `Own128Deferred`. On an H100 1-4%
+    /// over `Own192` (likely: three consumers of 160 registers have no room for the packed tile).
     Own192Deferred,
     /// Per launch: `Own128Deferred` for a wide projection (N ≥ 8,192) of at most
     /// [`Fp8Gemm::BY_SHAPE_ROWS`] rows, `Own192` otherwise (what measured fastest for each on an

@@ -309,16 +309,24 @@ impl CudaBackend {
         self.state.options.pdl == Some(true) && self.state.info.hopper()
     }
 
-    /// Queues kernel `name` on the backend's stream.
+    /// Queues kernel `name` on the backend's stream (timed when kernel profiling is on).
     pub(super) fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let f = self.func(name)?;
-        if self.pdl() {
-            let go = || self.launch_pdl(name, f, cfg, args);
-            return match &self.state.profiler {
-                Some(p) => p.time(name, go),
-                None => go(),
-            };
+        let go = || {
+            if self.pdl() {
+                self.launch_pdl(name, f, cfg, args)
+            } else {
+                self.launch_plain(name, f, cfg, args)
+            }
+        };
+        match &self.state.profiler {
+            Some(p) => p.time(name, go),
+            None => go(),
         }
+    }
+
+    /// [`Self::launch`] through cudarc's launch builder.
+    fn launch_plain(&self, name: &str, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         let mut b = self.state.stream.launch_builder(f);
         for a in args {
             match a {
@@ -332,12 +340,7 @@ impl CudaBackend {
         // SAFETY: every kernel's parameter list matches the argument list its caller builds
         // (pointers as u64, `int` as i32, `long long` as i64, `float` as f32, tensor maps as the
         // 128-byte TmaMap), and the buffers behind the pointers outlive the launch in stream order.
-        let mut go =
-            move || unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"));
-        match &self.state.profiler {
-            Some(p) => p.time(name, go),
-            None => go(),
-        }
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| anyhow!("launching {name}: {e:?}"))
     }
 
     /// [`Self::launch`] through `cuLaunchKernelEx` with the programmatic-stream-serialization

@@ -190,7 +190,8 @@ pub struct CudaOptions {
     /// (`pdl_begin`, kernels/common.cuh) until that kernel's writes are visible, so launches and
     /// block scheduling overlap the previous kernel's last wave instead of following it. The same
     /// work in the same order: the same bits. `None`: `IMAJEV_PDL=1` (or `0`) in the
-    /// environment, else off (not yet measured).
+    /// environment, else off (on an H100 whole requests and packed rounds were within noise of it
+    /// off: the engine keeps the queue full; bench/NOTES.md, thirty-first session).
     pub pdl: Option<bool>,
     /// Kernel cache folder; default `$IMAJEV_KERNEL_CACHE`, `$XDG_CACHE_HOME/imajev-serve/kernels`
     /// or `~/.cache/imajev-serve/kernels`.
