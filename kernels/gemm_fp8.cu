@@ -138,16 +138,23 @@ __device__ __forceinline__ void gemm_fp8_mmas(float (&acc)[64], unsigned a_lo, u
 // the wait for them: an FP8 k-block (four k32 steps) or a BF16 LoRA stage (four k16 steps), both
 // 128 bytes of each row. a_lo, b_lo: the descriptor low words of stage 0's X rows of this
 // warpgroup and W tile. The TMA wrote the stage through the async proxy the tensor cores read
-// through: no proxy fence.
-template <int NC, bool LORA>
+// through: no proxy fence. `meanwhile` runs between the MMAs' commit and the wait for them (it
+// must not touch acc): the _d kernels' store of the previous tile.
+template <int NC, bool LORA, typename Meanwhile>
 __device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
-                                               unsigned a_lo, unsigned b_lo, int s, bool fresh = true) {
+                                               unsigned a_lo, unsigned b_lo, int s, bool fresh, Meanwhile&& meanwhile) {
   mbar_wait(full, parity);
   wgmma_fence();
   gemm_fp8_mmas<NC, LORA>(acc, a_lo, b_lo, s, fresh);
   wgmma_commit();
+  meanwhile();
   wgmma_wait0();
   fence_regs(acc);
+}
+template <int NC, bool LORA>
+__device__ __forceinline__ void gemm_fp8_stage(float (&acc)[64], unsigned long long* full, unsigned parity,
+                                               unsigned a_lo, unsigned b_lo, int s, bool fresh = true) {
+  gemm_fp8_stage<NC, LORA>(acc, full, parity, a_lo, b_lo, s, fresh, [] {});
 }
 
 // out += acc times f0 (this thread's first row) or f1 (its second), one FMA each: a k-block's
@@ -534,19 +541,15 @@ __device__ void gemm_fp8(const GemmFp8Args& p) {
         // (The FP8 form always has a k-block: the host never sends K = 0, gemm_fp8.rs `eligible`;
         // so with DEFER a pending store always meets the next tile's first k-block.)
         if (DEFER && kblocks > 0) {
-          // The first k-block as gemm_fp8_stage, with the previous tile's store between its MMAs'
-          // commit and the wait for them (the MMAs write acc only; `packed` is free once stored).
-          // Peeled off the loop so that `packed` is not live across the other k-blocks.
+          // The first k-block, with the previous tile's store between its MMAs' commit and the
+          // wait for them (the MMAs write acc only; `packed` is free once stored). Peeled off the
+          // loop so that `packed` is not live across the other k-blocks.
           const int s = it % ST;
-          mbar_wait(full + s, (it / ST) & 1);
-          wgmma_fence();
-          gemm_fp8_mmas<NC, false>(acc, a_lo, b_lo, s, true);
-          wgmma_commit();
-          if (pend_m0 >= 0) gemm_fp8_store_tile<NC>(p, packed, staged, cw, warp, lane, pend_m0, pend_n0);
+          gemm_fp8_stage<NC, false>(acc, full + s, (it / ST) & 1, a_lo, b_lo, s, true, [&] {
+            if (pend_m0 >= 0) gemm_fp8_store_tile<NC>(p, packed, staged, cw, warp, lane, pend_m0, pend_n0);
 #pragma unroll
-          for (int i = 0; i < 64; i++) out[i] = 0.f;
-          wgmma_wait0();
-          fence_regs(acc);
+            for (int i = 0; i < 64; i++) out[i] = 0.f;
+          });
           promote(s);
           kb++, it++;
         } else {
