@@ -48,6 +48,11 @@ fn chunked_and_recurrent_delta_rules_agree() {
     }
 }
 
+/// Whether `a` and `b` hold the same values bit for bit.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 fn prompt_ids(tok: &QwenTokenizer, images: usize, text: &str) -> Vec<u32> {
     let p = format!(
         "<|im_start|>user\n{}{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
@@ -172,8 +177,10 @@ fn prefix_and_forks_in_one_forward_equal_prefill_then_extend() {
     assert!(rel_err(&h[d..], &he) < 1e-6, "suffix rows {:.2e}", rel_err(&h[d..], &he));
     // Bitwise, in fact: every row's arithmetic is the same (batch-invariant GEMMs, the same
     // key/value parts in attention, the same delta-rule chunks).
-    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    assert!(same(&h[..d], &hp) && same(&h[d..], &he), "one forward vs prefill then extend: other bits");
+    assert!(
+        same_bits(&h[..d], &hp) && same_bits(&h[d..], &he),
+        "one forward vs prefill then extend: other bits"
+    );
     assert_eq!(states[0].tokens, p.tokens);
     for (i, s) in suffixes.iter().enumerate() {
         assert_eq!(states[1 + i].tokens, p.tokens + s.len());
@@ -254,9 +261,7 @@ fn readout_forwards_skip_only_the_states_nothing_continues() {
     };
     let (h_all, mut s_all) = run(false);
     let (h_read, mut s_read) = run(true);
-    let same =
-        |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    assert!(same(&h_all, &h_read), "read-out rows differ from the full forward's");
+    assert!(same_bits(&h_all, &h_read), "read-out rows differ from the full forward's");
     let spent: Vec<bool> = s_read.iter().map(|s| s.is_spent()).collect();
     assert_eq!(
         spent,
@@ -275,7 +280,7 @@ fn readout_forwards_skip_only_the_states_nothing_continues() {
             .backend
             .download(&model.extend(std::slice::from_mut(&mut s_read[j]), &[&more]).unwrap())
             .unwrap();
-        assert!(same(&a, &b), "state {j} continues differently after the read-out forward");
+        assert!(same_bits(&a, &b), "state {j} continues differently after the read-out forward");
     }
     // A spent state cannot be continued (as a root: a child's state is replaced by its parent's).
     for s in &mut s_read[2..] {
@@ -290,7 +295,7 @@ fn readout_forwards_skip_only_the_states_nothing_continues() {
     let mut read: Vec<_> = suffixes.iter().map(|_| p.fork()).collect();
     let a = model.backend.download(&model.extend(&mut full, &suffixes).unwrap()).unwrap();
     let b = model.backend.download(&model.extend_readout(&mut read, &suffixes).unwrap()).unwrap();
-    assert!(same(&a, &b), "extend_readout rows differ from extend's");
+    assert!(same_bits(&a, &b), "extend_readout rows differ from extend's");
     assert!(read.iter().all(|s| s.is_spent()) && full.iter().all(|s| !s.is_spent()) && !p.is_spent());
 }
 
@@ -311,10 +316,8 @@ fn vision_features_do_not_depend_on_kept_rotary_tables() {
     let kept = features(&[&wide]);
     let other = features(&[&tall]);
     let again = features(&[&wide]);
-    let same = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-        a.len() == b.len()
-            && a.iter().zip(b).all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()))
-    };
+    let same =
+        |a: &[Vec<f32>], b: &[Vec<f32>]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| same_bits(x, y));
     assert!(!first[0].is_empty() && !other[0].is_empty());
     assert!(same(&first, &kept), "tables kept from the request before: other bits");
     assert!(same(&first, &again), "tables made again after another size: other bits");
