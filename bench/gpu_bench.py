@@ -220,7 +220,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="qwen3.5-4b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--sizes", default="256,1024,4096,16384")
+    ap.add_argument("--sizes", default="256,1024,4096,16384",
+                    help='state sizes of the short rows ("": none, e.g. with --long for the long rows alone)')
     ap.add_argument("--images", default="0,1,2")
     ap.add_argument("--repeats", type=int, default=12, help="runs per request; the first warms up (at least 2)")
     ap.add_argument("--peer-repeats", type=int, default=3)
@@ -237,7 +238,7 @@ def main():
     model, adapter = work / "model", work / "adapter"
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
     counts = [int(s) for s in args.images.split(",")]
     images = [work / f"img{i}.png" for i in range(2)]
     # As JPEG: a 4096² photo-like PNG is ~40 MB, over the server's 20 MiB image limit.
