@@ -40,6 +40,7 @@
 // build quiet where Cargo.toml does not declare it yet.
 #![allow(unexpected_cfgs)]
 
+mod buffer;
 pub mod config;
 pub mod decode;
 pub mod exif;
