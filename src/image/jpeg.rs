@@ -20,6 +20,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use mozjpeg::ColorSpace as Cs;
 
 use super::buffer::pixel_buffer;
+use super::jpeg_bands::decode_rgb_in_bands;
 
 /// Pillow `MULDIV255`.
 #[inline]
@@ -56,8 +57,13 @@ fn read_all<R: std::io::BufRead>(
     Ok(px)
 }
 
-/// Decodes to RGB8 HWC, returning `(rgb, width, height)`; `Err` carries libjpeg's message.
+/// Decodes to RGB8 HWC, returning `(rgb, width, height)`; `Err` carries libjpeg's message. A large
+/// single-scan colour JPEG is decoded in bands on several threads ([`decode_rgb_in_bands`]: the same
+/// bytes); anything else, and anything a band met a warning or error in, on this thread.
 pub(crate) fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize), String> {
+    if let Some(decoded) = decode_rgb_in_bands(bytes, |len| pixel_buffer(len).ok()) {
+        return Ok(decoded);
+    }
     let run = || -> std::io::Result<(Vec<u8>, usize, usize)> {
         let d = mozjpeg::Decompress::new_mem(bytes)?;
         let (w, h) = d.size();

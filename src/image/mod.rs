@@ -46,6 +46,8 @@ pub mod decode;
 pub mod exif;
 #[cfg(feature = "exact-jpeg")]
 mod jpeg;
+#[cfg(feature = "exact-jpeg")]
+mod jpeg_bands;
 pub mod patches;
 pub mod resize;
 
