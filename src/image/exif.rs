@@ -104,6 +104,11 @@ pub fn resolve_orientation(exif: Option<&[u8]>, xmp: Option<&[u8]>) -> u32 {
 
 /// Applies an EXIF orientation to an interleaved image with `c` channels; returns the new
 /// buffer and `(width, height)`. Orientation 1 or unknown values return the input unchanged.
+///
+/// Output row y, pixel x comes from source pixel `base + x·step_x + y·step_y` (each of Pillow's
+/// transposes is an affine map of the pixel grid, [`source_steps`]); rows are written in parallel
+/// into a huge-page buffer: a 12 MP phone photo with orientation 6 took ~90 ms here one pixel and
+/// one `match` at a time into a fresh zeroed buffer, more than decoding it.
 pub fn apply_orientation(
     px: Vec<u8>,
     w: usize,
@@ -111,31 +116,49 @@ pub fn apply_orientation(
     c: usize,
     orientation: u32,
 ) -> (Vec<u8>, usize, usize) {
-    if !(2..=8).contains(&orientation) {
+    if !(2..=8).contains(&orientation) || px.is_empty() {
         return (px, w, h);
     }
-    let swap = orientation >= 5;
-    let (nw, nh) = if swap { (h, w) } else { (w, h) };
-    let mut out = vec![0u8; px.len()];
-    for y in 0..nh {
-        for x in 0..nw {
-            // source coordinate of output pixel (x, y)
-            let (sx, sy) = match orientation {
-                2 => (w - 1 - x, y),         // FLIP_LEFT_RIGHT
-                3 => (w - 1 - x, h - 1 - y), // ROTATE_180
-                4 => (x, h - 1 - y),         // FLIP_TOP_BOTTOM
-                5 => (y, x),                 // TRANSPOSE
-                6 => (y, h - 1 - x),         // ROTATE_270 (90° clockwise)
-                7 => (w - 1 - y, h - 1 - x), // TRANSVERSE
-                8 => (w - 1 - y, x),         // ROTATE_90 (90° counter-clockwise)
-                _ => unreachable!(),
-            };
-            let s = (sy * w + sx) * c;
-            let d = (y * nw + x) * c;
-            out[d..d + c].copy_from_slice(&px[s..s + c]);
+    let (nw, nh) = if orientation >= 5 { (h, w) } else { (w, h) };
+    let (base, step_x, step_y) = source_steps(orientation, w, h);
+    let len = px.len();
+    let Ok(mut out) = super::buffer::pixel_buffer(len) else {
+        return (px, w, h); // unreachable in practice: the decoder just allocated as much
+    };
+    let row = |(y, dst): (usize, &mut [std::mem::MaybeUninit<u8>])| {
+        let mut s = base + y as isize * step_y;
+        for d in dst.chunks_exact_mut(c) {
+            let i = s as usize * c;
+            for (dk, &v) in d.iter_mut().zip(&px[i..i + c]) {
+                dk.write(v);
+            }
+            s += step_x;
         }
-    }
+    };
+    use rayon::prelude::*;
+    out.spare_capacity_mut()[..len].par_chunks_mut(nw * c).enumerate().for_each(row);
+    // SAFETY: the nh rows of nw·c bytes cover all len bytes, each written above.
+    unsafe { out.set_len(len) };
     (out, nw, nh)
+}
+
+/// Source pixel of output pixel (x, y) under `orientation` (2..=8) of a w x h image, as
+/// `base + x·step_x + y·step_y` (pixel indices, row-major): (sx, sy) = (w−1−x, y) for
+/// FLIP_LEFT_RIGHT, (w−1−x, h−1−y) ROTATE_180, (x, h−1−y) FLIP_TOP_BOTTOM, (y, x) TRANSPOSE,
+/// (y, h−1−x) ROTATE_270, (w−1−y, h−1−x) TRANSVERSE, (w−1−y, x) ROTATE_90.
+fn source_steps(orientation: u32, w: usize, h: usize) -> (isize, isize, isize) {
+    let (w, h) = (w as isize, h as isize);
+    let last_row = (h - 1) * w;
+    match orientation {
+        2 => (w - 1, -1, w),
+        3 => (last_row + w - 1, -1, -w),
+        4 => (last_row, 1, -w),
+        5 => (0, w, 1),
+        6 => (last_row, -w, 1),
+        7 => (last_row + w - 1, -w, -1),
+        8 => (w - 1, w, -1),
+        _ => unreachable!("orientation {orientation} is not a transpose"),
+    }
 }
 
 #[cfg(test)]
@@ -173,5 +196,50 @@ mod tests {
         assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 5), (vec![0, 3, 1, 4, 2, 5], 2, 3));
         assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 7), (vec![5, 2, 4, 1, 3, 0], 2, 3));
         assert_eq!(apply_orientation(px.clone(), 3, 2, 1, 3).0, vec![5, 4, 3, 2, 1, 0]);
+    }
+
+    /// The pixel-by-pixel form `apply_orientation` replaced, kept as its twin.
+    fn one_pixel_at_a_time(
+        px: &[u8],
+        w: usize,
+        h: usize,
+        c: usize,
+        orientation: u32,
+    ) -> (Vec<u8>, usize, usize) {
+        let (nw, nh) = if orientation >= 5 { (h, w) } else { (w, h) };
+        let mut out = vec![0u8; px.len()];
+        for y in 0..nh {
+            for x in 0..nw {
+                let (sx, sy) = match orientation {
+                    2 => (w - 1 - x, y),
+                    3 => (w - 1 - x, h - 1 - y),
+                    4 => (x, h - 1 - y),
+                    5 => (y, x),
+                    6 => (y, h - 1 - x),
+                    7 => (w - 1 - y, h - 1 - x),
+                    8 => (w - 1 - y, x),
+                    _ => unreachable!(),
+                };
+                let (s, d) = ((sy * w + sx) * c, (y * nw + x) * c);
+                out[d..d + c].copy_from_slice(&px[s..s + c]);
+            }
+        }
+        (out, nw, nh)
+    }
+
+    #[test]
+    fn every_orientation_matches_the_pixel_by_pixel_twin() {
+        for (w, h, c) in [(37, 23, 3), (23, 37, 1), (1, 5, 3), (5, 1, 4), (1, 1, 3), (640, 413, 3)] {
+            let px: Vec<u8> = (0..w * h * c).map(|i| (i * 7 % 251) as u8).collect();
+            for o in 2..=8 {
+                assert_eq!(
+                    apply_orientation(px.clone(), w, h, c, o),
+                    one_pixel_at_a_time(&px, w, h, c, o),
+                    "{w}x{h}x{c} orientation {o}"
+                );
+            }
+            assert_eq!(apply_orientation(px.clone(), w, h, c, 1), (px.clone(), w, h));
+            assert_eq!(apply_orientation(px.clone(), w, h, c, 9), (px.clone(), w, h));
+        }
     }
 }
