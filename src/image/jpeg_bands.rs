@@ -84,8 +84,8 @@ extern "C-unwind" fn emit_message(cinfo: &mut ffi::jpeg_common_struct, level: st
 }
 
 impl Decompressor {
-    /// A decompressor over `bytes` with its header read and RGB output started.
-    fn start(bytes: &[u8]) -> Decompressor {
+    /// A decompressor over `bytes` with its header read, nothing decoded yet.
+    fn open(bytes: &[u8]) -> Decompressor {
         // SAFETY: both structs are zeroed as libjpeg expects before jpeg_std_error /
         // jpeg_create_decompress fill them; they are boxed so the pointers libjpeg keeps (cinfo.err,
         // and its own pools' back-references through the cinfo it is handed) stay valid; `bytes`
@@ -101,10 +101,18 @@ impl Decompressor {
             let mut d = Decompressor { cinfo, err };
             ffi::jpeg_mem_src(&mut d.cinfo, bytes.as_ptr(), bytes.len() as std::os::raw::c_ulong);
             ffi::jpeg_read_header(&mut d.cinfo, 1);
-            d.cinfo.out_color_space = ffi::J_COLOR_SPACE::JCS_RGB;
-            ffi::jpeg_start_decompress(&mut d.cinfo);
             d
         }
+    }
+
+    /// [`Self::open`], then RGB output started (for a single-scan file this reads no entropy data;
+    /// for a multi-scan one it would read them all, which is why [`banded_size`] only opens).
+    fn start(bytes: &[u8]) -> Decompressor {
+        let mut d = Self::open(bytes);
+        d.cinfo.out_color_space = ffi::J_COLOR_SPACE::JCS_RGB;
+        // SAFETY: a decompressor with its header read.
+        unsafe { ffi::jpeg_start_decompress(&mut d.cinfo) };
+        d
     }
 
     /// Whether libjpeg warned (corrupt or missing data it patched over).
@@ -124,13 +132,13 @@ impl Drop for Decompressor {
 /// progressive), at least [`BANDED_MIN_PIXELS`]; `Some((width, height))` then.
 fn banded_size(bytes: &[u8]) -> Option<(usize, usize)> {
     catch_unwind(AssertUnwindSafe(|| {
-        let d = Decompressor::start(bytes);
+        // The header only: starting the output would decode a progressive file's every scan.
+        let d = Decompressor::open(bytes);
         let c = &d.cinfo;
-        // SAFETY: a started decompressor.
+        // SAFETY: a decompressor with its header read (what jpeg_has_multiple_scans needs).
         let multi_scan = unsafe { ffi::jpeg_has_multiple_scans(c) } != 0;
-        let (w, h) = (c.output_width as usize, c.output_height as usize);
-        (c.output_components == 3 && !multi_scan && w * h >= BANDED_MIN_PIXELS && !d.warned())
-            .then_some((w, h))
+        let (w, h) = (c.image_width as usize, c.image_height as usize);
+        (c.num_components == 3 && !multi_scan && w * h >= BANDED_MIN_PIXELS && !d.warned()).then_some((w, h))
     }))
     .ok()
     .flatten()
@@ -141,8 +149,11 @@ fn banded_size(bytes: &[u8]) -> Option<(usize, usize)> {
 fn decode_band(bytes: &[u8], start: usize, row_bytes: usize, out: &mut [MaybeUninit<u8>]) -> bool {
     catch_unwind(AssertUnwindSafe(|| {
         let mut d = Decompressor::start(bytes);
-        // SAFETY: a started decompressor; each row pointer names row_bytes writable bytes of `out`
-        // (row_bytes = output_width · 3 for this RGB output, checked by the caller's size).
+        if d.cinfo.output_width as usize * d.cinfo.output_components as usize != row_bytes {
+            return false;
+        }
+        // SAFETY: a started decompressor whose rows are row_bytes long (checked above); each row
+        // pointer names row_bytes writable bytes of `out`.
         unsafe {
             if start > 0 && ffi::jpeg_skip_scanlines(&mut d.cinfo, start as ffi::JDIMENSION) as usize != start
             {
