@@ -122,9 +122,10 @@ pub fn apply_orientation(
     let (nw, nh) = if orientation >= 5 { (h, w) } else { (w, h) };
     let (base, step_x, step_y) = source_steps(orientation, w, h);
     let len = px.len();
-    let Ok(mut out) = super::buffer::pixel_buffer(len) else {
-        return (px, w, h); // unreachable in practice: the decoder just allocated as much
-    };
+    // As `vec!` would: an allocation failure aborts (handing back the unrotated pixels would answer
+    // about a wrongly oriented image).
+    let mut out = super::buffer::pixel_buffer(len)
+        .unwrap_or_else(|_| std::alloc::handle_alloc_error(std::alloc::Layout::array::<u8>(len).unwrap()));
     let row = |(y, dst): (usize, &mut [std::mem::MaybeUninit<u8>])| {
         let mut s = base + y as isize * step_y;
         for d in dst.chunks_exact_mut(c) {
